@@ -1,0 +1,24 @@
+"""dynshard: a torch.compile backend that trains one ordinary PyTorch model on many processes.
+
+    model = torch.compile(model, backend="dynshard", options=dynshard.Config(policy="tp", plan_ngpus=2))
+"""
+
+from .config import Config, ConfigError
+from .explain import Explanation, explain
+from .policies import PlanBuilder, PlanError
+from .runtime.mesh import Layout
+from .runtime.sharding import get_parallel_dim
+from .runtime.state_dict import collect_state_dict, relocate_state_dict
+
+
+def data_parallel_rank(plan_ngpus: int = 1) -> tuple[int, int]:
+    """(dp rank, dp size) for a sampler: ranks of one plan unit must read the same batch."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank() // plan_ngpus, dist.get_world_size() // plan_ngpus
+
+
+__all__ = ["Config", "ConfigError", "Explanation", "Layout", "PlanBuilder", "PlanError", "collect_state_dict",
+           "data_parallel_rank", "explain", "get_parallel_dim", "relocate_state_dict"]

@@ -1,0 +1,90 @@
+"""The ``dynshard`` torch.compile backend: capture -> passes -> per-rank compile -> sharded program."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from .. import compat
+from ..config import Config
+from ..passes import PassContext, run_passes
+from ..runtime.mesh import layout_for
+from ..runtime.program import CompiledPlan, ShardedProgram
+from ..runtime.sharding import is_sharded, local_shape, present_global_shapes, restore_local_shards
+from .capture import describe_inputs
+from .compile import compile_program
+from .plan_cache import PlanCache, plan_key
+
+log = logging.getLogger("dynshard")
+PLANS = PlanCache()
+_logged_configs: set[str] = set()
+
+
+def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = None, **kwargs):
+    """Dynamo backend entry point (``torch.compile(model, backend="dynshard", options=...)``)."""
+    if kwargs:
+        raise TypeError(f"dynshard: unexpected backend arguments {sorted(kwargs)}; pass settings in options=")
+    compat.register_logger("dynshard")
+    compat.keep_shapes_static()
+    compat.around_dynamo_compiles(present_global_shapes, restore_local_shards)
+    config = Config.from_options(options)
+    device_type = _device_type(example_inputs)
+    from ..runtime.mesh import ensure_process_group, world_size
+
+    ensure_process_group(device_type)
+    config = config.resolve(world_size())
+    if config.describe() not in _logged_configs:
+        _logged_configs.add(config.describe())
+        log.info("%s", config.describe())
+    layout = layout_for(config.plan_ngpus, device_type)
+    inputs = describe_inputs(gm, example_inputs)
+
+    key = plan_key(gm.code, inputs, config, layout)
+    plan = PLANS.get(key)
+    if plan is not None:
+        plan.hits += 1
+        log.debug("plan %s served from cache (hit %d)", key, plan.hits)
+        _drop_guards_on_sharded(gm, plan)
+        return ShardedProgram(plan)
+
+    ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode())
+    if layout.mesh is None:   # a single process: nothing to place, compile as it is
+        compiled = compile_program(gm, example_inputs, config.compiler, layout, config.inference_only)
+        plan = CompiledPlan(key, inputs, {i.index: () for i in inputs}, layout, compiled, None, [],
+                            config.inference_only)
+    else:
+        ctx.placements = PLANS.load_placements(config, key) or {}
+        lowered = run_passes(gm, ctx)
+        PLANS.save_placements(config, key, ctx.placements, layout)
+        local_inputs = [_local_example(inp, ctx.placements[inp.index], layout) for inp in inputs]
+        compiled = compile_program(lowered, local_inputs, config.compiler, layout, config.inference_only,
+                                   freeze=config.constant_folding)
+        plan = CompiledPlan(key, inputs, ctx.placements, layout, compiled, ctx.propagation, ctx.timings,
+                            config.inference_only)
+    _drop_guards_on_sharded(gm, plan)
+    log.info("compiled plan %s in %.2fs (passes: %s)", key, plan.program.seconds,
+             ", ".join(f"{name} {t:.2f}s" for name, t in plan.pass_timings))
+    PLANS.put(key, plan)
+    return ShardedProgram(plan)
+
+
+def _drop_guards_on_sharded(gm: fx.GraphModule, plan: CompiledPlan) -> None:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for inp in plan.inputs:
+        if inp.is_state and is_sharded(plan.placements[inp.index]):
+            compat.drop_guards_on(placeholders[inp.index])
+
+
+def _device_type(example_inputs: Sequence[Any]) -> str:
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor) and value.device.type != "meta":
+            return value.device.type
+    return "cpu"
+
+
+def _local_example(inp, placements, layout) -> torch.Tensor:
+    shape = local_shape(inp.shape, layout, placements) if inp.is_state else inp.shape
+    return torch.empty(shape, dtype=inp.dtype, device=inp.device).requires_grad_(inp.requires_grad)

@@ -1,0 +1,82 @@
+"""Plans keyed on what decides them: graph structure, global input shapes, config and world layout.
+
+In memory a hit returns the compiled program itself (the re-trace that follows the in-place sharding of
+parameters never compiles twice). On disk (``Config.cache_dir``) the placements are kept as JSON, so a
+restarted job skips the policy search.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Sequence
+
+import torch
+from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+
+from ..config import Config
+from ..runtime.mesh import Layout
+from .capture import GraphInput
+
+
+def plan_key(code: str, inputs: Sequence[GraphInput], config: Config, layout: Layout) -> str:
+    parts = [code, *(inp.token() for inp in inputs), config.cache_token(), layout.token(),
+             torch.__version__, f"grad={torch.is_grad_enabled()}"]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+class PlanCache:
+    def __init__(self) -> None:
+        self._memory: dict[str, Any] = {}
+
+    def get(self, key: str) -> Any:
+        return self._memory.get(key)
+
+    def put(self, key: str, plan: Any) -> None:
+        self._memory[key] = plan
+
+    def clear(self) -> None:
+        self._memory.clear()
+
+    # -- placements on disk -----------------------------------------------------------------------
+    @staticmethod
+    def load_placements(config: Config, key: str) -> dict[int, tuple[Placement, ...]] | None:
+        if not config.cache_dir:
+            return None
+        path = os.path.join(config.cache_dir, f"plan-{key}.json")
+        if not os.path.exists(path):
+            return None
+        with open(path) as f:
+            stored = json.load(f)
+        return {int(i): tuple(_decode(p) for p in ps) for i, ps in stored["placements"].items()}
+
+    @staticmethod
+    def save_placements(config: Config, key: str, placements: dict[int, tuple[Placement, ...]],
+                        layout: Layout) -> None:
+        if not config.cache_dir or layout.rank != 0:
+            return
+        os.makedirs(config.cache_dir, exist_ok=True)
+        path = os.path.join(config.cache_dir, f"plan-{key}.json")
+        tmp = f"{path}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump({"placements": {i: [_encode(p) for p in ps] for i, ps in placements.items()}}, f)
+        os.replace(tmp, path)
+
+
+def _encode(placement: Placement) -> str:
+    if isinstance(placement, Shard) and type(placement) is Shard:
+        return f"S{placement.dim}"
+    if isinstance(placement, Partial):
+        return f"P{placement.reduce_op}"
+    if isinstance(placement, Replicate):
+        return "R"
+    raise ValueError(f"dynshard: cannot store placement {placement}")
+
+
+def _decode(text: str) -> Placement:
+    if text == "R":
+        return Replicate()
+    if text.startswith("S"):
+        return Shard(int(text[1:]))
+    return Partial(text[1:])

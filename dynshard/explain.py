@@ -1,0 +1,87 @@
+"""``dynshard.explain(model)``: the compiled plan, as a user reads it and as tests count it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .backend.compile import CollectiveRecord
+from .runtime.sharding import describe_placements, get_tag
+from .runtime.state_dict import unwrap_compiled
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterPlacement:
+    name: str
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    placement: str
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramReport:
+    key: str
+    inputs: int
+    collectives: tuple[CollectiveRecord, ...]
+    fallbacks: tuple[str, ...]
+    compile_seconds: float
+    cache_hits: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    parameters: tuple[ParameterPlacement, ...]
+    programs: tuple[ProgramReport, ...]
+
+    def collectives(self, kind: str | None = None, phase: str | None = None,
+                    group: str | None = None) -> list[CollectiveRecord]:
+        return [c for p in self.programs for c in p.collectives
+                if (kind is None or c.kind == kind) and (phase is None or c.phase == phase)
+                and (group is None or c.group == group)]
+
+    def bytes(self, phase: str | None = None, group: str | None = None) -> int:
+        return sum(c.bytes for c in self.collectives(phase=phase, group=group))
+
+    def __str__(self) -> str:
+        lines = ["parameters"]
+        rows = [("name", "global shape", "local shape", "placement")] + [
+            (p.name, str(list(p.global_shape)), str(list(p.local_shape)), p.placement) for p in self.parameters]
+        lines += _table(rows)
+        for index, program in enumerate(self.programs):
+            lines.append("")
+            lines.append(f"program {index} ({program.inputs} inputs, compiled in {program.compile_seconds:.1f}s, "
+                         f"cache hits {program.cache_hits})")
+            rows = [("phase", "collective", "group", "bytes", "shape")] + [
+                (c.phase, c.kind, c.group, str(c.bytes), str(list(c.shape))) for c in program.collectives]
+            lines += _table(rows) if program.collectives else ["  no collectives"]
+            for fallback in program.fallbacks:
+                lines.append(f"  replicated fallback: {fallback}")
+        return "\n".join(lines)
+
+
+def _table(rows: list[tuple[str, ...]]) -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+
+
+def explain(model: torch.nn.Module) -> Explanation:
+    """The plan of every compiled program that uses ``model``'s parameters (after its first run)."""
+    module = unwrap_compiled(model)
+    parameters, plans = [], []
+    for name, tensor in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers()):
+        tag = get_tag(tensor)
+        if tag is None:
+            parameters.append(ParameterPlacement(name, tuple(tensor.shape), tuple(tensor.shape), "not compiled"))
+            continue
+        parameters.append(ParameterPlacement(name, tuple(tag.global_shape), tuple(tensor.shape),
+                                             describe_placements(tag.layout, tag.placements)))
+        for ref in tag.plans:
+            plan = ref()
+            if plan is not None and all(plan is not p for p in plans):
+                plans.append(plan)
+    programs = tuple(ProgramReport(
+        key=plan.key, inputs=len(plan.inputs), collectives=tuple(plan.program.collectives),
+        fallbacks=tuple(plan.propagation.fallbacks.values()) if plan.propagation else (),
+        compile_seconds=plan.program.seconds, cache_hits=plan.hits) for plan in plans)
+    return Explanation(tuple(parameters), programs)

@@ -1,0 +1,40 @@
+"""The ordered pass pipeline: each pass is ``(graph_module, context) -> graph_module``."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch.fx as fx
+
+from .assign_placements import assign_placements
+from .context import PassContext
+from .insert_collectives import insert_collectives
+from .lower_to_aten import lower_to_aten
+from .propagate_sharding import propagate_sharding
+
+Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
+
+PASSES: list[Pass] = [
+    lower_to_aten,        # Dynamo graph -> ATen graph on FakeTensors (global shapes)
+    assign_placements,    # the policy places parameters, buffers and inputs
+    propagate_sharding,   # every node's placement, the collectives the plan costs, fallbacks
+    insert_collectives,   # -> the per-rank program: local tensors in and out, DTensor in between
+]
+
+log = logging.getLogger("dynshard")
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[Pass] | None = None) -> fx.GraphModule:
+    for graph_pass in PASSES if passes is None else passes:
+        start = time.perf_counter()
+        gm = graph_pass(gm, ctx)
+        elapsed = time.perf_counter() - start
+        ctx.timings.append((graph_pass.__name__, elapsed))
+        log.debug("pass %s: %.3fs, %d nodes", graph_pass.__name__, elapsed, len(gm.graph.nodes))
+    return gm
+
+
+__all__ = ["PASSES", "PassContext", "run_passes", "lower_to_aten", "assign_placements",
+           "propagate_sharding", "insert_collectives"]

@@ -1,0 +1,35 @@
+"""What the passes share: the configuration, the world layout, the captured inputs and the plan so far."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from torch.distributed.tensor import Placement
+
+from ..backend.capture import GraphInput
+from ..config import Config
+from ..runtime.mesh import Layout
+from ..runtime.sharding import placements_for
+
+
+@dataclasses.dataclass
+class PassContext:
+    config: Config
+    layout: Layout
+    inputs: list[GraphInput]
+    fake_mode: Any
+    placements: dict[int, tuple[Placement, ...]] = dataclasses.field(default_factory=dict)
+    propagation: Any = None          # passes.propagate_sharding.Propagation
+    timings: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+
+    def arrival(self, inp: GraphInput) -> tuple[Placement, ...]:
+        """How a graph input arrives at the program on this rank.
+
+        Parameters and buffers arrive as their planned shards (they are sharded in place before the
+        first run). User inputs follow the data convention: every rank of a plan unit holds the same
+        batch, whole.
+        """
+        if inp.is_state:
+            return inp.tag.placements if inp.tag is not None else self.placements[inp.index]
+        return placements_for(self.layout, {})

@@ -1,0 +1,141 @@
+"""Lower the planned ATen graph to the per-rank program.
+
+Graph inputs (local tensors on this rank) become DTensors on the plan unit's mesh with their planned
+placements, and graph outputs become local tensors again, whole inside the unit. Between the two, every
+op runs on DTensors, so tracing the program (aot_autograd) records each op on its local shard plus the
+functional collectives (``_c10d_functional.*`` + ``wait_tensor``) that the propagated plan needs, in the
+forward graph and, through DTensor's autograd rules, in the backward graph. Ops that fell back to
+replication get their inputs gathered and their outputs replicated explicitly.
+
+Across units (mesh dimension "dp") each trainable parameter passes through an identity whose backward
+averages its gradient over "dp", so the backward graph itself does what DDP's reducer does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+import torch.fx as fx
+from torch.distributed.tensor import DTensor, Replicate
+from torch.utils import _pytree as pytree
+
+from ..runtime.mesh import Layout
+from .context import PassContext
+from .propagate_sharding import reduced_placements
+
+
+class AverageGradOverDP(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the data-parallel group and averages."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group, size: int) -> torch.Tensor:
+        ctx.group, ctx.size = group, size
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return funcol.all_reduce(grad.contiguous(), "sum", ctx.group) / ctx.size, None, None
+
+
+def _named(fn, name: str):
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
+def wrap_input_fn(layout: Layout, arrival, planned, shape, stride, average_grad: bool):
+    mesh, dp_group, dp_size = layout.tp_mesh, layout.dp_group, layout.dp_size
+
+    def wrap_input(local: torch.Tensor):
+        if average_grad and torch.is_grad_enabled():
+            local = AverageGradOverDP.apply(local, dp_group, dp_size)
+        if mesh is None:
+            return local
+        tensor = DTensor.from_local(local, mesh, arrival, run_check=False, shape=shape, stride=stride)
+        return tensor if tuple(arrival) == tuple(planned) else tensor.redistribute(mesh, planned)
+    return wrap_input
+
+
+def replicate_fn(layout: Layout):
+    mesh, whole = layout.tp_mesh, [Replicate()] * len(layout.placement_dims)
+
+    def replicate(value):
+        return pytree.tree_map_only(
+            torch.Tensor,
+            lambda t: t if isinstance(t, DTensor) else DTensor.from_local(t, mesh, whole, run_check=False),
+            value)
+    return replicate
+
+
+def gather_fn(layout: Layout):
+    mesh, whole = layout.tp_mesh, [Replicate()] * len(layout.placement_dims)
+
+    def gather_whole(value):
+        return value.redistribute(mesh, whole).to_local() if isinstance(value, DTensor) else value
+    return gather_whole
+
+
+def reduce_partials_fn(layout: Layout):
+    mesh = layout.tp_mesh
+
+    def reduce_partials(value):
+        return pytree.tree_map_only(
+            DTensor, lambda t: t.redistribute(mesh, reduced_placements(t.placements)), value)
+    return reduce_partials
+
+
+def to_boundary_fn(layout: Layout):
+    mesh, whole = layout.tp_mesh, [Replicate()] * len(layout.placement_dims)
+
+    def to_boundary(value):
+        """Tensors leaving a program are whole inside the plan unit."""
+        return value.redistribute(mesh, whole).to_local() if isinstance(value, DTensor) else value
+    return to_boundary
+
+
+def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    graph, layout, propagation = gm.graph, ctx.layout, ctx.propagation
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    average = layout.dp_group is not None and not ctx.config.inference_only
+
+    wrapped = []
+    with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before():
+        for inp, node in reversed(list(zip(ctx.inputs, placeholders))):
+            needs_average = average and inp.kind == "parameter" and inp.requires_grad
+            if layout.tp_mesh is None and not needs_average:
+                continue
+            fn = wrap_input_fn(layout, ctx.arrival(inp), ctx.placements[inp.index], inp.shape, inp.stride,
+                               needs_average)
+            wrapped.append((node, graph.call_function(_named(fn, f"wrap_{inp.kind}"), (node,))))
+    for node, new in wrapped:
+        node.replace_all_uses_with(new, delete_user_cb=lambda user, new=new: user is not new)
+
+    if layout.tp_mesh is not None:
+        _rewrite_nodes(graph, layout, propagation)
+        output = next(n for n in graph.nodes if n.op == "output")
+        to_boundary = _named(to_boundary_fn(layout), "to_boundary")
+        with graph.inserting_before(output):
+            output.args = fx.node.map_arg(output.args, lambda a: graph.call_function(to_boundary, (a,)))
+    graph.lint()
+    gm.recompile()
+    return gm
+
+
+def _rewrite_nodes(graph: fx.Graph, layout: Layout, propagation) -> None:
+    replicate = _named(replicate_fn(layout), "replicate")
+    gather = _named(gather_fn(layout), "gather_whole")
+    reduce_partials = _named(reduce_partials_fn(layout), "reduce_partials")
+    for node in list(graph.nodes):
+        if node.name in propagation.reduced_partials:
+            with graph.inserting_after(node):
+                new = graph.call_function(reduce_partials, (node,))
+            node.replace_all_uses_with(new, delete_user_cb=lambda user, new=new: user is not new)
+        fallback = node.name in propagation.fallbacks
+        if not fallback and node.name not in propagation.replicated_constants:
+            continue
+        if fallback:
+            with graph.inserting_before(node):
+                node.args, node.kwargs = fx.node.map_arg(
+                    (node.args, node.kwargs), lambda a: graph.call_function(gather, (a,)))
+        with graph.inserting_after(node):
+            new = graph.call_function(replicate, (node,))
+        node.replace_all_uses_with(new, delete_user_cb=lambda user, new=new: user is not new)

@@ -1,0 +1,33 @@
+"""Lower Dynamo's torch-level graph to ATen ops on FakeTensors of the global shapes."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from .. import compat
+from .context import PassContext
+
+
+def lower_to_aten(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    device_of = (lambda inp: inp.device) if ctx.config.trace_strategy == "fake" else (lambda inp: torch.device("meta"))
+    with ctx.fake_mode:
+        fakes = []
+        for inp in ctx.inputs:
+            fake = torch.empty_strided(inp.shape, inp.stride, dtype=inp.dtype, device=device_of(inp))
+            fakes.append(fake.requires_grad_(inp.requires_grad))
+    aten_gm = compat.trace_to_aten(gm, fakes, ctx.fake_mode, compat.sharding_decompositions())
+    return _views_to_reshapes(aten_gm)
+
+
+def _views_to_reshapes(gm: fx.GraphModule) -> fx.GraphModule:
+    """A ``view`` of a non-contiguous tensor was legal for the strides seen while tracing one process;
+    a shard can be laid out differently (DTensor picks its own local strides), so such views become
+    reshapes, which copy only where they must."""
+    for node in gm.graph.nodes:
+        if node.target is torch.ops.aten.view.default:
+            source = node.args[0].meta.get("val")
+            if isinstance(source, torch.Tensor) and not source.is_contiguous():
+                node.target = torch.ops.aten.reshape.default
+    gm.recompile()
+    return gm

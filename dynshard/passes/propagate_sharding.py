@@ -1,0 +1,236 @@
+"""Sharding propagation: the placement of every node, and the communication it implies.
+
+The graph is run abstractly on DTensors whose local tensors are FakeTensors, so the answer comes from
+DTensor's own sharding strategies (~1100 ATen overloads) and its redistribution choices; for each op
+dynshard asks DTensor's dispatcher which inputs it will redistribute, and records the collective that
+the redistribution costs.
+
+One rule is dynshard's own: a partial sum is reduced where it is produced. DTensor would happily carry
+a Partial through the residual stream (Replicate + Partial -> Partial) and then reduce it again before
+every LayerNorm that reads it; reducing at the producer costs one all-reduce, Megatron's placement. Ops with no strategy fall back to replicated execution (inputs made whole,
+output replicated) with a warning that names the op and its source line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.utils import _pytree as pytree
+
+from .. import compat
+from ..runtime.mesh import Layout
+from ..runtime.sharding import local_shape
+from .context import PassContext
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    node: str
+    kind: str           # all_reduce, all_gather, reduce_scatter, all_to_all
+    mesh_dim: str
+    bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LocalReshard:
+    """An input that DTensor re-shards without communication (Replicate -> Shard) before an op."""
+
+    node: str
+    source: str         # the fx node whose value is re-sharded
+    dst: tuple[Placement, ...]
+
+
+@dataclasses.dataclass
+class Propagation:
+    placements: dict[str, tuple[Placement, ...]]
+    collectives: list[Collective]
+    local_reshards: list[LocalReshard]
+    fallbacks: dict[str, str]         # node name -> reason
+    replicated_constants: set[str]    # nodes producing plain tensors that become Replicate DTensors
+    reduced_partials: set[str]        # nodes whose Partial outputs are all-reduced right away
+
+    def comm_bytes(self) -> int:
+        return sum(c.bytes for c in self.collectives)
+
+    def count(self, kind: str | None = None) -> int:
+        return sum(1 for c in self.collectives if kind is None or c.kind == kind)
+
+
+def transition_kind(src: Placement, dst: Placement) -> str | None:
+    """The collective that moves one mesh dimension from ``src`` to ``dst`` (None: local or nothing)."""
+    if src == dst:
+        return None
+    if isinstance(src, Partial):
+        return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter" if isinstance(dst, Shard) else None
+    if isinstance(src, Shard):
+        return "all_gather" if isinstance(dst, Replicate) else "all_to_all" if isinstance(dst, Shard) else "all_gather"
+    return None
+
+
+def redistribution_collectives(node: str, layout: Layout, shape: Sequence[int], itemsize: int,
+                               src: tuple[Placement, ...], dst: tuple[Placement, ...]) -> list[Collective]:
+    found = []
+    for dim, s, d in zip(layout.placement_dims, src, dst):
+        kind = transition_kind(s, d)
+        if kind is not None:
+            numel = max(math.prod(local_shape(torch.Size(shape), layout, src)),
+                        math.prod(local_shape(torch.Size(shape), layout, dst)))
+            found.append(Collective(node, kind, dim, numel * itemsize))
+    return found
+
+
+def reduced_placements(placements) -> tuple[Placement, ...]:
+    return tuple(Replicate() if isinstance(p, Partial) else p for p in placements)
+
+
+def source_line(node: fx.Node) -> str:
+    trace = node.meta.get("stack_trace") or ""
+    lines = [line.strip() for line in trace.strip().splitlines() if line.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            code = lines[i + 1] if i + 1 < len(lines) else ""
+            return f"{lines[i]}: {code}"
+    return "source line unknown"
+
+
+class ShardingInterpreter(fx.Interpreter):
+    """Runs the ATen graph on fake DTensors and records placements and implied communication."""
+
+    def __init__(self, gm: fx.GraphModule, layout: Layout, input_placements: Sequence[tuple[Placement, ...]],
+                 input_meta: Sequence[Any], warn: bool):
+        super().__init__(gm)
+        self.layout = layout
+        self.input_placements = list(input_placements)
+        self.input_meta = list(input_meta)
+        self.warn = warn
+        self.result = Propagation({}, [], [], {}, set(), set())
+        self._placeholder_index = 0
+
+    # -- node kinds ---------------------------------------------------------------------------------
+    def placeholder(self, target, args, kwargs):
+        index = self._placeholder_index
+        self._placeholder_index += 1
+        shape, stride, dtype, device, requires_grad = self.input_meta[index]
+        placements = self.input_placements[index]
+        local = torch.empty(local_shape(shape, self.layout, placements), dtype=dtype, device=device)
+        local.requires_grad_(requires_grad)
+        return DTensor.from_local(local, self.layout.tp_mesh, placements, run_check=False,
+                                  shape=shape, stride=stride)
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            self.result.replicated_constants.add(self._current.name)
+            return self.replicate(torch.empty_like(value))
+        return value
+
+    def run_node(self, n: fx.Node):
+        self._current = n
+        out = super().run_node(n)
+        if n.op == "call_function" and any(
+                isinstance(leaf, DTensor) and any(isinstance(p, Partial) for p in leaf.placements)
+                for leaf in pytree.tree_leaves(out)):
+            self.result.reduced_partials.add(n.name)
+            out = pytree.tree_map_only(DTensor, lambda t: self.reduce_partial(n, t), out)
+        spec = _first_dtensor(out)
+        if spec is not None:
+            self.result.placements[n.name] = spec.placements
+        return out
+
+    def call_function(self, target, args, kwargs):
+        node = self._current
+        if not isinstance(target, torch._ops.OpOverload):
+            return target(*args, **kwargs)
+        flat = pytree.arg_tree_leaves(*args, **kwargs)
+        if not any(isinstance(a, DTensor) for a in flat):
+            out = target(*args, **kwargs)
+            if any(isinstance(o, torch.Tensor) for o in pytree.tree_leaves(out)):
+                self.result.replicated_constants.add(node.name)
+                return pytree.tree_map_only(torch.Tensor, self.replicate, out)
+            return out
+        if not compat.has_sharding_strategy(target):
+            return self.fallback(node, target, args, kwargs, f"DTensor has no sharding strategy for {target}")
+        try:
+            redistributions = compat.dtensor_redistributions(target, args, kwargs)
+        except NotImplementedError as error:
+            return self.fallback(node, target, args, kwargs, str(error).splitlines()[0])
+        sources = [arg_node for arg_node, value in zip(pytree.arg_tree_leaves(*node.args),
+                                                       pytree.arg_tree_leaves(*args))
+                   if isinstance(value, DTensor)]
+        for source, (current, needed) in zip(sources, redistributions):
+            if current.placements == needed.placements:
+                continue
+            name = source.name if isinstance(source, fx.Node) else ""
+            self.record(node, name, current.tensor_meta, current.placements, needed.placements)
+        return target(*args, **kwargs)
+
+    # -- helpers ------------------------------------------------------------------------------------
+    def replicate(self, tensor: torch.Tensor) -> DTensor:
+        return DTensor.from_local(tensor, self.layout.tp_mesh, [Replicate()] * len(self.layout.placement_dims),
+                                  run_check=False)
+
+    def reduce_partial(self, node: fx.Node, tensor: DTensor) -> DTensor:
+        target = reduced_placements(tensor.placements)
+        if tuple(target) != tuple(tensor.placements):
+            self.record(node, node.name, tensor._spec.tensor_meta, tensor.placements, target)
+        return tensor.redistribute(self.layout.tp_mesh, target)
+
+    def record(self, node: fx.Node, source: str, meta, src, dst) -> None:
+        self.result.collectives.extend(redistribution_collectives(
+            node.name, self.layout, meta.shape, meta.dtype.itemsize, src, dst))
+        if any(isinstance(d, Shard) and isinstance(s, Replicate) for s, d in zip(src, dst)):
+            self.result.local_reshards.append(LocalReshard(node.name, source, tuple(dst)))
+
+    def fallback(self, node: fx.Node, target, args, kwargs, reason: str):
+        self.result.fallbacks[node.name] = reason
+        if self.warn:
+            warnings.warn(f"dynshard: {target} has no sharding strategy; it runs replicated "
+                          f"(inputs gathered) at {source_line(node)}", stacklevel=2)
+        whole = [Replicate()] * len(self.layout.placement_dims)
+
+        def gather(value):
+            if isinstance(value, DTensor):
+                if tuple(value.placements) != tuple(whole):
+                    self.record(node, "", value._spec.tensor_meta, value.placements, whole)
+                return value.redistribute(self.layout.tp_mesh, whole).to_local()
+            return value
+
+        local_args, local_kwargs = pytree.tree_map(gather, (args, kwargs))
+        out = target(*local_args, **local_kwargs)
+        return pytree.tree_map_only(torch.Tensor, self.replicate, out)
+
+
+def _first_dtensor(out):
+    for leaf in pytree.tree_leaves(out):
+        if isinstance(leaf, DTensor):
+            return leaf._spec
+    return None
+
+
+def propagate(gm: fx.GraphModule, ctx: PassContext, input_placements: Sequence[tuple[Placement, ...]],
+              warn: bool = False) -> Propagation:
+    if ctx.layout.tp_mesh is None:      # units of one rank: every tensor is whole, nothing to propagate
+        return Propagation({}, [], [], {}, set(), set())
+    meta = [(inp.shape, inp.stride, inp.dtype, inp.device if ctx.config.trace_strategy == "fake"
+             else torch.device("meta"), inp.requires_grad) for inp in ctx.inputs]
+    with compat.isolated_tracing(ctx.fake_mode), ctx.fake_mode:
+        interpreter = ShardingInterpreter(gm, ctx.layout, input_placements, meta, warn)
+        interpreter.run(*([None] * len(ctx.inputs)))
+    return interpreter.result
+
+
+def propagate_sharding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Pass: record each node's placements (``node.meta["dynshard_placements"]``) and the plan's cost."""
+    placements = [ctx.placements[inp.index] for inp in ctx.inputs]
+    ctx.propagation = propagate(gm, ctx, placements, warn=True)
+    for node in gm.graph.nodes:
+        if node.name in ctx.propagation.placements:
+            node.meta["dynshard_placements"] = ctx.propagation.placements[node.name]
+    return gm
+

@@ -1,0 +1,170 @@
+"""The ``tp`` policy: Megatron-style tensor parallelism, found from the graph (not from module names).
+
+1. Column pass: 2-D parameters used only as matmul operands are tried, in graph order, split along
+   their output (non-contracted) dimension; matmuls that read the same activation (q, k and v of one
+   attention) are tried together, since none of them can be split alone. The split stands when sharding
+   propagation shows it adds no collective except at most one all-reduce: the column-split output then flows (through GELU, through
+   the head reshape of attention, ...) to a matmul that contracts over the split dimension and leaves a
+   partial sum, reduced once. A split that would need an all-gather (e.g. an LM head before a softmax
+   over the vocabulary) is undone.
+2. Row pass: a replicated parameter that DTensor re-shards locally before use (the second matmul of a
+   pair, the bias of a column-split linear) is stored in that split instead, which keeps its gradient
+   local. It stands when the plan's communication does not grow.
+
+On a transformer layer this yields q/k/v and fc1 column-split, the attention output projection and fc2
+row-split, attention split by heads: 2 all-reduces forward and 2 backward, Megatron's minimum.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import Shard
+
+from ..config import Config
+from ..passes.propagate_sharding import Propagation
+from .plan_builder import PlanBuilder
+
+aten = torch.ops.aten
+_MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1)}
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+          aten.expand.default, aten.contiguous.default if hasattr(aten, "contiguous") else aten.clone.default}
+
+
+def tp(plan: PlanBuilder, config: Config) -> None:
+    base = plan.propagate()
+    for group in column_groups(plan):
+        group = [(name, dim) for name, dim in group if not plan.is_fixed(name) and plan.divides(name, dim)]
+        if not group:
+            continue
+        for name, out_dim in group:
+            plan.shard(name, out_dim)
+        trial = _try_propagate(plan)
+        if trial is not None and _adds_at_most_one_all_reduce(base, trial):
+            base = trial
+        else:
+            for name, _ in group:
+                plan.replicate(name)
+    _store_local_reshards(plan, base)
+
+
+def column_groups(plan: PlanBuilder) -> list[list[tuple[str, int]]]:
+    """2-D parameters whose every use is as a matmul operand, with the dimension not contracted,
+    grouped by the activation their matmuls read, in graph order."""
+    order = {node: i for i, node in enumerate(plan.graph.nodes)}
+    groups: dict[fx.Node | None, list[tuple[int, str, int]]] = {}
+    for name, inp in plan.state.items():
+        if inp.kind != "parameter" or len(inp.shape) != 2:
+            continue
+        uses = _matmul_uses(plan.node_of(name))
+        out_dims = {_output_dim(use) for use in uses}
+        if not uses or len(out_dims) != 1 or None in out_dims:
+            continue
+        matmul, position, _ = uses[0]
+        offset = _MATMULS[matmul.target][0]
+        activation = _view_root(matmul.args[offset + (1 - position)]) if len(uses) == 1 else None
+        key = activation if activation is not None else matmul
+        groups.setdefault(key, []).append((order[matmul], name, out_dims.pop()))
+    ordered = sorted(groups.values(), key=lambda members: min(m[0] for m in members))
+    return [[(name, dim) for _, name, dim in sorted(members)] for members in ordered]
+
+
+def _view_root(node):
+    while isinstance(node, fx.Node) and node.target in _VIEWS:
+        node = node.args[0]
+    return node
+
+
+def _try_propagate(plan: PlanBuilder) -> Propagation | None:
+    """A propagation, or None when DTensor cannot even trace the trial (it would need a gather that it
+    only knows how to do on real data, e.g. of a strided shard)."""
+    try:
+        return plan.propagate()
+    except Exception:  # noqa: BLE001 - any failure means this trial is not a plan
+        return None
+
+
+def _matmul_uses(param: fx.Node):
+    """(matmul node, operand position, dimension map param->operand) for each use, or [] if any use is
+    not a matmul reached through transposes."""
+    uses = []
+    stack = [(param, (0, 1))]
+    while stack:
+        node, dims = stack.pop()
+        for user in node.users:
+            if user.target in (aten.t.default, aten.transpose.int, aten.permute.default):
+                stack.append((user, _transpose_map(user, dims)))
+            elif user.target in _MATMULS and node in user.args[_MATMULS[user.target][0]:][:2]:
+                position = user.args.index(node) - _MATMULS[user.target][0]
+                uses.append((user, position, dims))
+            else:
+                return []
+    return uses
+
+
+def _transpose_map(node: fx.Node, dims: tuple[int, int]) -> tuple[int, int]:
+    """After a transpose, which operand dimension each parameter dimension has moved to."""
+    if node.target == aten.permute.default:
+        perm = list(node.args[1])
+        return tuple(perm.index(d) for d in dims)
+    return (dims[1], dims[0])
+
+
+def _output_dim(use) -> int | None:
+    """The parameter dimension that a matmul does not contract (it survives into the output)."""
+    _, position, dims = use
+    contracted = 1 if position == 0 else 0   # mm(a, b): a's dim 1 and b's dim 0 are contracted
+    for param_dim, operand_dim in enumerate(dims):
+        if operand_dim != contracted:
+            return param_dim
+    return None
+
+
+def _adds_at_most_one_all_reduce(base: Propagation, trial: Propagation) -> bool:
+    before = collections.Counter(c.kind for c in base.collectives)
+    after = collections.Counter(c.kind for c in trial.collectives)
+    added = after - before
+    return set(added) <= {"all_reduce"} and added["all_reduce"] <= 1
+
+
+def _store_local_reshards(plan: PlanBuilder, base: Propagation) -> None:
+    nodes = {node.name: node for node in plan.graph.nodes}
+    tried = set()
+    for reshard in base.local_reshards:
+        target = _parameter_dim(plan, nodes.get(reshard.source), reshard.dst)
+        if target is None or target in tried:
+            continue
+        tried.add(target)
+        name, dim = target
+        if plan.is_fixed(name) or not plan.divides(name, dim):
+            continue
+        plan.shard(name, dim)
+        trial = _try_propagate(plan)
+        if trial is not None and trial.comm_bytes() <= base.comm_bytes() and len(trial.local_reshards) < len(base.local_reshards):
+            base = trial
+        else:
+            plan.replicate(name)
+
+
+def _parameter_dim(plan: PlanBuilder, node: fx.Node | None, dst) -> tuple[str, int] | None:
+    """Follow transposes back from a re-sharded value to the parameter it views."""
+    if node is None or not dst:
+        return None
+    placement = dst[0]
+    if type(placement) is not Shard:
+        return None
+    dim = placement.dim
+    while node.op == "call_function":
+        if node.target == aten.t.default or (node.target == aten.transpose.int and len(node.args[0].meta["val"].shape) == 2):
+            dim = 1 - dim
+        elif node.target == aten.permute.default:
+            dim = list(node.args[1])[dim]
+        else:
+            return None
+        node = node.args[0]
+    inp = plan.input_of(node)
+    if inp is None or inp.kind != "parameter" or inp.tag is not None:
+        return None
+    return inp.name, dim

@@ -1,0 +1,118 @@
+"""The API a policy uses to place a graph's parameters and inputs inside a plan unit.
+
+A policy is ``policy(plan: PlanBuilder, config: Config) -> None``. It reads the ATen graph
+(``plan.graph``), the parameters and buffers (``plan.state``) and user inputs (``plan.user_inputs``), and
+chooses, for the "tp" mesh dimension (the ranks of one plan unit), whether each is split along a
+dimension (``plan.shard(name, dim)``) or whole on every rank (``plan.replicate(name)``, the default).
+``plan.propagate()`` tells what the current choice costs. Data parallelism across units is not the
+policy's concern: each unit sees its own batch and gradients are averaged over "dp".
+"""
+
+from __future__ import annotations
+
+import torch.fx as fx
+from torch.distributed.tensor import Placement, Replicate, Shard
+
+from ..backend.capture import GraphInput
+from ..config import Config
+from ..passes.context import PassContext
+from ..passes.propagate_sharding import Propagation, propagate
+from ..runtime.sharding import check_divisible, placements_for
+
+
+class PlanError(ValueError):
+    """A policy asked for something the graph or the world cannot do."""
+
+
+class PlanBuilder:
+    def __init__(self, gm: fx.GraphModule, ctx: PassContext):
+        self.graph_module = gm
+        self.ctx = ctx
+        self._tp: dict[int, Placement] = {}
+        for inp in ctx.inputs:
+            if inp.tag is not None and inp.tag.placements:
+                self._tp[inp.index] = inp.tag.placements[0]
+        self._placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+    # -- what the policy reads ------------------------------------------------------------------------
+    @property
+    def graph(self) -> fx.Graph:
+        return self.graph_module.graph
+
+    @property
+    def config(self) -> Config:
+        return self.ctx.config
+
+    @property
+    def tp_size(self) -> int:
+        return self.ctx.layout.tp_size
+
+    @property
+    def state(self) -> dict[str, GraphInput]:
+        """Parameters and buffers by fully qualified name."""
+        return {inp.name: inp for inp in self.ctx.inputs if inp.is_state}
+
+    @property
+    def user_inputs(self) -> list[GraphInput]:
+        return [inp for inp in self.ctx.inputs if not inp.is_state]
+
+    def node_of(self, name: str) -> fx.Node:
+        return self._placeholders[self._input(name).index]
+
+    def input_of(self, node: fx.Node) -> GraphInput | None:
+        if node.op != "placeholder":
+            return None
+        return self.ctx.inputs[self._placeholders.index(node)]
+
+    def is_fixed(self, name: str) -> bool:
+        """True when the tensor already holds its shard from an earlier program: its placement stays."""
+        return self._input(name).tag is not None
+
+    def placement(self, name: str) -> Placement:
+        return self._tp.get(self._input(name).index, Replicate())
+
+    def divides(self, name: str, dim: int) -> bool:
+        shape = self._input(name).shape
+        return -len(shape) <= dim < len(shape) and shape[dim] % self.tp_size == 0
+
+    # -- what the policy decides ----------------------------------------------------------------------
+    def shard(self, name: str, dim: int) -> None:
+        inp = self._input(name)
+        dim = dim % max(len(inp.shape), 1)
+        self._set(inp, Shard(dim))
+
+    def replicate(self, name: str) -> None:
+        self._set(self._input(name), Replicate())
+
+    def propagate(self) -> Propagation:
+        return propagate(self.graph_module, self.ctx, [self.placements(inp) for inp in self.ctx.inputs])
+
+    # -- results --------------------------------------------------------------------------------------
+    def placements(self, inp: GraphInput) -> tuple[Placement, ...]:
+        return placements_for(self.ctx.layout, {"tp": self._tp.get(inp.index, Replicate())})
+
+    def finish(self) -> dict[int, tuple[Placement, ...]]:
+        result = {}
+        for inp in self.ctx.inputs:
+            placements = self.placements(inp)
+            check_divisible(inp.name, inp.shape, self.ctx.layout, placements)
+            result[inp.index] = placements
+        return result
+
+    # -- internals ------------------------------------------------------------------------------------
+    def _input(self, name: str | int) -> GraphInput:
+        for inp in self.ctx.inputs:
+            if inp.name == name or inp.index == name:
+                return inp
+        known = ", ".join(inp.name for inp in self.ctx.inputs)
+        raise PlanError(f"dynshard: the graph has no parameter, buffer or input named {name!r}; it has {known}")
+
+    def _set(self, inp: GraphInput, placement: Placement) -> None:
+        if not self.ctx.layout.placement_dims:
+            return
+        if inp.tag is not None and self.placement(inp.name) != placement:
+            raise PlanError(
+                f"dynshard: {inp.name} is already placed as {self.placement(inp.name)} by an earlier "
+                f"compiled program; a parameter keeps one placement in every graph")
+        self._tp[inp.index] = placement
+

@@ -1,0 +1,109 @@
+"""Process groups and the device mesh, from the torchrun environment.
+
+Ranks are laid out as nnScaler's plan units: ranks ``[k * plan_ngpus, (k + 1) * plan_ngpus)`` form unit
+``k`` and partition the model among themselves (mesh dimension "tp"); units are data-parallel replicas
+(mesh dimension "dp"): each unit sees its own batch and gradients are averaged over "dp" as DDP does. Mesh dimensions of size 1 are left out, so a pure data-parallel job has a 1-D
+"dp" mesh and a single unit a 1-D "tp" mesh.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_DIMS = ("dp", "tp")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Where this rank sits: world size, plan unit size and the device mesh over both."""
+
+    world_size: int
+    rank: int
+    plan_ngpus: int
+    device_type: str
+    mesh: DeviceMesh | None
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.plan_ngpus
+
+    @property
+    def tp_size(self) -> int:
+        return self.plan_ngpus
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.plan_ngpus
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.plan_ngpus
+
+    @property
+    def dim_names(self) -> tuple[str, ...]:
+        return tuple(self.mesh.mesh_dim_names) if self.mesh is not None else ()
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        """The mesh that tensors are placed on: the ranks of this plan unit (None if a unit is 1 rank)."""
+        return self.mesh["tp"] if "tp" in self.dim_names else None
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The ranks holding the same part of the model in other units (gradients are averaged here)."""
+        return self.mesh.get_group("dp") if "dp" in self.dim_names else None
+
+    @property
+    def placement_dims(self) -> tuple[str, ...]:
+        """Placements are given per dimension of ``tp_mesh``: ("tp",) or () when a unit is one rank."""
+        return ("tp",) if self.tp_mesh is not None else ()
+
+    def size(self, dim: str) -> int:
+        return {"dp": self.dp_size, "tp": self.tp_size}[dim]
+
+    def coordinate(self, dim: str) -> int:
+        return {"dp": self.dp_rank, "tp": self.tp_rank}[dim]
+
+    def group_dim(self, group_name: str) -> str:
+        """The mesh dimension whose process group is called ``group_name``."""
+        for name in self.dim_names:
+            if self.mesh.get_group(name).group_name == group_name:
+                return name
+        return "world" if group_name == dist.group.WORLD.group_name else group_name
+
+    def token(self) -> str:
+        return f"world={self.world_size},plan={self.plan_ngpus},device={self.device_type}"
+
+
+def ensure_process_group(device_type: str) -> None:
+    """Initialise the default process group from the torchrun environment if the user did not."""
+    if dist.is_initialized() or "WORLD_SIZE" not in os.environ:
+        return
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if device_type == "cuda" and "LOCAL_RANK" in os.environ:
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend)
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+@functools.lru_cache(maxsize=None)
+def layout_for(plan_ngpus: int, device_type: str) -> Layout:
+    """The layout for a plan of ``plan_ngpus`` ranks per unit; built once per job (it creates groups)."""
+    ensure_process_group(device_type)
+    world = world_size()
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    sizes = {"dp": world // plan_ngpus, "tp": plan_ngpus}
+    names = tuple(name for name in MESH_DIMS if sizes[name] > 1)
+    mesh = None
+    if names:
+        mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
+    return Layout(world_size=world, rank=rank, plan_ngpus=plan_ngpus, device_type=device_type, mesh=mesh)

@@ -1,0 +1,115 @@
+"""Small models the tests train: an MLP and a GPT (tied LM head)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int = 16, hidden: int = 32, layers: int = 2):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(dim, hidden), nn.GELU(), nn.Linear(hidden, dim)) for _ in range(layers))
+        self.head = nn.Linear(dim, 1)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = x + block(x)
+        return F.mse_loss(self.head(x).squeeze(-1), y)
+
+
+@dataclasses.dataclass
+class GPTConfig:
+    vocab: int = 64
+    seq: int = 16
+    d_model: int = 32
+    heads: int = 4
+    layers: int = 2
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.heads = cfg.heads
+        self.q = nn.Linear(cfg.d_model, cfg.d_model)
+        # no key bias: its gradient is exactly zero (softmax ignores a shift shared by all keys), so
+        # Adam would turn rounding noise into updates and no two runs could agree on it
+        self.k = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.v = nn.Linear(cfg.d_model, cfg.d_model)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (lin(x).view(B, T, self.heads, C // self.heads).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln2 = nn.LayerNorm(cfg.d_model)
+        self.fc1 = nn.Linear(cfg.d_model, 4 * cfg.d_model)
+        self.fc2 = nn.Linear(4 * cfg.d_model, cfg.d_model)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig = GPTConfig()):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.wpe = nn.Embedding(cfg.seq, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab, bias=False)
+        self.lm_head.weight = self.wte.weight
+        for name, param in self.named_parameters():   # GPT-2's initialisation keeps logits sane
+            if name.endswith("weight") and param.dim() == 2:
+                nn.init.normal_(param, std=0.02)
+
+    def forward(self, idx, targets=None):
+        T = idx.shape[1]
+        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class LayerStack(nn.Module):
+    """L transformer layers on an activation input: for counting tensor-parallel communication."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def gpt_batch(cfg: GPTConfig, batch: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
+    targets = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)
+    return idx, targets
+
+
+def mlp_batch(batch: int, seed: int, dim: int = 16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, dim, generator=g), torch.randn(batch, generator=g)
+
+
