@@ -7,6 +7,11 @@ functional collectives (``_c10d_functional.*`` + ``wait_tensor``) that the propa
 forward graph and, through DTensor's autograd rules, in the backward graph. Ops that fell back to
 replication get their inputs gathered and their outputs replicated explicitly.
 
+The backward mirror of "reduce a partial sum where it is produced": a replicated activation that feeds
+matmuls gets an identity whose backward reduces a partial gradient (Megatron's ``f``), after autograd
+has summed the gradients of all its uses; left to DTensor, a partial gradient would flow on into the
+previous layer's matmuls and be gathered there.
+
 Across units (mesh dimension "dp") each trainable parameter passes through an identity whose backward
 averages its gradient over "dp", so the backward graph itself does what DDP's reducer does.
 """
@@ -35,6 +40,24 @@ class AverageGradOverDP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return funcol.all_reduce(grad.contiguous(), "sum", ctx.group) / ctx.size, None, None
+
+
+class ReduceGradPartials(torch.autograd.Function):
+    """Identity forward; backward all-reduces any Partial placement of the gradient."""
+
+    @staticmethod
+    def forward(ctx, tensor):
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if isinstance(grad, DTensor) and tuple(reduced_placements(grad.placements)) != tuple(grad.placements):
+            grad = grad.redistribute(grad.device_mesh, reduced_placements(grad.placements))
+        return grad
+
+
+def reduce_grad_partials(tensor):
+    return ReduceGradPartials.apply(tensor) if torch.is_grad_enabled() and tensor.requires_grad else tensor
 
 
 def _named(fn, name: str):
@@ -120,10 +143,35 @@ def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
+_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
+          torch.ops.aten.expand.default, torch.ops.aten.clone.default)
+
+
+def matmul_input_roots(graph: fx.Graph, propagation) -> list[fx.Node]:
+    """Computed, replicated activations that reach a matmul operand through views only."""
+    roots: dict[fx.Node, None] = {}
+    for node in graph.nodes:
+        if node.target not in _MATMULS:
+            continue
+        for arg in node.args[:2]:
+            while isinstance(arg, fx.Node) and arg.target in _VIEWS:
+                arg = arg.args[0]
+            placements = propagation.placements.get(arg.name) if isinstance(arg, fx.Node) else None
+            if arg is not None and arg.op == "call_function" and placements is not None and \
+                    all(p == Replicate() for p in placements):
+                roots[arg] = None
+    return list(roots)
+
+
 def _rewrite_nodes(graph: fx.Graph, layout: Layout, propagation) -> None:
     replicate = _named(replicate_fn(layout), "replicate")
     gather = _named(gather_fn(layout), "gather_whole")
     reduce_partials = _named(reduce_partials_fn(layout), "reduce_partials")
+    for node in matmul_input_roots(graph, propagation):
+        with graph.inserting_after(node):
+            new = graph.call_function(reduce_grad_partials, (node,))
+        node.replace_all_uses_with(new, delete_user_cb=lambda user, new=new: user is not new)
     for node in list(graph.nodes):
         if node.name in propagation.reduced_partials:
             with graph.inserting_after(node):

@@ -17,7 +17,28 @@ def lower_to_aten(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             fake = torch.empty_strided(inp.shape, inp.stride, dtype=inp.dtype, device=device_of(inp))
             fakes.append(fake.requires_grad_(inp.requires_grad))
     aten_gm = compat.trace_to_aten(gm, fakes, ctx.fake_mode, compat.sharding_decompositions())
-    return _views_to_reshapes(aten_gm)
+    return _split_addmm(_views_to_reshapes(aten_gm))
+
+
+def _split_addmm(gm: fx.GraphModule) -> fx.GraphModule:
+    """``addmm(bias, a, b)`` -> ``mm(a, b) + bias``. When the matmul leaves a partial sum, DTensor would
+    otherwise fold the bias into the partial (dividing it among ranks), and the backward would carry
+    partial gradients into the next matmul; split, the partial is reduced first and the bias added once.
+    Inductor fuses the add back."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.target is not aten.addmm.default or node.kwargs or len(node.args) != 3:
+            continue
+        bias, a, b = node.args[:3]
+        with gm.graph.inserting_before(node):
+            product = gm.graph.call_function(aten.mm.default, (a, b))
+            summed = gm.graph.call_function(aten.add.Tensor, (product, bias))
+        product.meta.update(node.meta)
+        summed.meta.update(node.meta)
+        node.replace_all_uses_with(summed)
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
 
 
 def _views_to_reshapes(gm: fx.GraphModule) -> fx.GraphModule:

@@ -1,0 +1,54 @@
+"""A parallel run trains like one process: losses per step and parameters after 5 AdamW steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from workers import train_parity
+
+CASES = [  # model, policy, plan_ngpus, world size
+    ("mlp", "dp", 1, 2), ("mlp", "data", 2, 2), ("mlp", "tp", 2, 2),
+    ("gpt", "dp", 1, 2), ("gpt", "data", 2, 2), ("gpt", "tp", 2, 2),
+    ("gpt", "tp", 2, 4), ("mlp", "tp", 2, 4),
+]
+
+
+def assert_trains_like_one_process(results: list[dict]) -> None:
+    for rank, result in enumerate(results):
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]),
+                                   rtol=1e-5, atol=0, msg=lambda m: f"rank {rank} losses: {m}")
+        assert result["params"].keys() == result["ref_params"].keys()
+        for name, expected in result["ref_params"].items():
+            # atol: AdamW's first steps move each element by ~lr whatever the gradient's size, so a
+            # gradient that is zero up to rounding may move either way; 1e-5 is 1% of one step.
+            torch.testing.assert_close(result["params"][name], expected, rtol=1e-5, atol=1e-5,
+                                       msg=lambda m, name=name: f"rank {rank} {name}: {m}")
+
+
+@pytest.mark.parametrize("model,policy,plan_ngpus,world", CASES,
+                         ids=[f"{m}-{p}-plan{n}-world{w}" for m, p, n, w in CASES])
+def test_parallel_training_matches_single_process(model, policy, plan_ngpus, world):
+    results = run_ranks(train_parity, world, model, policy, plan_ngpus, "aot_eager")
+    assert_trains_like_one_process(results)
+    kinds = {kind for _, kind, _ in results[0]["collectives"]}
+    if policy == "dp":
+        assert {(p, k, g) for p, k, g in results[0]["collectives"]} == {("backward", "all_reduce", "dp")}
+    if policy == "tp":
+        assert kinds == {"all_reduce"}, results[0]["explain"]
+        sharded = [n for n, d in results[0]["parallel_dims"].items() if d is not None]
+        assert sharded, results[0]["explain"]
+
+
+def test_tensor_parallel_gpt_with_inductor_matches_single_process():
+    results = run_ranks(train_parity, 2, "gpt", "tp", 2, "inductor")
+    assert_trains_like_one_process(results)
+
+
+def test_tensor_parallel_halves_transformer_layer_parameters():
+    results = run_ranks(train_parity, 2, "gpt", "tp", 2, "aot_eager", 1)
+    local, full = results[0]["local_numel"], {k: v.numel() for k, v in results[0]["params"].items()}
+    layer = [name for name in local if name.startswith("blocks.") and ".ln" not in name
+             and not name.endswith("proj.bias") and not name.endswith("fc2.bias")]
+    assert sum(local[n] for n in layer) * 2 == sum(full[n] for n in layer), results[0]["explain"]
