@@ -65,6 +65,24 @@ def _table(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
 
 
+def format_plan(plan) -> str:
+    """A compiled plan as a reviewer reads it: where each input sits and what the forward will send."""
+    rows = [("input", "kind", "shape", "placement")]
+    for inp in plan.inputs:
+        rows.append((inp.name, inp.kind, str(list(inp.shape)),
+                     describe_placements(plan.layout, plan.placements[inp.index])))
+    lines = ["placements"] + _table(rows)
+    propagation = plan.propagation
+    if propagation is not None:
+        lines.append("forward communication (predicted)")
+        rows = [("node", "collective", "group", "bytes")] + [
+            (c.node, c.kind, c.mesh_dim, str(c.bytes)) for c in propagation.collectives]
+        lines += _table(rows) if propagation.collectives else ["  none"]
+        for node, reason in propagation.fallbacks.items():
+            lines.append(f"replicated fallback at {node}: {reason}")
+    return "\n".join(lines)
+
+
 def explain(model: torch.nn.Module) -> Explanation:
     """The plan of every compiled program that uses ``model``'s parameters (after its first run)."""
     module = unwrap_compiled(model)

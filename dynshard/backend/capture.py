@@ -37,6 +37,15 @@ class GraphInput:
         return f"{self.kind}:{self.name}:{tuple(self.shape)}:{self.stride}:{self.dtype}:{self.requires_grad}"
 
 
+_LOCAL = re.compile(r"^L\['([^']+)'\]$")
+
+
+def input_name(source: str | None, placeholder: str) -> str:
+    """``L['x']`` -> ``x``; anything else keeps Dynamo's placeholder name."""
+    match = _LOCAL.match(source or "")
+    return match.group(1) if match else placeholder
+
+
 def fqn_from_source(source: str | None) -> str | None:
     """``L['self']._modules['h']._modules['0']._parameters['weight']`` -> ``h.0.weight``."""
     if not source or not source.startswith("L['self']"):
@@ -72,7 +81,8 @@ def describe_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[G
         shape = tag.global_shape if tag is not None else value.shape
         stride = tag.global_stride if tag is not None else tuple(value.stride())
         described.append(GraphInput(
-            index=index, name=fqn if (fqn and kind != "input") else str(node.target), kind=kind,
+            index=index, name=fqn if (fqn and kind != "input") else input_name(source, str(node.target)),
+            kind=kind,
             shape=torch.Size(shape), stride=tuple(stride), dtype=value.dtype, device=value.device,
             requires_grad=value.requires_grad, tag=tag))
     return described

@@ -1,0 +1,79 @@
+"""dynshard.Config: validation, environment variables, and the errors a user sees."""
+
+from __future__ import annotations
+
+import pytest
+
+from dynshard import Config, ConfigError
+
+
+def test_options_may_be_a_config_or_a_dict_with_the_same_keys():
+    assert Config.from_options({"policy": "tp", "plan_ngpus": 2}, environ={}) == Config(policy="tp", plan_ngpus=2)
+    assert Config.from_options(Config(policy="data", plan_ngpus=2), environ={}).policy == "data"
+
+
+def test_no_options_means_data_parallelism_over_all_ranks():
+    config = Config.from_options(None, environ={}).resolve(world_size=4)
+    assert (config.policy, config.plan_ngpus, config.runtime_ngpus) == ("dp", 1, 4)
+
+
+def test_unknown_option_key_is_rejected_with_the_valid_keys():
+    with pytest.raises(ConfigError, match=r"unknown option\(s\) 'plan_gpus'.*valid options are plan_ngpus"):
+        Config.from_options({"plan_gpus": 2}, environ={})
+
+
+def test_every_field_can_come_from_the_environment_and_explicit_options_win():
+    env = {"DYNSHARD_PLAN_NGPUS": "2", "DYNSHARD_POLICY": "tp", "DYNSHARD_COMPILER": "aot_eager",
+           "DYNSHARD_INFERENCE_ONLY": "true", "DYNSHARD_PAS_CONFIG": '{"seed": 3}'}
+    config = Config.from_options({"compiler": "inductor"}, environ=env)
+    assert (config.plan_ngpus, config.policy, config.compiler, config.inference_only) == (2, "tp", "inductor", True)
+    assert dict(config.pas_config) == {"seed": 3}
+    assert set(Config.fields()) == {"plan_ngpus", "runtime_ngpus", "policy", "pas_config", "user_config",
+                                    "inference_only", "constant_folding", "trace_strategy", "compiler", "cache_dir"}
+
+
+def test_unknown_or_unreadable_environment_variables_are_errors():
+    with pytest.raises(ConfigError, match="unknown environment variable DYNSHARD_PLAN_GPUS"):
+        Config.from_options(None, environ={"DYNSHARD_PLAN_GPUS": "2"})
+    with pytest.raises(ConfigError, match="cannot read DYNSHARD_PLAN_NGPUS='two'"):
+        Config.from_options(None, environ={"DYNSHARD_PLAN_NGPUS": "two"})
+
+
+def test_world_size_must_match_runtime_ngpus():
+    with pytest.raises(ConfigError, match="runtime_ngpus=4 but the job has 2 ranks"):
+        Config(runtime_ngpus=4).resolve(world_size=2)
+
+
+def test_runtime_ngpus_must_be_a_multiple_of_plan_ngpus():
+    with pytest.raises(ConfigError, match="runtime_ngpus=3 is not a multiple of plan_ngpus=2"):
+        Config(policy="tp", plan_ngpus=2, runtime_ngpus=3)
+    with pytest.raises(ConfigError, match="plan_ngpus=2 does not divide the world size 3"):
+        Config(policy="tp", plan_ngpus=2).resolve(world_size=3)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"plan_ngpus": 0}, "plan_ngpus must be a positive integer"),
+    ({"policy": "zero"}, "unknown policy 'zero'"),
+    ({"policy": "dp", "plan_ngpus": 2}, "policy 'dp' needs plan_ngpus=1"),
+    ({"compiler": "tvm"}, "unknown compiler 'tvm'"),
+    ({"trace_strategy": "cuda"}, "unknown trace_strategy 'cuda'"),
+    ({"constant_folding": True}, "needs inference_only=True"),
+    ({"pas_config": [1]}, "pas_config must be a dict"),
+])
+def test_invalid_fields_say_what_to_change(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        Config(**kwargs)
+
+
+def test_config_is_frozen_and_its_dicts_are_read_only():
+    config = Config(pas_config={"a": 1})
+    with pytest.raises(Exception):
+        config.plan_ngpus = 2
+    with pytest.raises(TypeError):
+        config.pas_config["a"] = 2
+
+
+def test_a_callable_policy_is_accepted_and_keyed_by_name():
+    def my_policy(plan, config):
+        pass
+    assert "my_policy" in Config(policy=my_policy, plan_ngpus=2).cache_token()

@@ -1,0 +1,166 @@
+"""Pass-level behaviour in one process, on a process group that never communicates."""
+
+from __future__ import annotations
+
+import collections
+import warnings
+
+import expecttest
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import dynshard
+from dynshard.backend import dynshard_backend
+from dynshard.backend.capture import fqn_from_source
+from dynshard.explain import format_plan
+from models import GPT, MLP, GPTConfig, LayerStack, gpt_batch, mlp_batch
+
+
+def plan_for(model, inputs, **options):
+    """The plan dynshard's backend makes for ``model(*inputs)``, without running the program."""
+    options.setdefault("compiler", "aot_eager")
+    plans = []
+
+    def backend(gm, example_inputs):
+        plans.append(dynshard_backend(gm, example_inputs, options=options).plan)
+        return gm.forward
+
+    torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    return plans[0]
+
+
+class TestPlans(expecttest.TestCase):
+    @pytest.fixture(autouse=True)
+    def _world(self, fake_world):
+        pass
+
+    def test_tp_plan_of_a_transformer_layer_is_megatron(self):
+        torch.manual_seed(0)
+        cfg = GPTConfig(layers=1, d_model=16, heads=2)
+        plan = plan_for(LayerStack(cfg), (torch.randn(2, cfg.seq, cfg.d_model),), policy="tp", plan_ngpus=2)
+        self.assertExpectedInline(format_plan(plan), """\
+placements
+  input                      kind       shape        placement
+  blocks.0.ln1.weight        parameter  [16]         tp=R
+  blocks.0.ln1.bias          parameter  [16]         tp=R
+  x                          input      [2, 16, 16]  tp=R
+  blocks.0.attn.q.weight     parameter  [16, 16]     tp=S(0)
+  blocks.0.attn.q.bias       parameter  [16]         tp=S(0)
+  blocks.0.attn.k.weight     parameter  [16, 16]     tp=S(0)
+  blocks.0.attn.v.weight     parameter  [16, 16]     tp=S(0)
+  blocks.0.attn.v.bias       parameter  [16]         tp=S(0)
+  blocks.0.attn.proj.weight  parameter  [16, 16]     tp=S(1)
+  blocks.0.attn.proj.bias    parameter  [16]         tp=R
+  blocks.0.ln2.weight        parameter  [16]         tp=R
+  blocks.0.ln2.bias          parameter  [16]         tp=R
+  blocks.0.fc1.weight        parameter  [64, 16]     tp=S(0)
+  blocks.0.fc1.bias          parameter  [64]         tp=S(0)
+  blocks.0.fc2.weight        parameter  [16, 64]     tp=S(1)
+  blocks.0.fc2.bias          parameter  [16]         tp=R
+forward communication (predicted)
+  node          collective  group  bytes
+  mm_1          all_reduce  tp     2048
+  mm_default_3  all_reduce  tp     2048""")
+
+    def test_data_policy_splits_the_batch_and_keeps_parameters_whole(self):
+        plan = plan_for(MLP(), mlp_batch(4, 0), policy="data", plan_ngpus=2)
+        placements = {inp.name: plan.placements[inp.index] for inp in plan.inputs}
+        assert placements["x"] == (dynshard_placement("S0"),)
+        assert all(p == (dynshard_placement("R"),) for name, p in placements.items() if name.startswith("blocks"))
+        assert [c.kind for c in plan.propagation.collectives] == ["all_reduce"]   # the loss, once
+
+    def test_data_policy_rejects_a_batch_that_does_not_divide(self):
+        with pytest.raises(Exception, match="batch size 3"):
+            plan_for(MLP(), mlp_batch(3, 0), policy="data", plan_ngpus=2)
+
+    def test_tied_lm_head_and_embeddings_stay_replicated_under_tp(self):
+        cfg = GPTConfig(layers=1)
+        plan = plan_for(GPT(cfg), gpt_batch(cfg, 2, 0), policy="tp", plan_ngpus=2)
+        placements = {inp.name: str(plan.placements[inp.index][0]) for inp in plan.inputs}
+        assert placements["wte.weight"] == placements["wpe.weight"] == "R"
+        assert "lm_head.weight" not in placements      # the same Parameter: one graph input
+        assert not plan.propagation.fallbacks
+
+    def test_callable_policy_places_parameters_by_name(self):
+        def shard_first_linear(plan, config):
+            assert config.pas_config["dim"] == 0
+            plan.shard("blocks.0.0.weight", config.pas_config["dim"])
+
+        plan = plan_for(MLP(), mlp_batch(4, 0), policy=shard_first_linear, plan_ngpus=2, pas_config={"dim": 0})
+        sharded = {inp.name for inp in plan.inputs if str(plan.placements[inp.index][0]) != "R"}
+        assert sharded == {"blocks.0.0.weight"}
+
+    def test_callable_policy_errors_name_the_problem(self):
+        with pytest.raises(Exception, match="has no parameter, buffer or input named 'nope'"):
+            plan_for(MLP(), mlp_batch(4, 0), policy=lambda plan, config: plan.shard("nope", 0), plan_ngpus=2)
+        with pytest.raises(Exception, match=r"dimension 0 of head.weight \(size 1\) does not divide into 2"):
+            plan_for(MLP(), mlp_batch(4, 0), policy=lambda plan, config: plan.shard("head.weight", 0),
+                     plan_ngpus=2)
+
+    def test_unsupported_op_falls_back_to_replicate_with_a_warning_naming_op_and_line(self):
+        class Bucketize(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 8)
+                self.register_buffer("edges", torch.linspace(-1, 1, 5))
+
+            def forward(self, x):
+                h = self.fc(x)
+                return (h + torch.searchsorted(self.edges, h.contiguous()).float()).sum()
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = plan_for(Bucketize(), (torch.randn(4, 8),), plan_ngpus=2,
+                            policy=lambda plan, config: plan.shard("fc.weight", 0))
+        messages = [str(w.message) for w in caught if "dynshard" in str(w.message)]
+        assert any("aten.searchsorted" in m and "test_passes.py" in m and "searchsorted(self.edges" in m
+                   for m in messages), messages
+        assert list(plan.propagation.fallbacks) == ["searchsorted"]
+        assert "all_gather" in [c.kind for c in plan.propagation.collectives]
+
+    def test_same_graph_and_shapes_are_served_from_the_plan_cache(self):
+        model = MLP()
+        first = plan_for(model, mlp_batch(4, 0), policy="tp", plan_ngpus=2)
+        torch._dynamo.reset()
+        second = plan_for(model, mlp_batch(4, 1), policy="tp", plan_ngpus=2)
+        assert second is first and second.hits >= 1
+        other = plan_for(model, mlp_batch(6, 0), policy="tp", plan_ngpus=2)
+        assert other is not first
+
+    def test_plans_are_stored_on_disk_for_a_restart(self, tmp_path=None):
+        import tempfile
+
+        from dynshard.backend import PLANS
+
+        with tempfile.TemporaryDirectory() as cache_dir:
+            plan = plan_for(MLP(dim=8), mlp_batch(4, 0, dim=8), policy="tp", plan_ngpus=2, cache_dir=cache_dir)
+            config = dynshard.Config(policy="tp", plan_ngpus=2, compiler="aot_eager", cache_dir=cache_dir)
+            assert PLANS.load_placements(config, plan.key) == plan.placements
+
+
+def dynshard_placement(text: str):
+    from torch.distributed.tensor import Replicate, Shard
+
+    return Replicate() if text == "R" else Shard(int(text[1:]))
+
+
+def test_parameter_names_come_from_dynamo_sources():
+    assert fqn_from_source("L['self']._modules['blocks']._modules['0']._parameters['weight']") == "blocks.0.weight"
+    assert fqn_from_source("L['x']") is None
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_tensor_parallel_transformer_layers_cost_megatrons_minimum(fake_world, layers):
+    """2 all-reduces forward and 2 backward per layer, and nothing else."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(layers=layers)
+    model = torch.compile(LayerStack(cfg), backend="dynshard",
+                          options=dynshard.Config(policy="tp", plan_ngpus=2, compiler="aot_eager"))
+    model(torch.randn(2, cfg.seq, cfg.d_model)).backward()
+    report = dynshard.explain(model)
+    counts = collections.Counter((c.phase, c.kind) for c in report.collectives())
+    assert counts == {("forward", "all_reduce"): 2 * layers, ("backward", "all_reduce"): 2 * layers}, str(report)
+    activation = 2 * cfg.seq * cfg.d_model * 4
+    assert {c.bytes for c in report.collectives()} == {activation}
