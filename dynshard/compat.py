@@ -176,7 +176,8 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
             on_graph(graph, phase)
             return compile_fx_inner(graph, inputs, **kwargs)
 
-        patches = {"freezing": True} if freeze else None
+        # independent all-reduces (data-parallel gradients) go out in buckets, as DDP's reducer does
+        patches = {"bucket_all_reduces_fx": "all", **({"freezing": True} if freeze else {})}
         return compile_fx(gm, list(example_inputs), inner_compile=inner_compile, config_patches=patches)
 
 

@@ -52,6 +52,7 @@ class Explanation:
             lines.append("")
             lines.append(f"program {index} ({program.inputs} inputs, compiled in {program.compile_seconds:.1f}s, "
                          f"cache hits {program.cache_hits})")
+            lines.append("  collectives as traced (Inductor may still bucket independent all-reduces)")
             rows = [("phase", "collective", "group", "bytes", "shape")] + [
                 (c.phase, c.kind, c.group, str(c.bytes), str(list(c.shape))) for c in program.collectives]
             lines += _table(rows) if program.collectives else ["  no collectives"]
