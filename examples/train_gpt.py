@@ -17,14 +17,22 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import dynshard  # noqa: E402
-from models import GPT, GPTConfig, gpt_batch  # noqa: E402
+from models import GPT, GPTConfig  # noqa: E402
+
+
+def counting_batch(cfg: GPTConfig, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequences that count up from a random start: a task the model can learn in a few steps."""
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, cfg.vocab, (batch, 1), generator=g)
+    idx = (start + torch.arange(cfg.seq)) % cfg.vocab
+    return idx, (idx + 1) % cfg.vocab
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--policy", default="tp", choices=["dp", "data", "tp"])
     parser.add_argument("--plan", type=int, default=None, help="plan_ngpus (default: all ranks, 1 for dp)")
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8, help="batch per plan unit")
     parser.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager"])
     args = parser.parse_args()
@@ -40,7 +48,7 @@ def main() -> None:
 
     dp_rank, _ = dynshard.data_parallel_rank(plan)       # ranks of one plan unit read the same batch
     for step in range(args.steps):
-        idx, targets = gpt_batch(cfg, args.batch, seed=1000 * dp_rank + step)
+        idx, targets = counting_batch(cfg, args.batch, seed=1000 * dp_rank + step)
         loss = model(idx, targets)
         loss.backward()
         opt.step()
