@@ -164,3 +164,16 @@ def test_tensor_parallel_transformer_layers_cost_megatrons_minimum(fake_world, l
     assert counts == {("forward", "all_reduce"): 2 * layers, ("backward", "all_reduce"): 2 * layers}, str(report)
     activation = 2 * cfg.seq * cfg.d_model * 4
     assert {c.bytes for c in report.collectives()} == {activation}
+
+
+def test_inference_only_programs_run_without_autograd(fake_world):
+    torch.manual_seed(0)
+    model, reference = MLP(), MLP()
+    reference.load_state_dict(model.state_dict())
+    compiled = torch.compile(model, backend="dynshard",
+                             options={"policy": "dp", "inference_only": True, "compiler": "aot_eager"})
+    x, y = mlp_batch(4, 0)
+    out = compiled(x, y)
+    assert not out.requires_grad
+    torch.testing.assert_close(out, reference(x, y).detach())
+    assert dynshard.explain(compiled).collectives() == []

@@ -35,10 +35,10 @@ _VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, at
 
 def tp(plan: PlanBuilder, config: Config) -> None:
     base = plan.propagate()
-    for group in column_groups(plan):
+    for activation, group in column_groups(plan):
         group = [(name, dim) for name, dim in group if not plan.is_fixed(name) and plan.divides(name, dim)]
-        if not group:
-            continue
+        if not group or _is_split(base, activation):
+            continue      # a matmul reading a split activation is a row-split candidate (second pass)
         for name, out_dim in group:
             plan.shard(name, out_dim)
         trial = _try_propagate(plan)
@@ -50,9 +50,10 @@ def tp(plan: PlanBuilder, config: Config) -> None:
     _store_local_reshards(plan, base)
 
 
-def column_groups(plan: PlanBuilder) -> list[list[tuple[str, int]]]:
+def column_groups(plan: PlanBuilder) -> list[tuple[fx.Node | None, list[tuple[str, int]]]]:
     """2-D parameters whose every use is as a matmul operand, with the dimension not contracted,
-    grouped by the activation their matmuls read, in graph order."""
+    grouped by the activation their matmuls read (None for a parameter used by several matmuls), in
+    graph order."""
     order = {node: i for i, node in enumerate(plan.graph.nodes)}
     groups: dict[fx.Node | None, list[tuple[int, str, int]]] = {}
     for name, inp in plan.state.items():
@@ -67,8 +68,14 @@ def column_groups(plan: PlanBuilder) -> list[list[tuple[str, int]]]:
         activation = _view_root(matmul.args[offset + (1 - position)]) if len(uses) == 1 else None
         key = activation if activation is not None else matmul
         groups.setdefault(key, []).append((order[matmul], name, out_dims.pop()))
-    ordered = sorted(groups.values(), key=lambda members: min(m[0] for m in members))
-    return [[(name, dim) for _, name, dim in sorted(members)] for members in ordered]
+    ordered = sorted(groups.items(), key=lambda item: min(m[0] for m in item[1]))
+    return [(key if key.target not in _MATMULS else None, [(name, dim) for _, name, dim in sorted(members)])
+            for key, members in ordered]
+
+
+def _is_split(propagation: Propagation, node: fx.Node | None) -> bool:
+    placements = propagation.placements.get(node.name, ()) if isinstance(node, fx.Node) else ()
+    return any(isinstance(p, Shard) for p in placements)
 
 
 def _view_root(node):
@@ -130,22 +137,31 @@ def _adds_at_most_one_all_reduce(base: Propagation, trial: Propagation) -> bool:
 
 
 def _store_local_reshards(plan: PlanBuilder, base: Propagation) -> None:
+    """All candidates are tried at once first (the usual case: every one of them stands), and one by
+    one only if that trial fails."""
     nodes = {node.name: node for node in plan.graph.nodes}
-    tried = set()
+    targets = []
     for reshard in base.local_reshards:
         target = _parameter_dim(plan, nodes.get(reshard.source), reshard.dst)
-        if target is None or target in tried:
-            continue
-        tried.add(target)
-        name, dim = target
-        if plan.is_fixed(name) or not plan.divides(name, dim):
-            continue
+        if target is not None and target not in targets and not plan.is_fixed(target[0]) \
+                and plan.divides(*target):
+            targets.append(target)
+    if not targets or _accept_shards(plan, base, targets) is not None:
+        return
+    for target in targets:
+        base = _accept_shards(plan, base, [target]) or base
+
+
+def _accept_shards(plan: PlanBuilder, base: Propagation, targets) -> Propagation | None:
+    for name, dim in targets:
         plan.shard(name, dim)
-        trial = _try_propagate(plan)
-        if trial is not None and trial.comm_bytes() <= base.comm_bytes() and len(trial.local_reshards) < len(base.local_reshards):
-            base = trial
-        else:
-            plan.replicate(name)
+    trial = _try_propagate(plan)
+    if trial is not None and trial.comm_bytes() <= base.comm_bytes() \
+            and len(trial.local_reshards) <= len(base.local_reshards) - len(targets):
+        return trial
+    for name, _ in targets:
+        plan.replicate(name)
+    return None
 
 
 def _parameter_dim(plan: PlanBuilder, node: fx.Node | None, dst) -> tuple[str, int] | None:
