@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import unittest.mock
 import warnings
 
 import expecttest
@@ -129,15 +130,26 @@ forward communication (predicted)
         other = plan_for(model, mlp_batch(6, 0), policy="tp", plan_ngpus=2)
         assert other is not first
 
-    def test_plans_are_stored_on_disk_for_a_restart(self, tmp_path=None):
+    def test_plans_are_stored_on_disk_for_a_restart(self):
         import tempfile
 
         from dynshard.backend import PLANS
+        from dynshard.policies import BUILTIN
 
         with tempfile.TemporaryDirectory() as cache_dir:
             plan = plan_for(MLP(dim=8), mlp_batch(4, 0, dim=8), policy="tp", plan_ngpus=2, cache_dir=cache_dir)
             config = dynshard.Config(policy="tp", plan_ngpus=2, compiler="aot_eager", cache_dir=cache_dir)
             assert PLANS.load_placements(config, plan.key) == plan.placements
+
+            def must_not_run(plan, config):
+                raise AssertionError("the stored plan should have been used")
+
+            PLANS.clear()     # as after a restart: nothing in memory
+            torch._dynamo.reset()
+            with unittest.mock.patch.dict(BUILTIN, {"tp": must_not_run}):
+                again = plan_for(MLP(dim=8), mlp_batch(4, 0, dim=8), policy="tp", plan_ngpus=2,
+                                 cache_dir=cache_dir)
+            assert again.placements == plan.placements and again is not plan
 
 
 def dynshard_placement(text: str):

@@ -11,7 +11,7 @@ import torch.fx as fx
 from .. import compat
 from ..config import Config
 from ..passes import PassContext, run_passes
-from ..runtime.mesh import layout_for
+from ..runtime.mesh import ensure_process_group, layout_for, world_size
 from ..runtime.program import CompiledPlan, ShardedProgram
 from ..runtime.sharding import is_sharded, local_shape, present_global_shapes, restore_local_shards
 from .capture import describe_inputs
@@ -32,8 +32,6 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     compat.around_dynamo_compiles(present_global_shapes, restore_local_shards)
     config = Config.from_options(options)
     device_type = _device_type(example_inputs)
-    from ..runtime.mesh import ensure_process_group, world_size
-
     ensure_process_group(device_type)
     config = config.resolve(world_size())
     if config.describe() not in _logged_configs:

@@ -8,8 +8,13 @@ from .context import PassContext
 
 
 def assign_placements(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Placements already in the context (a plan stored on disk by an earlier run) skip the policy."""
     from ..policies import PlanBuilder, resolve
 
+    if ctx.placements:
+        if sorted(ctx.placements) != [inp.index for inp in ctx.inputs]:
+            raise ValueError("dynshard: a stored plan does not match the graph's inputs; clear cache_dir")
+        return gm
     plan = PlanBuilder(gm, ctx)
     resolve(ctx.config)(plan, ctx.config)
     ctx.placements = plan.finish()

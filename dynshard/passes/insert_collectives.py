@@ -90,6 +90,8 @@ def replicate_fn(layout: Layout):
 
 
 def gather_fn(layout: Layout):
+    """Whole local tensors from DTensors: the inputs of a replicated fallback, and every tensor leaving
+    the program (tensors crossing a graph boundary are whole inside the plan unit)."""
     mesh, whole = layout.tp_mesh, [Replicate()] * len(layout.placement_dims)
 
     def gather_whole(value):
@@ -104,15 +106,6 @@ def reduce_partials_fn(layout: Layout):
         return pytree.tree_map_only(
             DTensor, lambda t: t.redistribute(mesh, reduced_placements(t.placements)), value)
     return reduce_partials
-
-
-def to_boundary_fn(layout: Layout):
-    mesh, whole = layout.tp_mesh, [Replicate()] * len(layout.placement_dims)
-
-    def to_boundary(value):
-        """Tensors leaving a program are whole inside the plan unit."""
-        return value.redistribute(mesh, whole).to_local() if isinstance(value, DTensor) else value
-    return to_boundary
 
 
 def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -135,7 +128,7 @@ def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if layout.tp_mesh is not None:
         _rewrite_nodes(graph, layout, propagation)
         output = next(n for n in graph.nodes if n.op == "output")
-        to_boundary = _named(to_boundary_fn(layout), "to_boundary")
+        to_boundary = _named(gather_fn(layout), "to_boundary")
         with graph.inserting_before(output):
             output.args = fx.node.map_arg(output.args, lambda a: graph.call_function(to_boundary, (a,)))
     graph.lint()
