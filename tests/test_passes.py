@@ -189,3 +189,12 @@ def test_inference_only_programs_run_without_autograd(fake_world):
     assert not out.requires_grad
     torch.testing.assert_close(out, reference(x, y).detach())
     assert dynshard.explain(compiled).collectives() == []
+
+
+def test_planning_on_the_meta_device_gives_the_same_plan(fake_world):
+    torch.manual_seed(0)
+    inputs = mlp_batch(4, 0)
+    on_device = plan_for(MLP(), inputs, policy="tp", plan_ngpus=2)
+    torch._dynamo.reset()
+    on_meta = plan_for(MLP(), inputs, policy="tp", plan_ngpus=2, trace_strategy="meta")
+    assert on_meta.placements == on_device.placements
