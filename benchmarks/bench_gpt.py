@@ -177,7 +177,7 @@ def report_rows(args, rows, rank, world) -> None:
         ours["ratio_to_peer"] = ours["step_s"] / peer["step_s"]
         peer["ratio_to_peer"] = 1.0
     if rank == 0:
-        header = ("case", "system", "first step s", "step s", "ratio", "comm MB/step", "collectives",
+        header = ("case", "system", "first step s", "step s", "ratio", "comm MB/step", "collectives (traced|buckets)",
                   "min MB", "param MB/rank", "layer params/rank")
         table = [header] + [(r["case"], r["system"], f"{r['first_step_s']:.2f}", f"{r['step_s']:.3f}",
                              f"{r['ratio_to_peer']:.2f}", f"{r['comm_bytes'] / 1e6:.2f}", str(r["comm_count"]),

@@ -143,3 +143,9 @@ def runtime_scenarios(rank: int, world: int) -> dict:
     out["graph_break_programs"] = len(dynshard.explain(broken_compiled).programs)
     out["graph_break_sharded"] = sorted(n for n, p in broken.named_parameters() if dynshard.get_parallel_dim(p) is not None)
     return out
+
+
+def fail_on_rank_one(rank: int, world: int) -> int:
+    if rank == 1:
+        raise RuntimeError("rank 1 could not start")
+    return rank
