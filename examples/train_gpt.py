@@ -61,7 +61,8 @@ def main() -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         print()
         print(report)
-        print(f"\ncollected {len(full)} full tensors, e.g. blocks.0.fc1.weight {tuple(full['blocks.0.fc1.weight'].shape)}")
+        shape = tuple(full["blocks.0.fc1.weight"].shape)
+        print(f"\ncollected {len(full)} full tensors, e.g. blocks.0.fc1.weight {shape}")
 
 
 if __name__ == "__main__":

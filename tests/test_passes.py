@@ -10,7 +10,6 @@ import expecttest
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import dynshard
 from dynshard.backend import dynshard_backend

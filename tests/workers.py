@@ -141,7 +141,8 @@ def runtime_scenarios(rank: int, world: int) -> dict:
     full = dynshard.collect_state_dict(broken_compiled)
     out["graph_break_param_error"] = max((full[k] - v).abs().max().item() for k, v in broken_ref.state_dict().items())
     out["graph_break_programs"] = len(dynshard.explain(broken_compiled).programs)
-    out["graph_break_sharded"] = sorted(n for n, p in broken.named_parameters() if dynshard.get_parallel_dim(p) is not None)
+    out["graph_break_sharded"] = sorted(n for n, p in broken.named_parameters()
+                                        if dynshard.get_parallel_dim(p) is not None)
     return out
 
 

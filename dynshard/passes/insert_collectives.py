@@ -26,6 +26,7 @@ from torch.utils import _pytree as pytree
 
 from ..runtime.mesh import Layout
 from .context import PassContext
+from .op_sets import MATMUL_OPERANDS, view_root
 from .propagate_sharding import reduced_placements
 
 
@@ -136,20 +137,14 @@ def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-_MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten.reshape.default, torch.ops.aten._unsafe_view.default,
-          torch.ops.aten.expand.default, torch.ops.aten.clone.default)
-
-
 def matmul_input_roots(graph: fx.Graph, propagation) -> list[fx.Node]:
     """Computed, replicated activations that reach a matmul operand through views only."""
     roots: dict[fx.Node, None] = {}
     for node in graph.nodes:
-        if node.target not in _MATMULS:
+        if node.target not in MATMUL_OPERANDS:
             continue
-        for arg in node.args[:2]:
-            while isinstance(arg, fx.Node) and arg.target in _VIEWS:
-                arg = arg.args[0]
+        first = MATMUL_OPERANDS[node.target]
+        for arg in map(view_root, node.args[first:first + 2]):
             placements = propagation.placements.get(arg.name) if isinstance(arg, fx.Node) else None
             if arg is not None and arg.op == "call_function" and placements is not None and \
                     all(p == Replicate() for p in placements):

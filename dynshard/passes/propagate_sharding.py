@@ -7,8 +7,10 @@ the redistribution costs.
 
 One rule is dynshard's own: a partial sum is reduced where it is produced. DTensor would happily carry
 a Partial through the residual stream (Replicate + Partial -> Partial) and then reduce it again before
-every LayerNorm that reads it; reducing at the producer costs one all-reduce, Megatron's placement. Ops with no strategy fall back to replicated execution (inputs made whole,
-output replicated) with a warning that names the op and its source line.
+every LayerNorm that reads it; reducing at the producer costs one all-reduce, Megatron's placement.
+
+Ops with no strategy fall back to replicated execution (inputs made whole, output replicated) with a
+warning that names the op and its source line.
 """
 
 from __future__ import annotations

@@ -3,10 +3,10 @@
 1. Column pass: 2-D parameters used only as matmul operands are tried, in graph order, split along
    their output (non-contracted) dimension; matmuls that read the same activation (q, k and v of one
    attention) are tried together, since none of them can be split alone. The split stands when sharding
-   propagation shows it adds no collective except at most one all-reduce: the column-split output then flows (through GELU, through
-   the head reshape of attention, ...) to a matmul that contracts over the split dimension and leaves a
-   partial sum, reduced once. A split that would need an all-gather (e.g. an LM head before a softmax
-   over the vocabulary) is undone.
+   propagation shows it adds no collective except at most one all-reduce: the column-split output then
+   flows (through GELU, through the head reshape of attention, ...) to a matmul that contracts over the
+   split dimension and leaves a partial sum, reduced once. A split that would need an all-gather (e.g.
+   an LM head before a softmax over the vocabulary) is undone.
 2. Row pass: a replicated parameter that DTensor re-shards locally before use (the second matmul of a
    pair, the bias of a column-split linear) is stored in that split instead, which keeps its gradient
    local. It stands when the plan's communication does not grow.
@@ -19,18 +19,13 @@ from __future__ import annotations
 
 import collections
 
-import torch
 import torch.fx as fx
 from torch.distributed.tensor import Shard
 
 from ..config import Config
+from ..passes.op_sets import MATMUL_OPERANDS, TRANSPOSE_OPS, aten, view_root
 from ..passes.propagate_sharding import Propagation
 from .plan_builder import PlanBuilder
-
-aten = torch.ops.aten
-_MATMULS = {aten.mm.default: (0, 1), aten.addmm.default: (1, 2), aten.bmm.default: (0, 1)}
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
-          aten.expand.default, aten.contiguous.default if hasattr(aten, "contiguous") else aten.clone.default}
 
 
 def tp(plan: PlanBuilder, config: Config) -> None:
@@ -64,24 +59,18 @@ def column_groups(plan: PlanBuilder) -> list[tuple[fx.Node | None, list[tuple[st
         if not uses or len(out_dims) != 1 or None in out_dims:
             continue
         matmul, position, _ = uses[0]
-        offset = _MATMULS[matmul.target][0]
-        activation = _view_root(matmul.args[offset + (1 - position)]) if len(uses) == 1 else None
+        offset = MATMUL_OPERANDS[matmul.target]
+        activation = view_root(matmul.args[offset + (1 - position)]) if len(uses) == 1 else None
         key = activation if activation is not None else matmul
         groups.setdefault(key, []).append((order[matmul], name, out_dims.pop()))
     ordered = sorted(groups.items(), key=lambda item: min(m[0] for m in item[1]))
-    return [(key if key.target not in _MATMULS else None, [(name, dim) for _, name, dim in sorted(members)])
+    return [(key if key.target not in MATMUL_OPERANDS else None, [(name, dim) for _, name, dim in sorted(members)])
             for key, members in ordered]
 
 
 def _is_split(propagation: Propagation, node: fx.Node | None) -> bool:
     placements = propagation.placements.get(node.name, ()) if isinstance(node, fx.Node) else ()
     return any(isinstance(p, Shard) for p in placements)
-
-
-def _view_root(node):
-    while isinstance(node, fx.Node) and node.target in _VIEWS:
-        node = node.args[0]
-    return node
 
 
 def _try_propagate(plan: PlanBuilder) -> Propagation | None:
@@ -101,10 +90,10 @@ def _matmul_uses(param: fx.Node):
     while stack:
         node, dims = stack.pop()
         for user in node.users:
-            if user.target in (aten.t.default, aten.transpose.int, aten.permute.default):
+            if user.target in TRANSPOSE_OPS:
                 stack.append((user, _transpose_map(user, dims)))
-            elif user.target in _MATMULS and node in user.args[_MATMULS[user.target][0]:][:2]:
-                position = user.args.index(node) - _MATMULS[user.target][0]
+            elif user.target in MATMUL_OPERANDS and node in user.args[MATMUL_OPERANDS[user.target]:][:2]:
+                position = user.args.index(node) - MATMUL_OPERANDS[user.target]
                 uses.append((user, position, dims))
             else:
                 return []
@@ -173,7 +162,8 @@ def _parameter_dim(plan: PlanBuilder, node: fx.Node | None, dst) -> tuple[str, i
         return None
     dim = placement.dim
     while node.op == "call_function":
-        if node.target == aten.t.default or (node.target == aten.transpose.int and len(node.args[0].meta["val"].shape) == 2):
+        two_dims = node.target == aten.transpose.int and len(node.args[0].meta["val"].shape) == 2
+        if node.target == aten.t.default or two_dims:
             dim = 1 - dim
         elif node.target == aten.permute.default:
             dim = list(node.args[1])[dim]

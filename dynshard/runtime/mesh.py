@@ -2,8 +2,9 @@
 
 Ranks are laid out as nnScaler's plan units: ranks ``[k * plan_ngpus, (k + 1) * plan_ngpus)`` form unit
 ``k`` and partition the model among themselves (mesh dimension "tp"); units are data-parallel replicas
-(mesh dimension "dp"): each unit sees its own batch and gradients are averaged over "dp" as DDP does. Mesh dimensions of size 1 are left out, so a pure data-parallel job has a 1-D
-"dp" mesh and a single unit a 1-D "tp" mesh.
+(mesh dimension "dp"): each unit sees its own batch and gradients are averaged over "dp" as DDP does.
+Mesh dimensions of size 1 are left out, so a pure data-parallel job has a 1-D "dp" mesh and a single
+unit a 1-D "tp" mesh.
 """
 
 from __future__ import annotations

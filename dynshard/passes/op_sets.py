@@ -1,0 +1,24 @@
+"""ATen op families the passes and policies recognise in a graph."""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+aten = torch.ops.aten
+
+# matmul -> index of its first matrix operand (addmm's first argument is the bias)
+MATMUL_OPERANDS = {aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1}
+
+# ops that only re-view (or copy) one tensor: a value keeps its identity through them
+VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
+            aten.expand.default}
+
+TRANSPOSE_OPS = {aten.t.default, aten.transpose.int, aten.permute.default}
+
+
+def view_root(node):
+    """The value ``node`` is a view (or copy) of."""
+    while isinstance(node, fx.Node) and node.target in VIEW_OPS:
+        node = node.args[0]
+    return node
