@@ -117,8 +117,9 @@ def dtensor_redistributions(op, args: tuple, kwargs: dict):
 
     dispatcher = DTensor._op_dispatcher
     info = dispatcher.unwrap_to_op_info(op, args, kwargs)
-    dispatcher.sharding_propagator.propagate(info)
-    sharding = info.output_sharding
+    # the cached entry point: planning runs under FakeTensorMode, where DTensor itself would bypass
+    # its cache ("tracing"); static shapes make every schema hashable
+    sharding = dispatcher.sharding_propagator.propagate_op_sharding(info.schema)
     if not sharding.needs_redistribute or sharding.redistribute_schema is None:
         return []
     return list(zip(info.schema.args_spec, sharding.redistribute_schema.args_spec))

@@ -56,6 +56,17 @@ class Propagation:
     fallbacks: dict[str, str]         # node name -> reason
     replicated_constants: set[str]    # nodes producing plain tensors that become Replicate DTensors
     reduced_partials: set[str]        # nodes whose Partial outputs are all-reduced right away
+    input_placements: tuple = ()
+    env: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # fx node -> fake value
+
+    def prefix(self, names: set[str]) -> "Propagation":
+        """What this propagation recorded for the nodes called ``names`` only."""
+        return Propagation(
+            {n: p for n, p in self.placements.items() if n in names},
+            [c for c in self.collectives if c.node in names],
+            [r for r in self.local_reshards if r.node in names],
+            {n: r for n, r in self.fallbacks.items() if n in names},
+            self.replicated_constants & names, self.reduced_partials & names)
 
     def comm_bytes(self) -> int:
         return sum(c.bytes for c in self.collectives)
@@ -111,13 +122,12 @@ class ShardingInterpreter(fx.Interpreter):
         self.input_placements = list(input_placements)
         self.input_meta = list(input_meta)
         self.warn = warn
-        self.result = Propagation({}, [], [], {}, set(), set())
-        self._placeholder_index = 0
+        self.result = Propagation({}, [], [], {}, set(), set(), tuple(input_placements))
+        self._placeholder_index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
 
     # -- node kinds ---------------------------------------------------------------------------------
     def placeholder(self, target, args, kwargs):
-        index = self._placeholder_index
-        self._placeholder_index += 1
+        index = self._placeholder_index[self._current]
         shape, stride, dtype, device, requires_grad = self.input_meta[index]
         placements = self.input_placements[index]
         local = torch.empty(local_shape(shape, self.layout, placements), dtype=dtype, device=device)
@@ -216,15 +226,33 @@ def _first_dtensor(out):
 
 
 def propagate(gm: fx.GraphModule, ctx: PassContext, input_placements: Sequence[tuple[Placement, ...]],
-              warn: bool = False) -> Propagation:
+              warn: bool = False, reuse: Propagation | None = None) -> Propagation:
+    """Propagate from the inputs' placements. With ``reuse`` (an earlier propagation of the same graph),
+    the nodes before the first use of an input whose placement changed are not run again."""
     if ctx.layout.tp_mesh is None:      # units of one rank: every tensor is whole, nothing to propagate
-        return Propagation({}, [], [], {}, set(), set())
+        return Propagation({}, [], [], {}, set(), set(), tuple(input_placements))
     meta = [(inp.shape, inp.stride, inp.dtype, inp.device if ctx.config.trace_strategy == "fake"
              else torch.device("meta"), inp.requires_grad) for inp in ctx.inputs]
+    initial_env, known = _reusable_prefix(gm, tuple(input_placements), reuse)
     with compat.isolated_tracing(ctx.fake_mode), ctx.fake_mode:
         interpreter = ShardingInterpreter(gm, ctx.layout, input_placements, meta, warn)
-        interpreter.run(*([None] * len(ctx.inputs)))
+        if known is not None:
+            interpreter.result = dataclasses.replace(known, input_placements=tuple(input_placements))
+        interpreter.run(*([None] * len(ctx.inputs)), initial_env=initial_env)
+    interpreter.result.env = interpreter.env
     return interpreter.result
+
+
+def _reusable_prefix(gm: fx.GraphModule, placements: tuple, reuse: Propagation | None):
+    if reuse is None or not reuse.env or len(reuse.input_placements) != len(placements):
+        return {}, None
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    changed = {placeholders[i] for i, (a, b) in enumerate(zip(reuse.input_placements, placements)) if a != b}
+    position = {n: i for i, n in enumerate(nodes)}
+    first_use = min((position[u] for p in changed for u in p.users), default=len(nodes))
+    prefix = [n for n in nodes[:first_use] if n not in changed and n in reuse.env]
+    return {n: reuse.env[n] for n in prefix}, reuse.prefix({n.name for n in prefix})
 
 
 def propagate_sharding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -36,7 +36,7 @@ def tp(plan: PlanBuilder, config: Config) -> None:
             continue      # a matmul reading a split activation is a row-split candidate (second pass)
         for name, out_dim in group:
             plan.shard(name, out_dim)
-        trial = _try_propagate(plan)
+        trial = _try_propagate(plan, base)
         if trial is not None and _adds_at_most_one_all_reduce(base, trial):
             base = trial
         else:
@@ -73,11 +73,11 @@ def _is_split(propagation: Propagation, node: fx.Node | None) -> bool:
     return any(isinstance(p, Shard) for p in placements)
 
 
-def _try_propagate(plan: PlanBuilder) -> Propagation | None:
+def _try_propagate(plan: PlanBuilder, base: Propagation) -> Propagation | None:
     """A propagation, or None when DTensor cannot even trace the trial (it would need a gather that it
     only knows how to do on real data, e.g. of a strided shard)."""
     try:
-        return plan.propagate()
+        return plan.propagate(reuse=base)
     except Exception:  # noqa: BLE001 - any failure means this trial is not a plan
         return None
 
@@ -144,7 +144,7 @@ def _store_local_reshards(plan: PlanBuilder, base: Propagation) -> None:
 def _accept_shards(plan: PlanBuilder, base: Propagation, targets) -> Propagation | None:
     for name, dim in targets:
         plan.shard(name, dim)
-    trial = _try_propagate(plan)
+    trial = _try_propagate(plan, base)
     if trial is not None and trial.comm_bytes() <= base.comm_bytes() \
             and len(trial.local_reshards) <= len(base.local_reshards) - len(targets):
         return trial

@@ -84,8 +84,11 @@ class PlanBuilder:
     def replicate(self, name: str) -> None:
         self._set(self._input(name), Replicate())
 
-    def propagate(self) -> Propagation:
-        return propagate(self.graph_module, self.ctx, [self.placements(inp) for inp in self.ctx.inputs])
+    def propagate(self, reuse: Propagation | None = None) -> Propagation:
+        """Placements and communication of the current choice (``reuse``: an earlier result, whose
+        unaffected prefix is not recomputed)."""
+        return propagate(self.graph_module, self.ctx, [self.placements(inp) for inp in self.ctx.inputs],
+                         reuse=reuse)
 
     # -- results --------------------------------------------------------------------------------------
     def placements(self, inp: GraphInput) -> tuple[Placement, ...]:
