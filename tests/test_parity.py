@@ -11,7 +11,7 @@ from workers import train_parity
 CASES = [  # model, policy, plan_ngpus, world size
     ("mlp", "dp", 1, 2), ("mlp", "data", 2, 2), ("mlp", "tp", 2, 2),
     ("gpt", "dp", 1, 2), ("gpt", "data", 2, 2), ("gpt", "tp", 2, 2),
-    ("gpt", "tp", 2, 4), ("mlp", "tp", 2, 4),
+    ("gpt", "tp", 2, 4), ("mlp", "tp", 2, 4), ("gpt", "data", 2, 4),
 ]
 
 
