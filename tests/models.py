@@ -29,12 +29,18 @@ class GPTConfig:
     d_model: int = 32
     heads: int = 4
     layers: int = 2
+    fused_qkv: bool = False     # one c_attn projection split into q, k, v (nanoGPT, GPT-2)
 
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.heads = cfg.heads
+        self.fused = cfg.fused_qkv
+        if self.fused:
+            self.c_attn = nn.Linear(cfg.d_model, 3 * cfg.d_model)
+            self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+            return
         self.q = nn.Linear(cfg.d_model, cfg.d_model)
         # no key bias: its gradient is exactly zero (softmax ignores a shift shared by all keys), so
         # Adam would turn rounding noise into updates and no two runs could agree on it
@@ -44,8 +50,9 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x):
         B, T, C = x.shape
+        projections = self.c_attn(x).split(C, dim=2) if self.fused else (self.q(x), self.k(x), self.v(x))
         # -1 rather than C // heads: the same code also runs head-split by hand (the DTensor peer)
-        q, k, v = (lin(x).view(B, T, self.heads, -1).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        q, k, v = (p.view(B, T, self.heads, -1).transpose(1, 2) for p in projections)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
 

@@ -6,17 +6,19 @@ import pytest
 import torch
 
 from distributed import run_ranks
+from models import GPTConfig
 from workers import train_parity
 
 CASES = [  # model, policy, plan_ngpus, world size
     ("mlp", "dp", 1, 2), ("mlp", "data", 2, 2), ("mlp", "tp", 2, 2),
     ("gpt", "dp", 1, 2), ("gpt", "data", 2, 2), ("gpt", "tp", 2, 2),
-    ("gpt", "tp", 2, 4), ("mlp", "tp", 2, 4), ("gpt", "data", 2, 4),
+    ("gpt", "tp", 2, 4), ("mlp", "tp", 2, 4), ("gpt", "data", 2, 4), ("gpt_fused", "tp", 2, 2),
 ]
 
 
 def assert_trains_like_one_process(results: list[dict]) -> None:
     for rank, result in enumerate(results):
+        assert result["relocated_equals_local"], f"rank {rank}: relocate_state_dict(collect_state_dict(m)) != shards"
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]),
                                    rtol=1e-5, atol=0, msg=lambda m: f"rank {rank} losses: {m}")
         assert result["params"].keys() == result["ref_params"].keys()
@@ -39,6 +41,9 @@ def test_parallel_training_matches_single_process(model, policy, plan_ngpus, wor
         assert kinds == {"all_reduce"}, results[0]["explain"]
         sharded = [n for n, d in results[0]["parallel_dims"].items() if d is not None]
         assert sharded, results[0]["explain"]
+    if model == "gpt_fused":      # q, k and v of the fused projection are split by heads
+        assert results[0]["parallel_dims"]["blocks.0.attn.c_attn.weight"] == 0, results[0]["explain"]
+        assert len(results[0]["collectives"]) == 4 * GPTConfig().layers, results[0]["explain"]
 
 
 def test_tensor_parallel_gpt_with_inductor_matches_single_process():

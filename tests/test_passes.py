@@ -162,11 +162,11 @@ def test_parameter_names_come_from_dynamo_sources():
     assert fqn_from_source("L['x']") is None
 
 
-@pytest.mark.parametrize("layers", [1, 3])
-def test_tensor_parallel_transformer_layers_cost_megatrons_minimum(fake_world, layers):
-    """2 all-reduces forward and 2 backward per layer, and nothing else."""
+@pytest.mark.parametrize("layers,fused_qkv", [(1, False), (3, False), (2, True)])
+def test_tensor_parallel_transformer_layers_cost_megatrons_minimum(fake_world, layers, fused_qkv):
+    """2 all-reduces forward and 2 backward per layer, and nothing else (q|k|v fused or not)."""
     torch.manual_seed(0)
-    cfg = GPTConfig(layers=layers)
+    cfg = GPTConfig(layers=layers, fused_qkv=fused_qkv)
     model = torch.compile(LayerStack(cfg), backend="dynshard",
                           options=dynshard.Config(policy="tp", plan_ngpus=2, compiler="aot_eager"))
     model(torch.randn(2, cfg.seq, cfg.d_model)).backward()

@@ -17,7 +17,7 @@ def build(name: str) -> tuple[torch.nn.Module, callable]:
     torch.manual_seed(0)
     if name == "mlp":
         return MLP(), lambda batch, seed: mlp_batch(batch, seed)
-    cfg = GPTConfig()
+    cfg = GPTConfig(fused_qkv=name == "gpt_fused")
     return GPT(cfg), lambda batch, seed: gpt_batch(cfg, batch, seed)
 
 
@@ -51,9 +51,12 @@ def train_parity(rank: int, world: int, model_name: str, policy: str, plan_ngpus
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
     report = dynshard.explain(compiled)
+    full = dynshard.collect_state_dict(compiled)
+    relocated = dynshard.relocate_state_dict(compiled, full)
     return {
         "losses": losses, "ref_losses": ref_losses,
-        "params": dynshard.collect_state_dict(compiled),
+        "params": full,
+        "relocated_equals_local": all(torch.equal(relocated[k], v) for k, v in model.state_dict().items()),
         "ref_params": {k: v.detach() for k, v in reference.state_dict().items()},
         "local_numel": {name: p.numel() for name, p in model.named_parameters()},
         "parallel_dims": {name: dynshard.get_parallel_dim(p) for name, p in model.named_parameters()},

@@ -38,6 +38,7 @@ class GraphInput:
 
 
 _LOCAL = re.compile(r"^L\['([^']+)'\]$")
+_ROOT = re.compile(r"^L\['[^']+'\]")
 
 
 def input_name(source: str | None, placeholder: str) -> str:
@@ -47,11 +48,13 @@ def input_name(source: str | None, placeholder: str) -> str:
 
 
 def fqn_from_source(source: str | None) -> str | None:
-    """``L['self']._modules['h']._modules['0']._parameters['weight']`` -> ``h.0.weight``."""
-    if not source or not source.startswith("L['self']"):
+    """``L['self']._modules['h']._modules['0']._parameters['weight']`` -> ``h.0.weight`` (whatever the
+    root module's local name)."""
+    root = _ROOT.match(source or "")
+    if root is None or "._parameters[" not in source and "._buffers[" not in source:
         return None
     parts = []
-    for match in _MODULE_PATH.finditer(source[len("L['self']"):]):
+    for match in _MODULE_PATH.finditer(source[root.end():]):
         module, _, state, attr = match.groups()
         parts.append(module or state or attr)
     return ".".join(parts) if parts else None

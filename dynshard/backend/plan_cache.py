@@ -14,6 +14,7 @@ from typing import Any, Sequence
 
 import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..config import Config
 from ..runtime.mesh import Layout
@@ -65,7 +66,9 @@ class PlanCache:
 
 
 def _encode(placement: Placement) -> str:
-    if isinstance(placement, Shard) and type(placement) is Shard:
+    if isinstance(placement, _StridedShard):
+        return f"S{placement.dim}x{placement.split_factor}"
+    if isinstance(placement, Shard):
         return f"S{placement.dim}"
     if isinstance(placement, Partial):
         return f"P{placement.reduce_op}"
@@ -77,6 +80,9 @@ def _encode(placement: Placement) -> str:
 def _decode(text: str) -> Placement:
     if text == "R":
         return Replicate()
+    if text.startswith("S") and "x" in text:
+        dim, blocks = text[1:].split("x")
+        return _StridedShard(int(dim), split_factor=int(blocks))
     if text.startswith("S"):
         return Shard(int(text[1:]))
     return Partial(text[1:])

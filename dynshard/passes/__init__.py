@@ -13,11 +13,13 @@ from .context import PassContext
 from .insert_collectives import insert_collectives
 from .lower_to_aten import lower_to_aten
 from .propagate_sharding import propagate_sharding
+from .split_fused_projections import split_fused_projections
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 PASSES: list[Pass] = [
     lower_to_aten,        # Dynamo graph -> ATen graph on FakeTensors (global shapes)
+    split_fused_projections,  # c_attn(x).split(C) -> one matmul per block of the fused weight
     assign_placements,    # the policy places parameters, buffers and inputs
     propagate_sharding,   # every node's placement, the collectives the plan costs, fallbacks
     insert_collectives,   # -> the per-rank program: local tensors in and out, DTensor in between
@@ -37,4 +39,4 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[Pass] | None =
 
 
 __all__ = ["PASSES", "PassContext", "run_passes", "lower_to_aten", "assign_placements",
-           "propagate_sharding", "insert_collectives"]
+           "propagate_sharding", "insert_collectives", "split_fused_projections"]

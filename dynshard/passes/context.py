@@ -21,6 +21,7 @@ class PassContext:
     fake_mode: Any
     placements: dict[int, tuple[Placement, ...]] = dataclasses.field(default_factory=dict)
     propagation: Any = None          # passes.propagate_sharding.Propagation
+    blocked: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # input -> (blocks, dim)
     timings: list[tuple[str, float]] = dataclasses.field(default_factory=list)
 
     def arrival(self, inp: GraphInput) -> tuple[Placement, ...]:

@@ -22,12 +22,12 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
 from torch.utils import _pytree as pytree
 
 from .. import compat
 from ..runtime.mesh import Layout
-from ..runtime.sharding import local_shape
+from ..runtime.sharding import SHARDS, local_shape
 from .context import PassContext
 
 
@@ -80,9 +80,9 @@ def transition_kind(src: Placement, dst: Placement) -> str | None:
     if src == dst:
         return None
     if isinstance(src, Partial):
-        return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter" if isinstance(dst, Shard) else None
-    if isinstance(src, Shard):
-        return "all_gather" if isinstance(dst, Replicate) else "all_to_all" if isinstance(dst, Shard) else "all_gather"
+        return "all_reduce" if isinstance(dst, Replicate) else "reduce_scatter" if isinstance(dst, SHARDS) else None
+    if isinstance(src, SHARDS):
+        return "all_gather" if isinstance(dst, Replicate) else "all_to_all" if isinstance(dst, SHARDS) else "all_gather"
     return None
 
 
@@ -196,7 +196,7 @@ class ShardingInterpreter(fx.Interpreter):
     def record(self, node: fx.Node, source: str, meta, src, dst) -> None:
         self.result.collectives.extend(redistribution_collectives(
             node.name, self.layout, meta.shape, meta.dtype.itemsize, src, dst))
-        if any(isinstance(d, Shard) and isinstance(s, Replicate) for s, d in zip(src, dst)):
+        if any(isinstance(d, SHARDS) and isinstance(s, Replicate) for s, d in zip(src, dst)):
             self.result.local_reshards.append(LocalReshard(node.name, source, tuple(dst)))
 
     def fallback(self, node: fx.Node, target, args, kwargs, reason: str):

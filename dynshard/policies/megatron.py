@@ -25,6 +25,8 @@ from torch.distributed.tensor import Shard
 from ..config import Config
 from ..passes.op_sets import MATMUL_OPERANDS, TRANSPOSE_OPS, aten, view_root
 from ..passes.propagate_sharding import Propagation
+from ..passes.split_fused_projections import param_block
+from ..runtime.sharding import SHARDS
 from .plan_builder import PlanBuilder
 
 
@@ -58,10 +60,9 @@ def column_groups(plan: PlanBuilder) -> list[tuple[fx.Node | None, list[tuple[st
         out_dims = {_output_dim(use) for use in uses}
         if not uses or len(out_dims) != 1 or None in out_dims:
             continue
-        matmul, position, _ = uses[0]
-        offset = MATMUL_OPERANDS[matmul.target]
-        activation = view_root(matmul.args[offset + (1 - position)]) if len(uses) == 1 else None
-        key = activation if activation is not None else matmul
+        matmul, _, _ = uses[0]
+        activations = {view_root(m.args[MATMUL_OPERANDS[m.target] + (1 - position)]) for m, position, _ in uses}
+        key = activations.pop() if len(activations) == 1 else matmul
         groups.setdefault(key, []).append((order[matmul], name, out_dims.pop()))
     ordered = sorted(groups.items(), key=lambda item: min(m[0] for m in item[1]))
     return [(key if key.target not in MATMUL_OPERANDS else None, [(name, dim) for _, name, dim in sorted(members)])
@@ -70,7 +71,7 @@ def column_groups(plan: PlanBuilder) -> list[tuple[fx.Node | None, list[tuple[st
 
 def _is_split(propagation: Propagation, node: fx.Node | None) -> bool:
     placements = propagation.placements.get(node.name, ()) if isinstance(node, fx.Node) else ()
-    return any(isinstance(p, Shard) for p in placements)
+    return any(isinstance(p, SHARDS) for p in placements)
 
 
 def _try_propagate(plan: PlanBuilder, base: Propagation) -> Propagation | None:
@@ -92,6 +93,8 @@ def _matmul_uses(param: fx.Node):
         for user in node.users:
             if user.target in TRANSPOSE_OPS:
                 stack.append((user, _transpose_map(user, dims)))
+            elif user.target is param_block:
+                stack.append((user, dims))
             elif user.target in MATMUL_OPERANDS and node in user.args[MATMUL_OPERANDS[user.target]:][:2]:
                 position = user.args.index(node) - MATMUL_OPERANDS[user.target]
                 uses.append((user, position, dims))
@@ -167,7 +170,7 @@ def _parameter_dim(plan: PlanBuilder, node: fx.Node | None, dst) -> tuple[str, i
             dim = 1 - dim
         elif node.target == aten.permute.default:
             dim = list(node.args[1])[dim]
-        else:
+        elif node.target is not param_block:
             return None
         node = node.args[0]
     inp = plan.input_of(node)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..backend.capture import GraphInput
 from ..config import Config
@@ -77,9 +78,12 @@ class PlanBuilder:
 
     # -- what the policy decides ----------------------------------------------------------------------
     def shard(self, name: str, dim: int) -> None:
+        """Split ``name`` along ``dim``. A fused parameter (split into blocks by the graph, e.g. q|k|v)
+        is split block by block, so that each rank holds its rows of every block."""
         inp = self._input(name)
         dim = dim % max(len(inp.shape), 1)
-        self._set(inp, Shard(dim))
+        blocks, block_dim = self.ctx.blocked.get(inp.index, (1, None))
+        self._set(inp, _StridedShard(dim, split_factor=blocks) if blocks > 1 and dim == block_dim else Shard(dim))
 
     def replicate(self, name: str) -> None:
         self._set(self._input(name), Replicate())

@@ -20,10 +20,12 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from .mesh import Layout
 
 TAG_ATTR = "_dynshard_tag"
+SHARDS = (Shard, _StridedShard)   # _StridedShard is not a Shard subclass in torch 2.13
 _SHARDED: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
 _LOCAL_DATA: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -57,7 +59,7 @@ class ShardTag:
         if not self.placements:
             return None
         placement = self.placements[0]
-        return placement.dim if isinstance(placement, Shard) else None
+        return placement.dim if isinstance(placement, SHARDS) else None
 
 
 def get_tag(tensor: torch.Tensor) -> ShardTag | None:
@@ -70,10 +72,15 @@ def get_parallel_dim(tensor: torch.Tensor) -> int | None:
     return tag.parallel_dim if tag is not None else None
 
 
+def _blocks(placement: Placement) -> int:
+    """How many blocks a strided shard holds a piece of (1 for a plain shard)."""
+    return getattr(placement, "split_factor", 1)
+
+
 def check_divisible(name: str, shape: torch.Size, layout: Layout, placements: tuple[Placement, ...]) -> None:
     for dim_name, placement in zip(layout.placement_dims, placements):
-        if isinstance(placement, Shard):
-            size, parts = shape[placement.dim], layout.size(dim_name)
+        if isinstance(placement, SHARDS):
+            size, parts = shape[placement.dim], layout.size(dim_name) * _blocks(placement)
             if size % parts:
                 raise ValueError(
                     f"dynshard: dimension {placement.dim} of {name} (size {size}) does not divide into "
@@ -84,7 +91,7 @@ def check_divisible(name: str, shape: torch.Size, layout: Layout, placements: tu
 def local_shape(shape: torch.Size, layout: Layout, placements: tuple[Placement, ...]) -> torch.Size:
     dims = list(shape)
     for dim_name, placement in zip(layout.placement_dims, placements):
-        if isinstance(placement, Shard):
+        if isinstance(placement, SHARDS):
             dims[placement.dim] //= layout.size(dim_name)
     return torch.Size(dims)
 
@@ -93,8 +100,10 @@ def local_shard(full: torch.Tensor, layout: Layout, placements: tuple[Placement,
     """This rank's piece of ``full`` (no communication: every rank holds the full tensor)."""
     piece = full
     for dim_name, placement in zip(layout.placement_dims, placements):
-        if isinstance(placement, Shard):
-            piece = piece.chunk(layout.size(dim_name), dim=placement.dim)[layout.coordinate(dim_name)]
+        if isinstance(placement, SHARDS):
+            parts, coordinate = layout.size(dim_name), layout.coordinate(dim_name)
+            piece = torch.cat([block.chunk(parts, dim=placement.dim)[coordinate]
+                               for block in piece.chunk(_blocks(placement), dim=placement.dim)], placement.dim)
     return piece.contiguous()
 
 
@@ -109,7 +118,7 @@ def shard_in_place(tensor: torch.Tensor, fqn: str, layout: Layout,
             dist.broadcast(tensor.data, src=0)
     global_shape, global_stride = tensor.shape, tensor.stride()
     check_divisible(fqn, global_shape, layout, placements)
-    if any(isinstance(p, Shard) for p in placements):
+    if any(isinstance(p, SHARDS) for p in placements):
         with torch.no_grad():
             tensor.data = local_shard(tensor.data, layout, placements).clone()
     tag = ShardTag(fqn=fqn, global_shape=global_shape, global_stride=tuple(global_stride),
@@ -121,7 +130,7 @@ def shard_in_place(tensor: torch.Tensor, fqn: str, layout: Layout,
 
 
 def is_sharded(placements: tuple[Placement, ...]) -> bool:
-    return any(isinstance(p, Shard) for p in placements)
+    return any(isinstance(p, SHARDS) for p in placements)
 
 
 def present_global_shapes() -> None:

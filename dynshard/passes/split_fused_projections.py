@@ -1,0 +1,116 @@
+"""Split fused projections (``q, k, v = c_attn(x).split(C, dim=-1)``) into one matmul per block.
+
+A fused weight cannot be column-split as one tensor: each rank needs its share of q, of k and of v, and
+DTensor gathers a strided shard before ``split``. So each block of the fused weight (and bias) becomes a
+:func:`param_block` of the parameter, with its own matmul; the policy can then split the blocks like any
+other projection, and the parameter itself is stored as ``_StridedShard(dim, split_factor=blocks)``:
+this rank's rows of every block, in order ([q_r, k_r, v_r]).
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from .context import PassContext
+from .op_sets import aten
+
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+
+
+def param_block(tensor: torch.Tensor, index: int, count: int, dim: int) -> torch.Tensor:
+    """Block ``index`` of ``count`` equal blocks of ``tensor`` along ``dim``, without communication when
+    the tensor is whole or stored as ``_StridedShard(dim, count)``."""
+    if not isinstance(tensor, DTensor):
+        return tensor.chunk(count, dim)[index]
+    placement = tensor.placements[0]
+    if isinstance(placement, _StridedShard) and placement.dim == dim and placement.split_factor == count:
+        block_placement = Shard(dim)
+    elif placement == Replicate():
+        block_placement = Replicate()
+    else:
+        tensor = tensor.redistribute(tensor.device_mesh, [Replicate()])
+        block_placement = Replicate()
+    local = tensor.to_local().chunk(count, dim)[index]
+    shape = list(tensor.shape)
+    shape[dim] //= count
+    return DTensor.from_local(local, tensor.device_mesh, [block_placement], run_check=False,
+                              shape=torch.Size(shape), stride=torch.empty(shape, device="meta").stride())
+
+
+def split_fused_projections(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for split in [n for n in gm.graph.nodes if n.target in (aten.split.Tensor, aten.split_with_sizes.default)]:
+        match = _match(split)
+        if match is None:
+            continue
+        weight, weight_dim, bias, activation, reshapes, count, size = match
+        _rewrite(gm.graph, split, weight, weight_dim, bias, activation, reshapes, count, size)
+        ctx.blocked[placeholders.index(weight)] = (count, weight_dim)
+        if bias is not None:
+            ctx.blocked[placeholders.index(bias)] = (count, 0)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _single_user(node: fx.Node) -> bool:
+    return len(node.users) == 1
+
+
+def _match(split: fx.Node):
+    """(weight, weight block dim, bias, activation, reshapes, blocks, block size) or None."""
+    source, sizes, dim = split.args[0], split.args[1], split.args[2] if len(split.args) > 2 else 0
+    out = source.meta.get("val") if isinstance(source, fx.Node) else None
+    if out is None or dim not in (-1, out.dim() - 1):
+        return None
+    total = out.shape[-1]
+    if isinstance(sizes, int):
+        size = sizes
+    elif len(set(sizes)) == 1:
+        size = sizes[0]
+    else:
+        return None
+    if total % size or total // size < 2 or not all(u.target is operator.getitem for u in split.users):
+        return None
+    reshapes, node = [], source
+    while node.target in _RESHAPES and _single_user(node):
+        reshapes.append(node)
+        node = node.args[0]
+    bias = None
+    if node.target is aten.add.Tensor and _single_user(node):
+        product, candidate = node.args
+        if isinstance(candidate, fx.Node) and candidate.op == "placeholder" and _single_user(candidate) \
+                and candidate.meta["val"].dim() == 1:
+            bias, node = candidate, product
+    if node.target is not aten.mm.default or not _single_user(node):
+        return None
+    activation, operand = node.args
+    weight, weight_dim = operand, 1
+    if operand.target is aten.t.default and _single_user(operand):
+        weight, weight_dim = operand.args[0], 0
+    if weight.op != "placeholder" or not _single_user(weight):
+        return None
+    return weight, weight_dim, bias, activation, list(reversed(reshapes)), total // size, size
+
+
+def _rewrite(graph: fx.Graph, split, weight, weight_dim, bias, activation, reshapes, count, size) -> None:
+    users = {u.args[1]: u for u in split.users}
+    with graph.inserting_before(split):
+        for index in range(count):
+            block = graph.call_function(param_block, (weight, index, count, weight_dim))
+            operand = graph.call_function(aten.t.default, (block,)) if weight_dim == 0 else block
+            value = graph.call_function(aten.mm.default, (activation, operand))
+            if bias is not None:
+                value = graph.call_function(aten.add.Tensor, (value, graph.call_function(
+                    param_block, (bias, index, count, 0))))
+            for reshape in reshapes:
+                shape = list(reshape.args[1])
+                shape[-1] = size
+                value = graph.call_function(aten.reshape.default, (value, shape))
+            if index in users:
+                users[index].replace_all_uses_with(value)
