@@ -197,6 +197,16 @@ logger = logging.getLogger("dynshard")
 _DECOMPOSITIONS: dict | None = None
 
 
+def _contiguous_output(decomposition):
+    """The CPU flash-attention kernel returns a contiguous output, but its decomposition lays the output
+    out as the CUDA kernel does ((L, N, H, E) in memory); user code that ``view``s after a transpose
+    relies on the kernel's strides, so keep them."""
+    def run(*args, **kwargs):
+        output, *rest = decomposition(*args, **kwargs)
+        return (output.contiguous(), *rest)
+    return run
+
+
 def sharding_decompositions() -> dict:
     """ATen decompositions for the ops DTensor cannot shard (e.g. CPU flash attention), so that
     tracing lowers them to ops it can; ops DTensor shards directly are kept whole."""
@@ -206,4 +216,7 @@ def sharding_decompositions() -> dict:
 
         _DECOMPOSITIONS = {op: fn for op, fn in core_aten_decompositions().items()
                            if isinstance(op, torch._ops.OpOverload) and not has_sharding_strategy(op, direct_only=True)}
+        sdpa_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+        if sdpa_cpu in _DECOMPOSITIONS:
+            _DECOMPOSITIONS[sdpa_cpu] = _contiguous_output(_DECOMPOSITIONS[sdpa_cpu])
     return _DECOMPOSITIONS

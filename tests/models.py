@@ -121,3 +121,47 @@ def mlp_batch(batch: int, seed: int, dim: int = 16):
     return torch.randn(batch, dim, generator=g), torch.randn(batch, generator=g)
 
 
+
+
+class Conv1D(nn.Module):
+    """Hugging Face GPT-2's linear layer: weight stored [in, out], applied with addmm."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.out_features = out_features
+        self.weight = nn.Parameter(torch.randn(in_features, out_features) * 0.02)
+        self.bias = nn.Parameter(torch.zeros(out_features))
+
+    def forward(self, x):
+        size_out = x.size()[:-1] + (self.out_features,)
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(size_out)
+
+
+class GPT2StyleBlock(nn.Module):
+    """A transformer layer written as GPT-2 is: fused c_attn, Conv1D everywhere, head split by view."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.heads, C = cfg.heads, cfg.d_model
+        self.ln_1, self.ln_2 = nn.LayerNorm(C), nn.LayerNorm(C)
+        self.c_attn, self.c_proj = Conv1D(3 * C, C), Conv1D(C, C)
+        self.c_fc, self.mlp_proj = Conv1D(4 * C, C), Conv1D(C, 4 * C)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.c_attn(self.ln_1(x)).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(B, T, C)
+        x = x + self.c_proj(y)
+        return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
+
+
+class GPT2StyleStack(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.h = nn.ModuleList(GPT2StyleBlock(cfg) for _ in range(cfg.layers))
+
+    def forward(self, x):
+        for block in self.h:
+            x = block(x)
+        return x.square().mean()

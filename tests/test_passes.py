@@ -15,7 +15,7 @@ import dynshard
 from dynshard.backend import dynshard_backend
 from dynshard.backend.capture import fqn_from_source
 from dynshard.explain import format_plan
-from models import GPT, MLP, GPTConfig, LayerStack, gpt_batch, mlp_batch
+from models import GPT, MLP, GPT2StyleStack, GPTConfig, LayerStack, gpt_batch, mlp_batch
 
 
 def plan_for(model, inputs, **options):
@@ -61,8 +61,8 @@ placements
   blocks.0.fc2.bias          parameter  [16]         tp=R
 forward communication (predicted)
   node          collective  group  bytes
-  mm_1          all_reduce  tp     2048
-  mm_default_3  all_reduce  tp     2048""")
+  mm_default_2  all_reduce  tp     2048
+  mm_default_4  all_reduce  tp     2048""")
 
     def test_data_policy_splits_the_batch_and_keeps_parameters_whole(self):
         plan = plan_for(MLP(), mlp_batch(4, 0), policy="data", plan_ngpus=2)
@@ -162,12 +162,14 @@ def test_parameter_names_come_from_dynamo_sources():
     assert fqn_from_source("L['x']") is None
 
 
-@pytest.mark.parametrize("layers,fused_qkv", [(1, False), (3, False), (2, True)])
-def test_tensor_parallel_transformer_layers_cost_megatrons_minimum(fake_world, layers, fused_qkv):
-    """2 all-reduces forward and 2 backward per layer, and nothing else (q|k|v fused or not)."""
+@pytest.mark.parametrize("layers,style", [(1, "separate q/k/v"), (3, "separate q/k/v"), (2, "fused q|k|v"),
+                                          (2, "GPT-2 Conv1D")])
+def test_tensor_parallel_transformer_layers_cost_megatrons_minimum(fake_world, layers, style):
+    """2 all-reduces forward and 2 backward per layer, and nothing else, however the layer is written."""
     torch.manual_seed(0)
-    cfg = GPTConfig(layers=layers, fused_qkv=fused_qkv)
-    model = torch.compile(LayerStack(cfg), backend="dynshard",
+    cfg = GPTConfig(layers=layers, fused_qkv=style == "fused q|k|v")
+    stack = GPT2StyleStack(cfg) if style == "GPT-2 Conv1D" else LayerStack(cfg)
+    model = torch.compile(stack, backend="dynshard",
                           options=dynshard.Config(policy="tp", plan_ngpus=2, compiler="aot_eager"))
     model(torch.randn(2, cfg.seq, cfg.d_model)).backward()
     report = dynshard.explain(model)

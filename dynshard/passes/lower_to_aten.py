@@ -42,13 +42,13 @@ def _split_addmm(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 def _views_to_reshapes(gm: fx.GraphModule) -> fx.GraphModule:
-    """A ``view`` of a non-contiguous tensor was legal for the strides seen while tracing one process;
-    a shard can be laid out differently (DTensor picks its own local strides), so such views become
-    reshapes, which copy only where they must."""
+    """A ``view`` was legal for the strides seen while tracing one process; a shard can be laid out
+    differently (DTensor picks its own local strides), so views become reshapes, which copy only where
+    they must. Views of ``expand`` stay: they only fold broadcast dimensions (the batched matmuls of
+    attention), and DTensor shards those views where it would gather the reshape."""
     for node in gm.graph.nodes:
-        if node.target is torch.ops.aten.view.default:
-            source = node.args[0].meta.get("val")
-            if isinstance(source, torch.Tensor) and not source.is_contiguous():
-                node.target = torch.ops.aten.reshape.default
+        if node.target is torch.ops.aten.view.default and getattr(node.args[0], "target", None) \
+                is not torch.ops.aten.expand.default:
+            node.target = torch.ops.aten.reshape.default
     gm.recompile()
     return gm
