@@ -103,8 +103,12 @@ def trace_to_aten(gm: fx.GraphModule, fake_inputs: Sequence[Any], fake_mode,
     def run(*args):
         return fx.Interpreter(gm).run(*args)
 
+    # functionalized: an in-place update of a buffer (BatchNorm's running stats) becomes a value and a
+    # final copy_ into the buffer, which DTensor can place; an in-place op on a re-sharded copy of a
+    # buffer would be lost
+    functional = torch.func.functionalize(run, remove="mutations")
     with isolated_tracing(fake_mode), fake_mode, fx_traceback.preserve_node_meta():
-        return make_fx(run, decomposition_table=decompositions or {}, tracing_mode="real")(*fake_inputs)
+        return make_fx(functional, decomposition_table=decompositions or {}, tracing_mode="real")(*fake_inputs)
 
 
 def dtensor_redistributions(op, args: tuple, kwargs: dict):
@@ -216,6 +220,13 @@ def sharding_decompositions() -> dict:
 
         _DECOMPOSITIONS = {op: fn for op, fn in core_aten_decompositions().items()
                            if isinstance(op, torch._ops.OpOverload) and not has_sharding_strategy(op, direct_only=True)}
+        # native_batch_norm updates its running statistics in place without saying so in its schema;
+        # decomposed, the update becomes a visible (functionalized) copy into the buffer
+        from torch._decomp import decomposition_table
+
+        batch_norm = torch.ops.aten.native_batch_norm.default
+        if batch_norm in decomposition_table:
+            _DECOMPOSITIONS[batch_norm] = decomposition_table[batch_norm]
         sdpa_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
         if sdpa_cpu in _DECOMPOSITIONS:
             _DECOMPOSITIONS[sdpa_cpu] = _contiguous_output(_DECOMPOSITIONS[sdpa_cpu])

@@ -165,3 +165,16 @@ class GPT2StyleStack(nn.Module):
         for block in self.h:
             x = block(x)
         return x.square().mean()
+
+
+class BatchNormMLP(nn.Module):
+    """Buffers updated in place during the forward (BatchNorm's running statistics)."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32):
+        super().__init__()
+        # no bias before the norm: BatchNorm removes it, so its gradient is zero and Adam moves it on noise
+        self.up, self.norm = nn.Linear(dim, hidden, bias=False), nn.BatchNorm1d(hidden)
+        self.down = nn.Linear(hidden, 1)
+
+    def forward(self, x, y):
+        return F.mse_loss(self.down(torch.relu(self.norm(self.up(x)))).squeeze(-1), y)

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import dynshard
-from models import GPT, MLP, GPTConfig, gpt_batch, mlp_batch
+from models import GPT, MLP, BatchNormMLP, GPTConfig, gpt_batch, mlp_batch
 
 LR = 1e-3
 
@@ -17,6 +17,8 @@ def build(name: str) -> tuple[torch.nn.Module, callable]:
     torch.manual_seed(0)
     if name == "mlp":
         return MLP(), lambda batch, seed: mlp_batch(batch, seed)
+    if name == "mlp_bn":
+        return BatchNormMLP(), lambda batch, seed: mlp_batch(batch, seed)
     cfg = GPTConfig(fused_qkv=name == "gpt_fused")
     return GPT(cfg), lambda batch, seed: gpt_batch(cfg, batch, seed)
 
