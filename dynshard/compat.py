@@ -7,7 +7,6 @@ private piece it wraps.
 from __future__ import annotations
 
 import contextlib
-import logging
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -194,8 +193,6 @@ def fake_process_group(world_size: int, rank: int = 0) -> None:
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
-
-logger = logging.getLogger("dynshard")
 
 
 _DECOMPOSITIONS: dict | None = None
