@@ -77,3 +77,13 @@ def test_a_callable_policy_is_accepted_and_keyed_by_name():
     def my_policy(plan, config):
         pass
     assert "my_policy" in Config(policy=my_policy, plan_ngpus=2).cache_token()
+
+
+def test_backend_name_resolves_through_the_entry_point_without_importing_dynshard():
+    import subprocess
+    import sys
+
+    code = ("import sys, torch; from torch._dynamo.backends.registry import lookup_backend; "
+            "fn = lookup_backend('dynshard'); print(fn.__module__, fn.__name__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["dynshard.backend", "dynshard_backend"]
