@@ -33,10 +33,10 @@ def param_bytes(model: torch.nn.Module) -> int:
 
 
 def layer_param_fraction(model: torch.nn.Module, full: dict[str, int]) -> float:
+    """Transformer-layer parameters held per rank over their total (LayerNorms and biases included)."""
     local = {n: (p.to_local() if hasattr(p, "to_local") else p).numel() for n, p in model.named_parameters()}
     names = [n for n in full if n.startswith("blocks.")]
-    sharded = [n for n in names if local[n] != full[n]]
-    return sum(local[n] for n in sharded) / max(1, sum(full[n] for n in sharded)), len(sharded), len(names)
+    return sum(local[n] for n in names) / sum(full[n] for n in names)
 
 
 def time_steps(step, steps: int, warmup: int) -> tuple[float, float]:
@@ -112,11 +112,11 @@ def tensor_parallel(args, cfg, base, full_numel, act_bytes, rows, whole_batch, r
     compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(policy="tp", plan_ngpus=world))
     first, median = time_steps(trainer(compiled, whole_batch), args.steps, args.warmup)
     report = dynshard.explain(compiled)
-    fraction, sharded, total = layer_param_fraction(model, full_numel)
+    fraction = layer_param_fraction(model, full_numel)
     rows.append(dict(case="tp", system="dynshard", first_step_s=first, step_s=median,
                      comm_bytes=report.bytes(), comm_count=len(report.collectives()),
                      comm_min_bytes=4 * args.layers * act_bytes, param_bytes=param_bytes(model),
-                     sharded_layer_fraction=fraction))
+                     layer_param_fraction=fraction))
     if rank == 0:
         print(report)
 
@@ -143,7 +143,7 @@ def tensor_parallel(args, cfg, base, full_numel, act_bytes, rows, whole_batch, r
     rows.append(dict(case="tp", system="DTensor TP + compile", first_step_s=first, step_s=median,
                      comm_bytes=peer_count * act_bytes, comm_count=peer_count,
                      comm_min_bytes=4 * args.layers * act_bytes, param_bytes=param_bytes(model),
-                     sharded_layer_fraction=layer_param_fraction(model, full_numel)[0]))
+                     layer_param_fraction=layer_param_fraction(model, full_numel)))
 
 
 
@@ -156,7 +156,7 @@ def data_parallel(args, base, rows, own_rows) -> None:
     grads = param_bytes(model)
     rows.append(dict(case="dp", system="dynshard", first_step_s=first, step_s=median,
                      comm_bytes=report.bytes(), comm_count=len(report.collectives()),
-                     comm_min_bytes=grads, param_bytes=grads, sharded_layer_fraction=1.0))
+                     comm_min_bytes=grads, param_bytes=grads, layer_param_fraction=1.0))
 
     torch._dynamo.reset()
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -168,7 +168,7 @@ def data_parallel(args, base, rows, own_rows) -> None:
     rows.append(dict(case="dp", system="DDP + compile", first_step_s=first, step_s=median,
                      comm_bytes=grads, comm_count=len(ddp.reducer._get_zeros_like_grad_buckets())
                      if hasattr(ddp.reducer, "_get_zeros_like_grad_buckets") else -1,
-                     comm_min_bytes=grads, param_bytes=param_bytes(model), sharded_layer_fraction=1.0))
+                     comm_min_bytes=grads, param_bytes=param_bytes(model), layer_param_fraction=1.0))
 
 
 def report_rows(args, rows, rank, world) -> None:
@@ -178,11 +178,11 @@ def report_rows(args, rows, rank, world) -> None:
         peer["ratio_to_peer"] = 1.0
     if rank == 0:
         header = ("case", "system", "first step s", "step s", "ratio", "comm MB/step", "collectives (traced|buckets)",
-                  "min MB", "param MB/rank", "layer params/rank")
+                  "min MB", "param MB/rank", "layer params/rank (of total)")
         table = [header] + [(r["case"], r["system"], f"{r['first_step_s']:.2f}", f"{r['step_s']:.3f}",
                              f"{r['ratio_to_peer']:.2f}", f"{r['comm_bytes'] / 1e6:.2f}", str(r["comm_count"]),
                              f"{r['comm_min_bytes'] / 1e6:.2f}", f"{r['param_bytes'] / 1e6:.2f}",
-                             f"{r['sharded_layer_fraction']:.2f}") for r in rows]
+                             f"{r['layer_param_fraction']:.3f}") for r in rows]
         widths = [max(len(row[i]) for row in table) for i in range(len(header))]
         print()
         for row in table:

@@ -99,9 +99,9 @@ class GPT(nn.Module):
 class LayerStack(nn.Module):
     """L transformer layers on an activation input: for counting tensor-parallel communication."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, block: type[nn.Module] | None = None):
         super().__init__()
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList((block or Block)(cfg) for _ in range(cfg.layers))
 
     def forward(self, x):
         for block in self.blocks:
@@ -154,17 +154,6 @@ class GPT2StyleBlock(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(B, T, C)
         x = x + self.c_proj(y)
         return x + self.mlp_proj(F.gelu(self.c_fc(self.ln_2(x))))
-
-
-class GPT2StyleStack(nn.Module):
-    def __init__(self, cfg: GPTConfig):
-        super().__init__()
-        self.h = nn.ModuleList(GPT2StyleBlock(cfg) for _ in range(cfg.layers))
-
-    def forward(self, x):
-        for block in self.h:
-            x = block(x)
-        return x.square().mean()
 
 
 class BatchNormMLP(nn.Module):

@@ -15,7 +15,7 @@ import dynshard
 from dynshard.backend import dynshard_backend
 from dynshard.backend.capture import fqn_from_source
 from dynshard.explain import format_plan
-from models import GPT, MLP, GPT2StyleStack, GPTConfig, LayerStack, gpt_batch, mlp_batch
+from models import GPT, MLP, GPT2StyleBlock, GPTConfig, LayerStack, gpt_batch, mlp_batch
 
 
 def plan_for(model, inputs, **options):
@@ -168,7 +168,7 @@ def test_tensor_parallel_transformer_layers_cost_megatrons_minimum(fake_world, l
     """2 all-reduces forward and 2 backward per layer, and nothing else, however the layer is written."""
     torch.manual_seed(0)
     cfg = GPTConfig(layers=layers, fused_qkv=style == "fused q|k|v")
-    stack = GPT2StyleStack(cfg) if style == "GPT-2 Conv1D" else LayerStack(cfg)
+    stack = LayerStack(cfg, GPT2StyleBlock if style == "GPT-2 Conv1D" else None)
     model = torch.compile(stack, backend="dynshard",
                           options=dynshard.Config(policy="tp", plan_ngpus=2, compiler="aot_eager"))
     model(torch.randn(2, cfg.seq, cfg.d_model)).backward()

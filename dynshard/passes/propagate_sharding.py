@@ -71,9 +71,6 @@ class Propagation:
     def comm_bytes(self) -> int:
         return sum(c.bytes for c in self.collectives)
 
-    def count(self, kind: str | None = None) -> int:
-        return sum(1 for c in self.collectives if kind is None or c.kind == kind)
-
 
 def transition_kind(src: Placement, dst: Placement) -> str | None:
     """The collective that moves one mesh dimension from ``src`` to ``dst`` (None: local or nothing)."""
