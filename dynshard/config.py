@@ -13,6 +13,9 @@ import os
 from types import MappingProxyType
 from typing import Any, Callable, Mapping, Union
 
+import torch
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
 POLICIES = ("dp", "data", "tp")
 COMPILERS = ("inductor", "aot_eager")
 TRACE_STRATEGIES = ("fake", "meta")
@@ -41,6 +44,22 @@ class Config:
     trace_strategy: "fake" plans with FakeTensors on the model's device, "meta" on the meta device.
     compiler: "inductor" (C++ on CPU, Triton on GPU) or "aot_eager" (no code generation, for debugging).
     cache_dir: where plans are stored so that a restart skips planning; None keeps them in memory only.
+
+    Memory (nnScaler's names; see docs/design.md for what each level holds and sends):
+    use_zero: 0 (or False) replicates parameters over the data-parallel units; 1 (or True), 2 and 3 shard
+        every trainable parameter's rows over them (ZeRO-1: all-reduce then slice the gradient, or
+        reduce-scatter with zero_use_reduce_scatter; ZeRO-2: reduce-scatter; ZeRO-3: also free the
+        gathered parameter after the forward and gather it again in the backward).
+    zero_ngroups: split the data-parallel ranks into this many contiguous groups; parameters are sharded
+        inside a group and replicated across groups (HSDP).
+    zero_use_reduce_scatter: at level 1, reduce-scatter gradients instead of all-reducing and slicing.
+    use_async_reducer: overlap gradient reduction with the backward (in-graph buckets, reordered).
+    reducer_bucket_cap_mb: bucket size for gradient reductions; None or 0: Inductor's default (one bucket)
+        in the graph, 25 MB (async) or one bucket (sync) for reductions outside it.
+    mixed_precision: torch's ``MixedPrecisionPolicy`` (or a dict of its fields): compute in param_dtype,
+        reduce gradients in reduce_dtype; parameters, gradients and optimizer state stay in their dtype.
+    recompute_modules: comma-separated module class names or module paths whose activations are
+        recomputed in the backward instead of kept ("ROOT": the whole program).
     """
 
     plan_ngpus: int = 1
@@ -53,6 +72,13 @@ class Config:
     trace_strategy: str = "fake"
     compiler: str = "inductor"
     cache_dir: str | None = None
+    use_zero: int = 0
+    zero_ngroups: int = 1
+    zero_use_reduce_scatter: bool = False
+    use_async_reducer: bool = False
+    reducer_bucket_cap_mb: float | None = None
+    mixed_precision: MixedPrecisionPolicy | None = None
+    recompute_modules: str = ""
 
     def __post_init__(self) -> None:
         for name in ("pas_config", "user_config"):
@@ -90,6 +116,48 @@ class Config:
             raise ConfigError(
                 "dynshard: constant_folding=True bakes buffer values into the program and needs "
                 "inference_only=True")
+        self._check_memory_fields()
+
+    def _check_memory_fields(self) -> None:
+        zero = self.use_zero
+        if isinstance(zero, bool):
+            zero = int(zero)
+            object.__setattr__(self, "use_zero", zero)
+        if not isinstance(zero, int) or zero not in (0, 1, 2, 3):
+            raise ConfigError(f"dynshard: use_zero must be 0/False, 1/True, 2 or 3, got {self.use_zero!r}")
+        _check_int("zero_ngroups", self.zero_ngroups)
+        if self.zero_ngroups != 1 and not zero:
+            raise ConfigError(
+                f"dynshard: zero_ngroups={self.zero_ngroups} only applies with use_zero >= 1; set use_zero "
+                "or leave zero_ngroups at 1")
+        if self.zero_use_reduce_scatter and not zero:
+            raise ConfigError("dynshard: zero_use_reduce_scatter=True only applies with use_zero >= 1")
+        if self.zero_use_reduce_scatter and self.zero_ngroups != 1:
+            raise ConfigError(
+                f"dynshard: zero_use_reduce_scatter=True needs zero_ngroups=1 (got {self.zero_ngroups}), as "
+                "in nnScaler; use use_zero=2 for reduce-scattered gradients with groups")
+        for name in ("zero_use_reduce_scatter", "use_async_reducer"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"dynshard: {name} must be True or False, got {getattr(self, name)!r}")
+        cap = self.reducer_bucket_cap_mb
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0):
+            raise ConfigError(f"dynshard: reducer_bucket_cap_mb must be None or a number >= 0, got {cap!r}")
+        object.__setattr__(self, "mixed_precision", _mixed_precision(self.mixed_precision))
+        if not isinstance(self.recompute_modules, str):
+            raise ConfigError(
+                "dynshard: recompute_modules is a comma-separated string of module class names or paths, "
+                f"got {self.recompute_modules!r}")
+        object.__setattr__(self, "recompute_modules",
+                           ",".join(n.strip() for n in self.recompute_modules.split(",") if n.strip()))
+
+    @property
+    def zero(self) -> int:
+        """The ZeRO level (0 when parameters are replicated over the data-parallel units)."""
+        return self.use_zero
+
+    @property
+    def recompute_names(self) -> tuple[str, ...]:
+        return tuple(self.recompute_modules.split(",")) if self.recompute_modules else ()
 
     @classmethod
     def fields(cls) -> tuple[str, ...]:
@@ -129,6 +197,11 @@ class Config:
         if world_size % self.plan_ngpus:
             raise ConfigError(
                 f"dynshard: plan_ngpus={self.plan_ngpus} does not divide the world size {world_size}")
+        dp_size = world_size // self.plan_ngpus
+        if self.zero_ngroups > 1 and dp_size % self.zero_ngroups:
+            raise ConfigError(
+                f"dynshard: zero_ngroups={self.zero_ngroups} does not divide the {dp_size} data-parallel "
+                f"units (world {world_size} / plan_ngpus {self.plan_ngpus}); choose a divisor of {dp_size}")
         return dataclasses.replace(self, runtime_ngpus=runtime)
 
     def cache_token(self) -> str:
@@ -178,18 +251,31 @@ def _read_environment(environ: Mapping[str, str]) -> dict[str, Any]:
     return values
 
 
+_INTS = ("plan_ngpus", "runtime_ngpus", "zero_ngroups")
+_BOOLS = ("inference_only", "constant_folding", "zero_use_reduce_scatter", "use_async_reducer")
+_JSON = ("pas_config", "user_config", "mixed_precision")
+
+
+def _parse_bool(raw: str) -> bool:
+    lowered = raw.strip().lower()
+    if lowered in ("1", "true", "yes", "on"):
+        return True
+    if lowered in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(raw)
+
+
 def _parse_env(name: str, raw: str, key: str) -> Any:
     try:
-        if name in ("plan_ngpus", "runtime_ngpus"):
+        if name in _INTS:
             return int(raw)
-        if name in ("inference_only", "constant_folding"):
-            lowered = raw.strip().lower()
-            if lowered in ("1", "true", "yes", "on"):
-                return True
-            if lowered in ("0", "false", "no", "off", ""):
-                return False
-            raise ValueError(raw)
-        if name in ("pas_config", "user_config"):
+        if name in _BOOLS:
+            return _parse_bool(raw)
+        if name == "use_zero":
+            return int(raw) if raw.strip().isdigit() else _parse_bool(raw)
+        if name == "reducer_bucket_cap_mb":
+            return None if raw.strip().lower() in ("", "none") else float(raw)
+        if name in _JSON:
             parsed = json.loads(raw)
             if not isinstance(parsed, dict):
                 raise ValueError(raw)
@@ -197,3 +283,32 @@ def _parse_env(name: str, raw: str, key: str) -> Any:
     except ValueError:
         raise ConfigError(f"dynshard: cannot read {key}={raw!r} as the type of Config.{name}") from None
     return raw
+
+
+def _dtype(name: str, value: Any) -> torch.dtype | None:
+    if value is None or isinstance(value, torch.dtype):
+        dtype = value
+    else:
+        dtype = getattr(torch, str(value).replace("torch.", ""), None)
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise ConfigError(f"dynshard: mixed_precision {name} must be a floating dtype such as "
+                          f"'bfloat16', got {value!r}")
+    return dtype
+
+
+def _mixed_precision(value: Any) -> MixedPrecisionPolicy | None:
+    """torch's MixedPrecisionPolicy from itself, a dict of its fields (dtypes by name), or None."""
+    if value is None:
+        return None
+    if isinstance(value, MixedPrecisionPolicy):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if not isinstance(value, Mapping):
+        raise ConfigError("dynshard: mixed_precision must be a torch.distributed.fsdp.MixedPrecisionPolicy "
+                          f"or a dict of its fields, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(MixedPrecisionPolicy)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ConfigError(f"dynshard: unknown mixed_precision field(s) {', '.join(map(repr, unknown))}; "
+                          f"valid fields are {', '.join(sorted(known))}")
+    fields = {k: (v if k == "cast_forward_inputs" else _dtype(k, v)) for k, v in value.items()}
+    return MixedPrecisionPolicy(**fields)

@@ -29,7 +29,9 @@ def test_every_field_can_come_from_the_environment_and_explicit_options_win():
     assert (config.plan_ngpus, config.policy, config.compiler, config.inference_only) == (2, "tp", "inductor", True)
     assert dict(config.pas_config) == {"seed": 3}
     assert set(Config.fields()) == {"plan_ngpus", "runtime_ngpus", "policy", "pas_config", "user_config",
-                                    "inference_only", "constant_folding", "trace_strategy", "compiler", "cache_dir"}
+                                    "inference_only", "constant_folding", "trace_strategy", "compiler", "cache_dir",
+                                    "use_zero", "zero_ngroups", "zero_use_reduce_scatter", "use_async_reducer",
+                                    "reducer_bucket_cap_mb", "mixed_precision", "recompute_modules"}
 
 
 def test_unknown_or_unreadable_environment_variables_are_errors():
@@ -87,3 +89,49 @@ def test_backend_name_resolves_through_the_entry_point_without_importing_dynshar
             "fn = lookup_backend('dynshard'); print(fn.__module__, fn.__name__)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["dynshard.backend", "dynshard_backend"]
+
+
+def test_memory_fields_take_nnscaler_names_and_come_from_the_environment():
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    env = {"DYNSHARD_USE_ZERO": "true", "DYNSHARD_ZERO_NGROUPS": "2", "DYNSHARD_REDUCER_BUCKET_CAP_MB": "4",
+           "DYNSHARD_MIXED_PRECISION": '{"param_dtype": "bfloat16", "reduce_dtype": "float32"}',
+           "DYNSHARD_RECOMPUTE_MODULES": " Block, blocks.0 ", "DYNSHARD_USE_ASYNC_REDUCER": "1"}
+    config = Config.from_options(None, environ=env)
+    assert (config.use_zero, config.zero_ngroups, config.reducer_bucket_cap_mb, config.use_async_reducer) == (1, 2, 4.0, True)
+    assert config.mixed_precision == MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert config.recompute_names == ("Block", "blocks.0")
+    assert Config(use_zero=True) == Config(use_zero=1)
+    assert Config(mixed_precision=MixedPrecisionPolicy(torch.float16)).mixed_precision.param_dtype == torch.float16
+
+
+def test_every_memory_field_is_part_of_the_plan_key():
+    base = Config(use_zero=1).cache_token()
+    for changed in (Config(use_zero=2), Config(use_zero=1, zero_ngroups=2), Config(use_zero=1, zero_use_reduce_scatter=True),
+                    Config(use_zero=1, use_async_reducer=True), Config(use_zero=1, reducer_bucket_cap_mb=1),
+                    Config(use_zero=1, mixed_precision={"param_dtype": "bfloat16"}),
+                    Config(use_zero=1, recompute_modules="Block")):
+        assert changed.cache_token() != base
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"use_zero": 4}, "use_zero must be 0/False, 1/True, 2 or 3"),
+    ({"zero_ngroups": 2}, "zero_ngroups=2 only applies with use_zero >= 1"),
+    ({"zero_use_reduce_scatter": True}, "zero_use_reduce_scatter=True only applies with use_zero"),
+    ({"use_zero": 1, "zero_ngroups": 2, "zero_use_reduce_scatter": True}, "needs zero_ngroups=1"),
+    ({"reducer_bucket_cap_mb": -1}, "reducer_bucket_cap_mb must be None or a number >= 0"),
+    ({"mixed_precision": {"param_dtype": "int8"}}, "must be a floating dtype"),
+    ({"mixed_precision": {"dtype": "bfloat16"}}, "unknown mixed_precision field"),
+    ({"mixed_precision": "bf16"}, "must be a torch.distributed.fsdp.MixedPrecisionPolicy or a dict"),
+    ({"recompute_modules": ["Block"]}, "recompute_modules is a comma-separated string"),
+])
+def test_invalid_memory_settings_say_what_to_change(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        Config(**kwargs)
+
+
+def test_zero_groups_must_divide_the_data_parallel_units():
+    with pytest.raises(ConfigError, match="zero_ngroups=3 does not divide the 4 data-parallel units"):
+        Config(use_zero=1, zero_ngroups=3).resolve(world_size=4)
+    assert Config(policy="tp", plan_ngpus=2, use_zero=3, zero_ngroups=2).resolve(world_size=8).zero_ngroups == 2
