@@ -3,10 +3,15 @@
     model = torch.compile(model, backend="dynshard", options=dynshard.Config(policy="tp", plan_ngpus=2))
 """
 
+from .backend.agreement import PlanMismatchError
 from .config import Config, ConfigError
 from .explain import Explanation, explain
 from .policies import PlanBuilder, PlanError
+from .runtime.accumulation import no_sync
+from .runtime.grad_norm import clip_grad_norm_
 from .runtime.mesh import Layout
+from .runtime.optimizer import ParallelOptimizer, build_optimizer
+from .runtime.reducer import Reducer
 from .runtime.sharding import get_parallel_dim
 from .runtime.state_dict import collect_state_dict, relocate_state_dict
 
@@ -20,5 +25,6 @@ def data_parallel_rank(plan_ngpus: int = 1) -> tuple[int, int]:
     return dist.get_rank() // plan_ngpus, dist.get_world_size() // plan_ngpus
 
 
-__all__ = ["Config", "ConfigError", "Explanation", "Layout", "PlanBuilder", "PlanError", "collect_state_dict",
-           "data_parallel_rank", "explain", "get_parallel_dim", "relocate_state_dict"]
+__all__ = ["Config", "ConfigError", "Explanation", "Layout", "ParallelOptimizer", "PlanBuilder", "PlanError",
+           "PlanMismatchError", "Reducer", "build_optimizer", "clip_grad_norm_", "collect_state_dict",
+           "data_parallel_rank", "explain", "get_parallel_dim", "no_sync", "relocate_state_dict"]

@@ -23,8 +23,24 @@ COLLECTIVE_KINDS: dict[Any, str] = {
     _c10d.all_to_all_single.default: "all_to_all",
     _c10d.broadcast.default: "broadcast",
 }
+ALL_GATHER = _c10d.all_gather_into_tensor.default
 if hasattr(_c10d, "all_reduce_coalesced"):
     COLLECTIVE_KINDS[_c10d.all_reduce_coalesced.default] = "all_reduce"
+
+
+def all_gather_rows(tensor: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Functional all-gather along dim 0 (traceable: aot_autograd records it as it is)."""
+    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(tensor.contiguous(), group_size, group_name))
+
+
+def reduce_scatter_rows(tensor: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """Functional reduce-scatter (sum) along dim 0."""
+    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(tensor.contiguous(), "sum", group_size, group_name))
+
+
+def all_reduce_sum(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Functional all-reduce (sum)."""
+    return _c10d.wait_tensor(_c10d.all_reduce(tensor.contiguous(), "sum", group_name))
 
 
 def register_logger(name: str) -> None:
@@ -60,16 +76,75 @@ def drop_guards_on(node: fx.Node) -> None:
     context.guards_context.dynamo_guards.remove_guards_with_source(grapharg.source)
 
 
-_COMPILE_HOOKS: set[int] = set()
+_COMPILE_HOOKS: dict[int, tuple[Callable, Callable]] = {}
 
 
-def around_dynamo_compiles(start: Callable[[], None], end: Callable[[], None]) -> None:
-    """Run ``start()`` before Dynamo traces any frame and ``end()`` after it has compiled it."""
-    if id(start) in _COMPILE_HOOKS:
+def compiling_backend() -> Callable | None:
+    """The backend Dynamo is compiling the current frame for, as given to ``torch.compile`` (the
+    function behind a backend name, ``torch._TorchCompileWrapper`` and ``functools.partial`` unwrapped);
+    None outside a Dynamo compile or when it cannot be found.
+
+    Read from the ``compiler_fn`` argument of ``torch._dynamo.convert_frame._compile`` on the call
+    stack: Dynamo hands it to nothing else before the backend itself is called.
+    """
+    import functools
+    import sys
+
+    from torch._dynamo import convert_frame
+    from torch._dynamo.eval_frame import innermost_backend
+
+    frame = sys._getframe(1)
+    while frame is not None and not (frame.f_code.co_name == "_compile"
+                                     and frame.f_code.co_filename == convert_frame.__file__):
+        frame = frame.f_back
+    backend = frame.f_locals.get("compiler_fn") if frame is not None else None
+    if backend is None:
+        return None
+    backend = innermost_backend(backend)
+    backend = getattr(backend, "compiler_fn", backend)   # torch.compile's _TorchCompileWrapper
+    while isinstance(backend, functools.partial):
+        backend = backend.func
+    return backend
+
+
+def around_dynamo_compiles(start: Callable[[], None], end: Callable[[], None],
+                           backend: Callable | None = None) -> None:
+    """Run ``start()`` before Dynamo traces a frame for ``backend`` and ``end()`` after it has compiled
+    it (Dynamo's compile callbacks, trigger DYNAMO: not aot_autograd's lazy backward compile).
+
+    ``backend`` defaults to the backend calling this (it must be called from inside a compile). Frames
+    compiled by other backends (``torch.compile(opt.step)``) are left alone; where the frame's backend
+    cannot be found, ``start()`` runs for every frame. ``torch._dynamo.reset()`` drops Dynamo's
+    callbacks: call this again (every backend call does), and they are registered again.
+    """
+    handler = torch._dynamo.callback_handler
+    hooks = _COMPILE_HOOKS.get(id(start))
+    if hooks is not None:
+        if hooks[0] not in handler.start_callbacks:
+            handler.register_start_callback(hooks[0])
+            handler.register_end_callback(hooks[1])
         return
-    _COMPILE_HOOKS.add(id(start))
-    torch._dynamo.callback_handler.register_start_callback(lambda _args: start())
-    torch._dynamo.callback_handler.register_end_callback(lambda _args: end())
+    from torch._dynamo.callback import CallbackTrigger
+
+    own = backend if backend is not None else compiling_backend()
+    started = []
+
+    def on_start(args) -> None:
+        if args.callback_trigger is not CallbackTrigger.DYNAMO:
+            return
+        frame_backend = compiling_backend() if own is not None else None
+        if frame_backend is None or frame_backend is own:
+            started.append(True)
+            start()
+
+    def on_end(args) -> None:
+        if args.callback_trigger is CallbackTrigger.DYNAMO and started:
+            started.clear()
+            end()
+
+    _COMPILE_HOOKS[id(start)] = (on_start, on_end)
+    handler.register_start_callback(on_start)
+    handler.register_end_callback(on_end)
 
 
 def keep_shapes_static() -> None:
@@ -149,14 +224,18 @@ def has_sharding_strategy(op, direct_only: bool = False) -> bool:
 
 
 def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str,
-                     on_graph: Callable[[fx.GraphModule, str], None], freeze: bool = False):
+                     on_graph: Callable[[fx.GraphModule, str], None], freeze: bool = False,
+                     joint_pass: Callable | None = None, patches: dict | None = None):
     """aot_autograd + the configured compiler; ``on_graph(graph, phase)`` sees each forward/backward
-    graph (phase "forward", "backward" or "inference") before it is compiled. The result is called
-    as ``run(*args)`` (aot_module_simplified's convention, whatever ``_boxed_call`` it copies)."""
+    graph (phase "forward", "backward" or "inference") before it is compiled. ``joint_pass(joint,
+    inputs)`` runs on the joint graph before it is partitioned (functorch's ``joint_custom_pass``);
+    ``patches`` are Inductor settings. The result is called as ``run(*args)`` (aot_module_simplified's
+    convention, whatever ``_boxed_call`` it copies)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
-    with isolated_tracing():
+    joint = torch._functorch.config.patch(joint_custom_pass=joint_pass) if joint_pass else contextlib.nullcontext()
+    with isolated_tracing(), joint:
         if compiler == "aot_eager":
             def recorder(phase_if_training: str):
                 def compile_graph(graph: fx.GraphModule, inputs):
@@ -182,8 +261,54 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
 
         # independent all-reduces (data-parallel gradients) go out in buckets, as DDP's reducer does
         # (one bucket measured faster than DDP's 1 MB + 25 MB on CPU/gloo: benchmarks/bench_gpt.py)
-        patches = {"bucket_all_reduces_fx": "all", **({"freezing": True} if freeze else {})}
+        patches = {"bucket_all_reduces_fx": "all", **(patches or {}), **({"freezing": True} if freeze else {})}
         return compile_fx(gm, list(example_inputs), inner_compile=inner_compile, config_patches=patches)
+
+
+def autocast_state() -> dict[str, torch.dtype]:
+    """The autocast dtype of each device type where autocast is on (``torch._C``'s device list)."""
+    return {device: torch.get_autocast_dtype(device) for device in torch._C._autocast_supported_devices()
+            if torch.is_autocast_enabled(device)}
+
+
+def default_store():
+    """The store the default process group was set up with (``distributed_c10d._get_default_store``)."""
+    from torch.distributed.distributed_c10d import _get_default_store
+
+    return _get_default_store()
+
+
+def bucketing_patches(gathers_and_scatters: bool, bucket_cap_mb: float | None, overlap: bool) -> dict:
+    """Inductor settings that merge independent collectives into buckets (and overlap them on GPU).
+
+    All-reduces are always bucketed; ZeRO's parameter all-gathers ("only_fsdp": gathers of one graph
+    input) and gradient reduce-scatters when ``gathers_and_scatters``. ``bucket_cap_mb`` caps each
+    bucket (None or 0: Inductor's default, effectively one bucket per graph)."""
+    patches: dict[str, Any] = {"bucket_all_reduces_fx": "all"}
+    kinds = ["all_reduces"]
+    if gathers_and_scatters:
+        patches.update(bucket_all_gathers_fx="only_fsdp", bucket_reduce_scatters_fx="all")
+        kinds += ["all_gathers", "reduce_scatters"]
+    if bucket_cap_mb:
+        for kind in kinds:
+            patches[f"bucket_{kind}_fx_bucket_size_determinator"] = _BucketCap(bucket_cap_mb)
+    if overlap:   # the scheduler estimates compute by benchmarking kernels: GPU only
+        patches["aten_distributed_optimizations.enable_overlap_scheduling"] = True
+        patches["aten_distributed_optimizations.collective_bucketing"] = True
+    return patches
+
+
+class _BucketCap:
+    """A bucket-size determinator (MB for every bucket); a class so that its repr is stable."""
+
+    def __init__(self, megabytes: float):
+        self.megabytes = megabytes
+
+    def __call__(self, bucket_index: int) -> float:
+        return self.megabytes
+
+    def __repr__(self) -> str:
+        return f"BucketCap({self.megabytes})"
 
 
 def fake_process_group(world_size: int, rank: int = 0) -> None:

@@ -27,6 +27,8 @@ class ProgramReport:
     fallbacks: tuple[str, ...]
     compile_seconds: float
     cache_hits: int
+    saved_bytes: int = 0     # activations kept from the forward for the backward, on this rank
+    saved_count: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +45,10 @@ class Explanation:
     def bytes(self, phase: str | None = None, group: str | None = None) -> int:
         return sum(c.bytes for c in self.collectives(phase=phase, group=group))
 
+    def saved_bytes(self) -> int:
+        """Bytes of activations all programs keep for their backward, on this rank."""
+        return sum(p.saved_bytes for p in self.programs)
+
     def __str__(self) -> str:
         lines = ["parameters"]
         rows = [("name", "global shape", "local shape", "placement")] + [
@@ -52,6 +58,8 @@ class Explanation:
             lines.append("")
             lines.append(f"program {index} ({program.inputs} inputs, compiled in {program.compile_seconds:.1f}s, "
                          f"cache hits {program.cache_hits})")
+            lines.append(f"  saved for backward: {program.saved_bytes} bytes in {program.saved_count} tensors "
+                         "(activations, per rank)")
             lines.append("  collectives as traced (Inductor may still bucket independent all-reduces)")
             rows = [("phase", "collective", "group", "bytes", "shape")] + [
                 (c.phase, c.kind, c.group, str(c.bytes), str(list(c.shape))) for c in program.collectives]
@@ -93,8 +101,10 @@ def explain(model: torch.nn.Module) -> Explanation:
         if tag is None:
             parameters.append(ParameterPlacement(name, tuple(tensor.shape), tuple(tensor.shape), "not compiled"))
             continue
-        parameters.append(ParameterPlacement(name, tuple(tag.global_shape), tuple(tensor.shape),
-                                             describe_placements(tag.layout, tag.placements)))
+        placement = describe_placements(tag.layout, tag.placements)
+        if tag.zero is not None:
+            placement += ", " + tag.zero.describe()
+        parameters.append(ParameterPlacement(name, tuple(tag.global_shape), tuple(tensor.shape), placement))
         for ref in tag.plans:
             plan = ref()
             if plan is not None and all(plan is not p for p in plans):
@@ -102,5 +112,6 @@ def explain(model: torch.nn.Module) -> Explanation:
     programs = tuple(ProgramReport(
         key=plan.key, inputs=len(plan.inputs), collectives=tuple(plan.program.collectives),
         fallbacks=tuple(plan.propagation.fallbacks.values()) if plan.propagation else (),
-        compile_seconds=plan.program.seconds, cache_hits=plan.hits) for plan in plans)
+        compile_seconds=plan.program.seconds, cache_hits=plan.hits, saved_bytes=plan.program.saved_bytes,
+        saved_count=plan.program.saved_count) for plan in plans)
     return Explanation(tuple(parameters), programs)

@@ -11,12 +11,16 @@ import torch.fx as fx
 from .. import compat
 from ..config import Config
 from ..passes import PassContext, run_passes
+from ..passes.tag_recompute import tag_single_process
 from ..runtime.mesh import ensure_process_group, layout_for, world_size
 from ..runtime.program import CompiledPlan, ShardedProgram
-from ..runtime.sharding import is_sharded, local_shape, present_global_shapes, restore_local_shards
+from ..runtime.sharding import is_sharded, present_global_shapes, restore_local_shards, stored_shape
+from ..runtime.zero import zero_groups
+from .agreement import ensure_ranks_agree
 from .capture import describe_inputs
 from .compile import compile_program
 from .plan_cache import PlanCache, plan_key
+from .reshard import reshard_pass
 
 log = logging.getLogger("dynshard")
 PLANS = PlanCache()
@@ -41,6 +45,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     inputs = describe_inputs(gm, example_inputs)
 
     key = plan_key(gm.code, inputs, config, layout)
+    ensure_ranks_agree(key, gm.code, inputs, config, layout)
     plan = PLANS.get(key)
     if plan is not None:
         plan.hits += 1
@@ -50,18 +55,19 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
 
     ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode())
     if layout.mesh is None:   # a single process: nothing to place, compile as it is
-        compiled = compile_program(gm, example_inputs, config.compiler, layout, config.inference_only)
-        plan = CompiledPlan(key, inputs, {i.index: () for i in inputs}, layout, compiled, None, [],
+        compiled = compile_program(tag_single_process(gm, example_inputs, ctx), example_inputs, config.compiler,
+                                   layout, config.inference_only)
+        plan = CompiledPlan(key, inputs, {i.index: () for i in inputs}, {}, layout, compiled, None, [],
                             config.inference_only)
     else:
-        ctx.placements = PLANS.load_placements(config, key) or {}
-        lowered = run_passes(gm, ctx)
-        PLANS.save_placements(config, key, ctx.placements, layout)
-        local_inputs = [_local_example(inp, ctx.placements[inp.index], layout) for inp in inputs]
-        compiled = compile_program(lowered, local_inputs, config.compiler, layout, config.inference_only,
-                                   freeze=config.constant_folding)
-        plan = CompiledPlan(key, inputs, ctx.placements, layout, compiled, ctx.propagation, ctx.timings,
-                            config.inference_only)
+        stored = PLANS.load_placements(config, key)
+        if stored is not None:
+            ctx.placements, ctx.over_dp = stored
+        compiled = _plan_and_compile(gm, ctx, device_type)
+        PLANS.save_placements(config, key, ctx.placements, set(ctx.zero), layout)
+        plan = CompiledPlan(key, inputs, ctx.placements, ctx.zero, layout, compiled, ctx.propagation,
+                            ctx.timings, config.inference_only,
+                            build_no_sync=_no_sync_builder(gm, ctx, device_type) if layout.dp_group else None)
     _drop_guards_on_sharded(gm, plan)
     log.info("compiled plan %s in %.2fs (passes: %s)", key, plan.program.seconds,
              ", ".join(f"{name} {t:.2f}s" for name, t in plan.pass_timings))
@@ -69,10 +75,41 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     return ShardedProgram(plan)
 
 
+def _plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str):
+    """The passes, then the per-rank compile of their program."""
+    config, layout = ctx.config, ctx.layout
+    lowered = run_passes(gm, ctx)
+    local_inputs = [_local_example(inp, ctx.placements[inp.index], ctx.zero_of(inp), layout) for inp in ctx.inputs]
+    return compile_program(lowered, local_inputs, config.compiler, layout, config.inference_only,
+                           freeze=config.constant_folding, joint_pass=_reshard_pass(config, ctx),
+                           inductor_patches=compat.bucketing_patches(
+                               bool(ctx.zero) and ctx.sync_grads, config.reducer_bucket_cap_mb,
+                               config.use_async_reducer and device_type == "cuda"))
+
+
+def _no_sync_builder(gm: fx.GraphModule, planned: PassContext, device_type: str):
+    """Compiles, on first use, the variant of a plan that communicates nothing across units (same
+    placements, ZeRO parameters as whole replicas): gradient accumulation's micro-steps."""
+    def build():
+        ctx = PassContext(config=planned.config, layout=planned.layout, inputs=planned.inputs,
+                          fake_mode=compat.new_fake_mode(), placements=dict(planned.placements),
+                          over_dp=set(planned.zero), sync_grads=False)
+        return _plan_and_compile(gm, ctx, device_type)
+    return build
+
+
+def _reshard_pass(config: Config, ctx: PassContext):
+    """ZeRO-3 frees gathered parameters after the forward (see :mod:`.reshard`)."""
+    if config.zero < 3 or not ctx.zero or not ctx.sync_grads:
+        return None
+    groups = {zero_groups(ctx.layout, spec.ngroups).shard_name for spec in ctx.zero.values()}
+    return reshard_pass(groups)
+
+
 def _drop_guards_on_sharded(gm: fx.GraphModule, plan: CompiledPlan) -> None:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for inp in plan.inputs:
-        if inp.is_state and is_sharded(plan.placements[inp.index]):
+        if inp.is_state and (is_sharded(plan.placements[inp.index]) or inp.index in plan.zero):
             compat.drop_guards_on(placeholders[inp.index])
 
 
@@ -83,6 +120,6 @@ def _device_type(example_inputs: Sequence[Any]) -> str:
     return "cpu"
 
 
-def _local_example(inp, placements, layout) -> torch.Tensor:
-    shape = local_shape(inp.shape, layout, placements) if inp.is_state else inp.shape
+def _local_example(inp, placements, zero, layout) -> torch.Tensor:
+    shape = stored_shape(inp.shape, layout, placements, zero) if inp.is_state else inp.shape
     return torch.empty(shape, dtype=inp.dtype, device=inp.device).requires_grad_(inp.requires_grad)

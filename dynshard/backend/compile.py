@@ -8,6 +8,7 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import compat
 from ..runtime.mesh import Layout
@@ -41,28 +42,61 @@ def collectives_in(graph: fx.GraphModule, phase: str, layout: Layout) -> list[Co
     return records
 
 
+def saved_activations(backward: fx.GraphModule, forward_storages: set) -> tuple[int, int]:
+    """(bytes, tensors) the forward keeps alive for the backward: the backward graph's placeholders that
+    are not tangents, counted once per storage (views of one tensor share it), without the storages of
+    the forward's inputs (a parameter, or a view of one, saved for its matmul costs no memory)."""
+    storages = {}
+    for node in backward.graph.nodes:
+        value = node.meta.get("val")
+        if node.op != "placeholder" or node.name.startswith("tangents") or not isinstance(value, torch.Tensor):
+            continue
+        storage = StorageWeakRef(value.untyped_storage())
+        if storage not in forward_storages:
+            storages[storage] = value.untyped_storage().nbytes()
+    return sum(storages.values()), len(storages)
+
+
+def _input_storages(forward: fx.GraphModule) -> set:
+    return {StorageWeakRef(n.meta["val"].untyped_storage()) for n in forward.graph.nodes
+            if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)}
+
+
 @dataclasses.dataclass
 class CompiledProgram:
     run: Any
     collectives: list[CollectiveRecord]
     graphs: dict[str, str]        # phase -> code of the graph handed to the compiler
     seconds: float
+    saved_bytes: int = 0          # activations the forward keeps for the backward, on this rank
+    saved_count: int = 0          # ... in this many tensors (distinct storages)
+    forward_storages: set = dataclasses.field(default_factory=set, repr=False)
 
 
 def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], compiler: str, layout: Layout,
-                    inference_only: bool = False, freeze: bool = False) -> CompiledProgram:
+                    inference_only: bool = False, freeze: bool = False, joint_pass=None,
+                    inductor_patches: dict | None = None) -> CompiledProgram:
+    """``joint_pass``: run on aot_autograd's joint graph before partitioning (recompute tags);
+    ``inductor_patches``: Inductor settings for this program (collective bucketing)."""
     program = CompiledProgram(run=None, collectives=[], graphs={}, seconds=0.0)
 
     def on_graph(graph: fx.GraphModule, phase: str) -> None:
         program.graphs[phase] = graph.code
         program.collectives = [c for c in program.collectives if c.phase != phase]
         program.collectives.extend(collectives_in(graph, phase, layout))
+        if phase == "forward":
+            program.forward_storages = _input_storages(graph)
+        elif phase == "backward":
+            program.saved_bytes, program.saved_count = saved_activations(graph, program.forward_storages)
+            program.forward_storages = set()
 
     start = time.perf_counter()
     if inference_only:
         with torch.no_grad():
-            program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, freeze=freeze)
+            program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, freeze=freeze,
+                                                  patches=inductor_patches)
     else:
-        program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph)
+        program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, joint_pass=joint_pass,
+                                              patches=inductor_patches)
     program.seconds = time.perf_counter() - start
     return program

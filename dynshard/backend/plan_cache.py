@@ -16,6 +16,7 @@ import torch
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from .. import compat
 from ..config import Config
 from ..runtime.mesh import Layout
 from .capture import GraphInput
@@ -23,8 +24,15 @@ from .capture import GraphInput
 
 def plan_key(code: str, inputs: Sequence[GraphInput], config: Config, layout: Layout) -> str:
     parts = [code, *(inp.token() for inp in inputs), config.cache_token(), layout.token(),
-             torch.__version__, f"grad={torch.is_grad_enabled()}"]
+             torch.__version__, modes_token()]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def modes_token() -> str:
+    """The ambient state that changes the traced program while Dynamo's graph stays the same: grad mode,
+    autocast (aot_autograd applies it while tracing) and the default dtype (factory calls)."""
+    autocast = ",".join(f"{device}:{dtype}" for device, dtype in sorted(compat.autocast_state().items()))
+    return f"grad={torch.is_grad_enabled()} autocast={autocast or 'off'} default_dtype={torch.get_default_dtype()}"
 
 
 class PlanCache:
@@ -42,7 +50,8 @@ class PlanCache:
 
     # -- placements on disk -----------------------------------------------------------------------
     @staticmethod
-    def load_placements(config: Config, key: str) -> dict[int, tuple[Placement, ...]] | None:
+    def load_placements(config: Config, key: str) -> tuple[dict[int, tuple[Placement, ...]], set[int]] | None:
+        """A stored plan: each input's placements and the inputs whose rows ZeRO splits over dp."""
         if not config.cache_dir:
             return None
         path = os.path.join(config.cache_dir, f"plan-{key}.json")
@@ -50,18 +59,20 @@ class PlanCache:
             return None
         with open(path) as f:
             stored = json.load(f)
-        return {int(i): tuple(_decode(p) for p in ps) for i, ps in stored["placements"].items()}
+        placements = {int(i): tuple(_decode(p) for p in ps) for i, ps in stored["placements"].items()}
+        return placements, set(stored.get("over_dp", ()))
 
     @staticmethod
     def save_placements(config: Config, key: str, placements: dict[int, tuple[Placement, ...]],
-                        layout: Layout) -> None:
+                        over_dp: set[int], layout: Layout) -> None:
         if not config.cache_dir or layout.rank != 0:
             return
         os.makedirs(config.cache_dir, exist_ok=True)
         path = os.path.join(config.cache_dir, f"plan-{key}.json")
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
-            json.dump({"placements": {i: [_encode(p) for p in ps] for i, ps in placements.items()}}, f)
+            json.dump({"placements": {i: [_encode(p) for p in ps] for i, ps in placements.items()},
+                       "over_dp": sorted(over_dp)}, f)
         os.replace(tmp, path)
 
 

@@ -14,6 +14,7 @@ from .insert_collectives import insert_collectives
 from .lower_to_aten import lower_to_aten
 from .propagate_sharding import propagate_sharding
 from .split_fused_projections import split_fused_projections
+from .tag_recompute import tag_recompute
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
@@ -23,6 +24,8 @@ PASSES: list[Pass] = [
     assign_placements,    # the policy places parameters, buffers and inputs
     propagate_sharding,   # every node's placement, the collectives the plan costs, fallbacks
     insert_collectives,   # -> the per-rank program: local tensors in and out, DTensor in between
+    tag_recompute,        # recompute_modules: partitioner recompute tags (after the collectives exist,
+                          # so that dynshard's own communication stays saved, never recomputed)
 ]
 
 log = logging.getLogger("dynshard")
@@ -39,4 +42,4 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[Pass] | None =
 
 
 __all__ = ["PASSES", "PassContext", "run_passes", "lower_to_aten", "assign_placements",
-           "propagate_sharding", "insert_collectives", "split_fused_projections"]
+           "propagate_sharding", "insert_collectives", "split_fused_projections", "tag_recompute"]

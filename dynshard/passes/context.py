@@ -11,6 +11,7 @@ from ..backend.capture import GraphInput
 from ..config import Config
 from ..runtime.mesh import Layout
 from ..runtime.sharding import placements_for
+from ..runtime.zero import ZeroSpec
 
 
 @dataclasses.dataclass
@@ -20,6 +21,9 @@ class PassContext:
     inputs: list[GraphInput]
     fake_mode: Any
     placements: dict[int, tuple[Placement, ...]] = dataclasses.field(default_factory=dict)
+    over_dp: set[int] = dataclasses.field(default_factory=set)   # from a stored plan: inputs ZeRO splits
+    zero: dict[int, ZeroSpec] = dataclasses.field(default_factory=dict)   # inputs whose rows ZeRO splits
+    sync_grads: bool = True          # False: the no-sync variant (whole replicas in, local gradients out)
     propagation: Any = None          # passes.propagate_sharding.Propagation
     blocked: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # input -> (blocks, dim)
     timings: list[tuple[str, float]] = dataclasses.field(default_factory=list)
@@ -34,3 +38,7 @@ class PassContext:
         if inp.is_state:
             return inp.tag.placements if inp.tag is not None else self.placements[inp.index]
         return placements_for(self.layout, {})
+
+    def zero_of(self, inp: GraphInput) -> ZeroSpec | None:
+        """The ZeRO storage the input arrives in (None: whole; the no-sync variant gets replicas)."""
+        return self.zero.get(inp.index) if self.sync_grads else None

@@ -12,35 +12,26 @@ matmuls gets an identity whose backward reduces a partial gradient (Megatron's `
 has summed the gradients of all its uses; left to DTensor, a partial gradient would flow on into the
 previous layer's matmuls and be gathered there.
 
-Across units (mesh dimension "dp") each trainable parameter passes through an identity whose backward
-averages its gradient over "dp", so the backward graph itself does what DDP's reducer does.
+Across units (mesh dimension "dp") each trainable parameter first passes through
+:class:`~.grad_sync.SyncOverDP`, so the graphs themselves do what DDP's reducer and ZeRO do: gather a
+ZeRO-split parameter, average (and reduce-scatter) the gradient.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
-import torch.distributed._functional_collectives as funcol
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
 from ..runtime.mesh import Layout
+from ..runtime.zero import zero_groups
 from .context import PassContext
+from .grad_sync import GradSync, sync_over_dp
 from .op_sets import MATMUL_OPERANDS, view_root
 from .propagate_sharding import reduced_placements
-
-
-class AverageGradOverDP(torch.autograd.Function):
-    """Identity forward; backward all-reduces the gradient over the data-parallel group and averages."""
-
-    @staticmethod
-    def forward(ctx, tensor: torch.Tensor, group, size: int) -> torch.Tensor:
-        ctx.group, ctx.size = group, size
-        return tensor.view_as(tensor)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return funcol.all_reduce(grad.contiguous(), "sum", ctx.group) / ctx.size, None, None
 
 
 class ReduceGradPartials(torch.autograd.Function):
@@ -66,12 +57,28 @@ def _named(fn, name: str):
     return fn
 
 
-def wrap_input_fn(layout: Layout, arrival, planned, shape, stride, average_grad: bool):
-    mesh, dp_group, dp_size = layout.tp_mesh, layout.dp_group, layout.dp_size
+def grad_sync_for(inp, ctx: PassContext) -> GradSync | None:
+    """What a graph input needs across data-parallel units; None for user inputs and buffers, and for
+    parameters without gradients that are whole on every unit."""
+    layout, config, zero = ctx.layout, ctx.config, ctx.zero_of(inp)
+    trainable = inp.kind == "parameter" and inp.requires_grad and not config.inference_only
+    if layout.dp_group is None or (zero is None and not trainable):
+        return None
+    sync = GradSync(dp_group=layout.dp_group.group_name, dp_size=layout.dp_size, communicate=ctx.sync_grads)
+    if zero is None:
+        return sync
+    groups = zero_groups(layout, zero.ngroups)
+    return dataclasses.replace(
+        sync, zero=zero, shard_group=groups.shard_name, rank=groups.rank,
+        replica_group=groups.replicas.group_name if groups.replicas is not None else None)
+
+
+def wrap_input_fn(layout: Layout, arrival, planned, shape, stride, sync: GradSync | None):
+    mesh = layout.tp_mesh
 
     def wrap_input(local: torch.Tensor):
-        if average_grad and torch.is_grad_enabled():
-            local = AverageGradOverDP.apply(local, dp_group, dp_size)
+        if sync is not None:
+            local = sync_over_dp(local, sync)
         if mesh is None:
             return local
         tensor = DTensor.from_local(local, mesh, arrival, run_check=False, shape=shape, stride=stride)
@@ -112,16 +119,14 @@ def reduce_partials_fn(layout: Layout):
 def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     graph, layout, propagation = gm.graph, ctx.layout, ctx.propagation
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    average = layout.dp_group is not None and not ctx.config.inference_only
 
     wrapped = []
     with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before():
         for inp, node in reversed(list(zip(ctx.inputs, placeholders))):
-            needs_average = average and inp.kind == "parameter" and inp.requires_grad
-            if layout.tp_mesh is None and not needs_average:
+            sync = grad_sync_for(inp, ctx)
+            if layout.tp_mesh is None and sync is None:
                 continue
-            fn = wrap_input_fn(layout, ctx.arrival(inp), ctx.placements[inp.index], inp.shape, inp.stride,
-                               needs_average)
+            fn = wrap_input_fn(layout, ctx.arrival(inp), ctx.placements[inp.index], inp.shape, inp.stride, sync)
             wrapped.append((node, graph.call_function(_named(fn, f"wrap_{inp.kind}"), (node,))))
     for node, new in wrapped:
         node.replace_all_uses_with(new, delete_user_cb=lambda user, new=new: user is not new)

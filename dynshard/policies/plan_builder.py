@@ -4,8 +4,12 @@ A policy is ``policy(plan: PlanBuilder, config: Config) -> None``. It reads the 
 (``plan.graph``), the parameters and buffers (``plan.state``) and user inputs (``plan.user_inputs``), and
 chooses, for the "tp" mesh dimension (the ranks of one plan unit), whether each is split along a
 dimension (``plan.shard(name, dim)``) or whole on every rank (``plan.replicate(name)``, the default).
-``plan.propagate()`` tells what the current choice costs. Data parallelism across units is not the
-policy's concern: each unit sees its own batch and gradients are averaged over "dp".
+``plan.propagate()`` tells what the current choice costs.
+
+Across units (mesh dimension "dp") each unit sees its own batch and gradients are averaged. With
+``Config.use_zero`` every trainable parameter's rows are split over its zero group by default; a policy
+may keep a parameter whole across units with ``plan.replicate_over_dp(name)`` (or split one with
+``plan.shard_over_dp(name)``), e.g. a small one whose padding would cost more than it saves.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from ..backend.capture import GraphInput
 from ..config import Config
 from ..passes.context import PassContext
 from ..passes.propagate_sharding import Propagation, propagate
-from ..runtime.sharding import check_divisible, placements_for
+from ..runtime.sharding import check_divisible, local_shape, placements_for
+from ..runtime.zero import ZeroSpec, zero_spec
 
 
 class PlanError(ValueError):
@@ -33,6 +38,9 @@ class PlanBuilder:
         for inp in ctx.inputs:
             if inp.tag is not None and inp.tag.placements:
                 self._tp[inp.index] = inp.tag.placements[0]
+        self._over_dp = {inp.index for inp in ctx.inputs
+                         if (inp.tag.zero is not None if inp.tag is not None else
+                             ctx.config.zero and inp.kind == "parameter" and inp.requires_grad)}
         self._placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
 
     # -- what the policy reads ------------------------------------------------------------------------
@@ -88,6 +96,17 @@ class PlanBuilder:
     def replicate(self, name: str) -> None:
         self._set(self._input(name), Replicate())
 
+    def shard_over_dp(self, name: str) -> None:
+        """Split ``name``'s rows over its zero group (needs ``use_zero``): ZeRO storage."""
+        inp = self._input(name)
+        if not self.config.zero:
+            raise PlanError(f"dynshard: shard_over_dp({name!r}) needs Config(use_zero=1, 2 or 3)")
+        self._set_over_dp(inp, True)
+
+    def replicate_over_dp(self, name: str) -> None:
+        """Keep ``name`` whole on every data-parallel unit (its gradient is all-reduced)."""
+        self._set_over_dp(self._input(name), False)
+
     def propagate(self, reuse: Propagation | None = None) -> Propagation:
         """Placements and communication of the current choice (``reuse``: an earlier result, whose
         unaffected prefix is not recomputed)."""
@@ -106,6 +125,9 @@ class PlanBuilder:
             result[inp.index] = placements
         return result
 
+    def finish_zero(self, placements: dict[int, tuple[Placement, ...]]) -> dict[int, ZeroSpec]:
+        return zero_specs(self.ctx, placements, self._over_dp)
+
     # -- internals ------------------------------------------------------------------------------------
     def _input(self, name: str | int) -> GraphInput:
         for inp in self.ctx.inputs:
@@ -113,6 +135,12 @@ class PlanBuilder:
                 return inp
         known = ", ".join(inp.name for inp in self.ctx.inputs)
         raise PlanError(f"dynshard: the graph has no parameter, buffer or input named {name!r}; it has {known}")
+
+    def _set_over_dp(self, inp: GraphInput, split: bool) -> None:
+        if inp.tag is not None and (inp.tag.zero is not None) != split:
+            raise PlanError(f"dynshard: {inp.name} is already stored by an earlier compiled program; a "
+                            "parameter keeps one placement in every graph")
+        (self._over_dp.add if split else self._over_dp.discard)(inp.index)
 
     def _set(self, inp: GraphInput, placement: Placement) -> None:
         if not self.ctx.layout.placement_dims:
@@ -123,3 +151,21 @@ class PlanBuilder:
                 f"compiled program; a parameter keeps one placement in every graph")
         self._tp[inp.index] = placement
 
+
+
+def zero_specs(ctx: PassContext, placements: dict[int, tuple[Placement, ...]],
+               over_dp: set[int]) -> dict[int, ZeroSpec]:
+    """The ZeRO storage of the inputs split over the data-parallel ranks (tagged inputs keep theirs)."""
+    specs = {}
+    for inp in ctx.inputs:
+        if inp.tag is not None:
+            spec = inp.tag.zero
+        elif inp.index in over_dp:
+            spec = zero_spec(ctx.config.zero, ctx.layout, ctx.config.zero_ngroups,
+                             local_shape(inp.shape, ctx.layout, placements[inp.index]),
+                             ctx.config.zero_use_reduce_scatter)
+        else:
+            spec = None
+        if spec is not None:
+            specs[inp.index] = spec
+    return specs

@@ -76,10 +76,20 @@ class Layout:
         for name in self.dim_names:
             if self.mesh.get_group(name).group_name == group_name:
                 return name
+        if group_name in _GROUP_NAMES:
+            return _GROUP_NAMES[group_name]
         return "world" if group_name == dist.group.WORLD.group_name else group_name
 
     def token(self) -> str:
         return f"world={self.world_size},plan={self.plan_ngpus},device={self.device_type}"
+
+
+_GROUP_NAMES: dict[str, str] = {}   # process groups created after the mesh (ZeRO groups) -> what they are
+
+
+def register_group_name(group_name: str, dim: str) -> None:
+    """Report collectives on ``group_name`` under ``dim`` (explain, tests)."""
+    _GROUP_NAMES[group_name] = dim
 
 
 def ensure_process_group(device_type: str) -> None:

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor import Placement
 
 from ..backend.capture import GraphInput
 from ..backend.compile import CompiledProgram
+from .accumulation import ACCUMULATION
 from .mesh import Layout
 from .sharding import shard_in_place
+from .zero import ZeroSpec
 
 
 @dataclasses.dataclass(eq=False)
@@ -21,12 +23,20 @@ class CompiledPlan:
     key: str
     inputs: list[GraphInput]
     placements: dict[int, tuple[Placement, ...]]
+    zero: dict[int, ZeroSpec]          # inputs stored as ZeRO rows over the data-parallel ranks
     layout: Layout
     program: CompiledProgram
     propagation: Any
     pass_timings: list[tuple[str, float]]
     inference_only: bool
     hits: int = 0
+    build_no_sync: Callable[[], CompiledProgram] | None = None   # the accumulation variant, compiled lazily
+    _no_sync: CompiledProgram | None = None
+
+    def no_sync_program(self) -> CompiledProgram:
+        if self._no_sync is None:
+            self._no_sync = self.build_no_sync()
+        return self._no_sync
 
 
 class ShardedProgram:
@@ -39,18 +49,37 @@ class ShardedProgram:
     def __init__(self, plan: CompiledPlan):
         self.plan = plan
         self._prepared = False
+        self._params = [inp for inp in plan.inputs if inp.kind == "parameter"]
 
     def __call__(self, *args: Any):
         if not self._prepared:
             self._prepare(args)
-        if self.plan.inference_only:
+        plan = self.plan
+        if plan.inference_only:
             with torch.no_grad():
-                return self.plan.program.run(*args)
-        return self.plan.program.run(*args)
+                return plan.program.run(*args)
+        if plan.build_no_sync is not None and torch.is_grad_enabled() and ACCUMULATION.wants_no_sync(
+                [args[i.index] for i in self._params]):
+            return plan.no_sync_program().run(*self._accumulating(args))
+        if ACCUMULATION.pending and torch.is_grad_enabled():
+            ACCUMULATION.flush()       # the first synchronising call reduces what was accumulated
+        return plan.program.run(*args)
+
+    def _accumulating(self, args) -> list:
+        """The no-sync variant's arguments: whole replicas for ZeRO parameters; local gradients."""
+        args = list(args)
+        for inp in self._params:
+            param = args[inp.index]
+            if inp.index in self.plan.zero:
+                args[inp.index] = ACCUMULATION.replica(param)
+            elif param.requires_grad:
+                ACCUMULATION.accumulates(param)
+        return args
 
     def _prepare(self, args) -> None:
         for inp in self.plan.inputs:
             if inp.is_state:
-                tag = shard_in_place(args[inp.index], inp.name, self.plan.layout, self.plan.placements[inp.index])
+                tag = shard_in_place(args[inp.index], inp.name, self.plan.layout, self.plan.placements[inp.index],
+                                     self.plan.zero.get(inp.index))
                 tag.add_plan(self.plan)
         self._prepared = True

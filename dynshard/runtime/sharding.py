@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .mesh import Layout
+from .zero import ZeroSpec, gather_rows, shard_rows, zero_groups
 
 TAG_ATTR = "_dynshard_tag"
 SHARDS = (Shard, _StridedShard)   # _StridedShard is not a Shard subclass in torch 2.13
@@ -48,11 +49,17 @@ class ShardTag:
     global_stride: tuple[int, ...]
     placements: tuple[Placement, ...]
     layout: Layout
+    zero: ZeroSpec | None = None   # rows split over the zero group (data-parallel ranks)
     plans: list = dataclasses.field(default_factory=list)  # weakrefs to the CompiledPlans using it
 
     def add_plan(self, plan: Any) -> None:
         if not any(ref() is plan for ref in self.plans):
             self.plans.append(weakref.ref(plan))
+
+    @property
+    def is_split(self) -> bool:
+        """Whether this rank holds less than the whole tensor (tp shards or ZeRO rows)."""
+        return is_sharded(self.placements) or self.zero is not None
 
     @property
     def parallel_dim(self) -> int | None:
@@ -96,6 +103,21 @@ def local_shape(shape: torch.Size, layout: Layout, placements: tuple[Placement, 
     return torch.Size(dims)
 
 
+def stored_shape(shape: torch.Size, layout: Layout, placements: tuple[Placement, ...],
+                 zero: ZeroSpec | None) -> torch.Size:
+    """The shape this rank holds at rest: its tp shard, of which its ZeRO rows."""
+    tp_local = local_shape(shape, layout, placements)
+    return zero.stored_shape(tp_local) if zero is not None else tp_local
+
+
+def stored_piece(full: torch.Tensor, tag: ShardTag) -> torch.Tensor:
+    """What this rank holds at rest of the whole tensor ``full`` (no communication)."""
+    piece = local_shard(full, tag.layout, tag.placements)
+    if tag.zero is not None:
+        piece = shard_rows(piece, tag.zero, zero_groups(tag.layout, tag.zero.ngroups).rank)
+    return piece
+
+
 def local_shard(full: torch.Tensor, layout: Layout, placements: tuple[Placement, ...]) -> torch.Tensor:
     """This rank's piece of ``full`` (no communication: every rank holds the full tensor)."""
     piece = full
@@ -108,8 +130,8 @@ def local_shard(full: torch.Tensor, layout: Layout, placements: tuple[Placement,
 
 
 def shard_in_place(tensor: torch.Tensor, fqn: str, layout: Layout,
-                   placements: tuple[Placement, ...]) -> ShardTag:
-    """Make ``tensor`` hold this rank's shard, and tag it. Ranks first agree on rank 0's values."""
+                   placements: tuple[Placement, ...], zero: ZeroSpec | None = None) -> ShardTag:
+    """Make ``tensor`` hold what this rank stores of it, and tag it. Ranks first agree on rank 0's values."""
     existing = get_tag(tensor)
     if existing is not None:
         return existing
@@ -118,14 +140,13 @@ def shard_in_place(tensor: torch.Tensor, fqn: str, layout: Layout,
             dist.broadcast(tensor.data, src=0)
     global_shape, global_stride = tensor.shape, tensor.stride()
     check_divisible(fqn, global_shape, layout, placements)
-    if any(isinstance(p, SHARDS) for p in placements):
-        with torch.no_grad():
-            tensor.data = local_shard(tensor.data, layout, placements).clone()
     tag = ShardTag(fqn=fqn, global_shape=global_shape, global_stride=tuple(global_stride),
-                   placements=placements, layout=layout)
-    setattr(tensor, TAG_ATTR, tag)
-    if is_sharded(placements):
+                   placements=placements, layout=layout, zero=zero)
+    if tag.is_split:
+        with torch.no_grad():
+            tensor.data = stored_piece(tensor.data, tag).clone()
         _SHARDED.add(tensor)
+    setattr(tensor, TAG_ATTR, tag)
     return tag
 
 
@@ -133,31 +154,58 @@ def is_sharded(placements: tuple[Placement, ...]) -> bool:
     return any(isinstance(p, SHARDS) for p in placements)
 
 
+# gradients of sharded tensors whose .data was swapped for a global stand-in: (grad, its local data)
+_LOCAL_GRADS: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _global_stand_in(like: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A tensor of ``shape`` with ``like``'s dtype and device and no memory behind it (an expanded
+    scalar); made outside inference mode, so that a compile under ``torch.inference_mode()`` does not
+    turn a parameter into an inference tensor."""
+    with torch.inference_mode(False):
+        return torch.empty((), dtype=like.dtype, device=like.device).expand(shape)
+
+
 def present_global_shapes() -> None:
-    """Before Dynamo traces: sharded tensors show their global shape (no memory behind it)."""
+    """Before Dynamo traces a frame dynshard compiles: sharded tensors show their global shape (no
+    memory behind it), and so do their gradients (a backward has left local ``.grad`` tensors; Dynamo
+    fakes each parameter with its ``.grad``, and refuses a gradient of another shape). The gradient
+    tensors stay the same objects (their ``.data`` is swapped), as optimizers and
+    ``zero_grad(set_to_none=False)`` expect."""
     for tensor in list(_SHARDED):
         tag = get_tag(tensor)
         if id(tensor) in _LOCAL_DATA or tag is None:
             continue
+        grad = tensor.grad if tensor.is_leaf else None
         _LOCAL_DATA[id(tensor)] = (tensor, tensor.data)
-        stand_in = torch.empty((), dtype=tensor.dtype, device=tensor.device).expand(tag.global_shape)
         with torch.no_grad():
-            tensor.data = stand_in
+            tensor.data = _global_stand_in(tensor, tag.global_shape)
+            if grad is not None and grad.shape != tag.global_shape:
+                _LOCAL_GRADS[id(tensor)] = (grad, grad.data)
+                grad.data = _global_stand_in(grad, tag.global_shape)
 
 
 def restore_local_shards() -> None:
-    """After Dynamo has compiled: sharded tensors hold their shards again."""
-    for tensor, local in list(_LOCAL_DATA.values()):
-        with torch.no_grad():
+    """After Dynamo has compiled: sharded tensors (and their gradients) hold their shards again."""
+    with torch.no_grad():
+        for tensor, local in list(_LOCAL_DATA.values()):
             tensor.data = local
+        for grad, local in list(_LOCAL_GRADS.values()):
+            grad.data = local
     _LOCAL_DATA.clear()
+    _LOCAL_GRADS.clear()
 
 
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind a (possibly sharded) local tensor; a collective when it is sharded."""
     tag = get_tag(tensor)
-    if tag is None or not is_sharded(tag.placements):
+    if tag is None or not tag.is_split:
         return tensor.detach()
-    dtensor = DTensor.from_local(tensor.detach(), tag.layout.tp_mesh, tag.placements, run_check=False,
+    local = tensor.detach()
+    if tag.zero is not None:
+        local = gather_rows(local, tag.zero, zero_groups(tag.layout, tag.zero.ngroups))
+    if not is_sharded(tag.placements):
+        return local.clone()
+    dtensor = DTensor.from_local(local, tag.layout.tp_mesh, tag.placements, run_check=False,
                                  shape=tag.global_shape, stride=tag.global_stride)
     return dtensor.full_tensor()

@@ -6,7 +6,7 @@ from typing import Mapping
 
 import torch
 
-from .sharding import full_tensor, get_tag, local_shard
+from .sharding import full_tensor, get_tag, stored_piece
 
 _COMPILED_PREFIX = "_orig_mod."
 
@@ -51,6 +51,6 @@ def relocate_state_dict(module: torch.nn.Module, full_state_dict: Mapping[str, t
             if tuple(value.shape) != tuple(tag.global_shape):
                 raise ValueError(f"dynshard: {key} has shape {tuple(value.shape)} but the model's full "
                                  f"tensor is {tuple(tag.global_shape)}")
-            value = local_shard(value, tag.layout, tag.placements)
+            value = stored_piece(value, tag)
         relocated[key] = value
     return relocated

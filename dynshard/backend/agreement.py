@@ -1,0 +1,191 @@
+"""Every rank must compile the same plan: plans that differ issue collectives that do not match, which
+gloo reports as a "collective mismatch" deep inside a step and NCCL answers with a hang.
+
+At each backend call the ranks all-gather their plan key on a small gloo group of dynshard's own
+(it works whatever the default group's backend, and has a short timeout). Keys that differ raise
+:class:`PlanMismatchError` on every rank, after a second exchange that finds what differs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import itertools
+import json
+import pickle
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import compat
+from ..config import Config
+from ..runtime.mesh import Layout
+from .capture import GraphInput
+from .plan_cache import modes_token
+
+# How long a rank waits for the others at a compile (read at each compile). All ranks compile the same
+# graphs at about the same time, so a long wait means a rank is not coming (it compiles other graphs, or
+# it failed).
+TIMEOUT = datetime.timedelta(seconds=300)
+_KEY_BYTES = 64
+
+_FIX = ("Every rank must run the same model and code, with the same dynshard config, grad/autocast mode "
+        "and input shapes (the ranks of one plan unit see the same batch)")
+
+
+class PlanMismatchError(RuntimeError):
+    """The ranks compiled different plans (or not all of them compiled): their collectives would not match."""
+
+
+class _Agreement:
+    """The gloo group the keys travel on (made at the first compile of each default process group) and
+    the count of compiles checked on it."""
+
+    def __init__(self) -> None:
+        self.world: Any = None                  # the default group the state below belongs to
+        self.store: dist.Store | None = None
+        self.group: dist.ProcessGroupGloo | None = None
+        self.compiles = 0
+        self.generation = itertools.count()
+
+    def check(self, key: str, describe: Callable[[], dict]) -> None:
+        if self.world is not dist.group.WORLD:
+            self.world, self.group, self.compiles = dist.group.WORLD, None, 0
+            self.store = dist.PrefixStore(f"dynshard/agreement/{next(self.generation)}", compat.default_store())
+        # how far this rank got, so that a rank left waiting can name the ranks that did not come
+        self.store.set(f"reached/{dist.get_rank()}", str(self.compiles))
+        if self.group is None:
+            try:
+                self.group = dist.ProcessGroupGloo(self.store, dist.get_rank(), dist.get_world_size(), TIMEOUT)
+            except RuntimeError as error:
+                raise PlanMismatchError(self._absent(error)) from error
+        keys = self.all_gather(key.encode(), _KEY_BYTES)
+        if len(set(keys)) > 1:
+            descriptions = self.all_gather_object(describe())
+            raise PlanMismatchError(
+                f"dynshard: the ranks compiled different plans at compile #{self.compiles}, so their "
+                f"collectives would not match: {explain_mismatch(descriptions)}. {_FIX}")
+        self.compiles += 1
+
+    def all_gather(self, payload: bytes, size: int) -> list[bytes]:
+        """Each rank's ``payload`` (at most ``size`` bytes, zero-padded)."""
+        tensor = torch.zeros(size, dtype=torch.uint8)
+        tensor[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        gathered = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        try:
+            self.group.allgather([gathered], [tensor]).wait(TIMEOUT)
+        except RuntimeError as error:
+            raise PlanMismatchError(self._absent(error)) from error
+        return [t.numpy().tobytes() for t in gathered]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        payload = pickle.dumps(obj)
+        sizes = self.all_gather(len(payload).to_bytes(8, "little"), 8)
+        size = max(int.from_bytes(s, "little") for s in sizes)
+        return [pickle.loads(data) for data in self.all_gather(payload, size)]
+
+    def _absent(self, error: Exception) -> str:
+        """The message for a rank left waiting: which ranks did not come, as far as the store knows."""
+        late = []
+        try:
+            for other in range(dist.get_world_size()):
+                key = f"reached/{other}"
+                if not self.store.check([key]) or int(self.store.get(key)) < self.compiles:
+                    late.append(other)
+        except RuntimeError:      # the store itself is gone (rank 0 exited)
+            late = []
+        who = f"{_ranks(late)} did not reach it" if late else "some rank did not reach it or exited"
+        where = "its first dynshard compile" if self.compiles == 0 else f"its dynshard compile #{self.compiles}"
+        cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        return (f"dynshard: rank {dist.get_rank()} waited (up to {TIMEOUT.total_seconds():.0f}s) at {where} for "
+                f"the other ranks and {who} (gloo: {cause}). A rank that compiles other graphs (a graph "
+                "break or code path only it takes), or that failed, leaves the others without a partner for "
+                f"their collectives. {_FIX}. To wait longer, set dynshard.backend.agreement.TIMEOUT "
+                "(a timedelta)")
+
+
+_AGREEMENT = _Agreement()
+
+
+def ensure_ranks_agree(key: str, code: str, inputs: Sequence[GraphInput], config: Config,
+                       layout: Layout) -> None:
+    """Raise PlanMismatchError on every rank unless all ranks compile the plan ``key``.
+
+    One all-gather of the key on a dynshard gloo group; nothing when this process is the whole job.
+    """
+    if not dist.is_initialized() or dist.get_world_size() < 2 or dist.get_backend() == "fake":
+        return
+    _AGREEMENT.check(key, lambda: describe_plan(key, code, inputs, config, layout))
+
+
+def describe_plan(key: str, code: str, inputs: Sequence[GraphInput], config: Config, layout: Layout) -> dict:
+    """What the plan key is made of, in a form one rank can compare with another's."""
+    return {
+        "key": key,
+        "config": json.loads(config.cache_token()),
+        "inputs": [(inp.name, f"{tuple(inp.shape)} {str(inp.dtype).replace('torch.', '')}", inp.token())
+                   for inp in inputs],
+        "graph": hashlib.sha256(code.encode()).hexdigest(),
+        "modes": modes_token(),
+        "layout": layout.token(),
+        "torch": torch.__version__,
+    }
+
+
+def explain_mismatch(descriptions: list[dict]) -> str:
+    """Which ranks differ from rank 0's plan, and in what."""
+    by_key: dict[str, list[int]] = {}
+    for rank, description in enumerate(descriptions):
+        by_key.setdefault(description["key"], []).append(rank)
+    reference = descriptions[0]
+    parts = []
+    for key, ranks in by_key.items():
+        if key == reference["key"]:
+            continue
+        other = descriptions[ranks[0]]
+        differences = _differences(reference, other, ranks[0])
+        verb = "differs" if len(ranks) == 1 else "differ"
+        parts.append(f"{_ranks(ranks)} {verb} from {_ranks(by_key[reference['key']])}: " + "; ".join(differences))
+    return " | ".join(parts)
+
+
+def _differences(reference: dict, other: dict, other_rank: int) -> list[str]:
+    def per_rank(a: Any, b: Any) -> str:
+        return f"{a} on rank 0, {b} on rank {other_rank}"
+
+    found = []
+    fields = sorted(set(reference["config"]) | set(other["config"]))
+    for field in fields:
+        mine, theirs = reference["config"].get(field), other["config"].get(field)
+        if mine != theirs:
+            found.append(f"config {field} is {per_rank(repr(mine), repr(theirs))}")
+    for what, title in (("modes", "grad/autocast mode"), ("layout", "world layout"), ("torch", "torch version")):
+        if reference[what] != other[what]:
+            found.append(f"{title} is {per_rank(reference[what], other[what])}")
+    if len(reference["inputs"]) != len(other["inputs"]):
+        found.append("the captured graphs differ (another model or code path): "
+                     + per_rank(f"{len(reference['inputs'])} graph inputs", len(other["inputs"])))
+        return found
+    for (name, shape, token), (other_name, other_shape, other_token) in zip(reference["inputs"], other["inputs"]):
+        if token != other_token:
+            if name == other_name and shape != other_shape:
+                found.append(f"input {name!r} has shape {per_rank(shape, other_shape)}")
+            else:
+                found.append(f"graph input {per_rank(token, other_token)}")
+            break
+    if not found:       # (input shapes baked into the graph's code change it too: not the cause then)
+        found.append("the captured graphs differ (another model or code path)")
+    return found
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> 'ranks 0-2, 5'."""
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    text = ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"

@@ -1,0 +1,88 @@
+"""The global gradient norm over tensor-parallel shards, ZeRO rows and data-parallel replicas.
+
+``torch.nn.utils.clip_grad_norm_`` on dynshard's parameters is silently wrong: each rank holds shards
+(tp) or rows (ZeRO) of the gradients, and replicas of others, so its local norm is neither the global
+norm nor the same on every rank. Here each gradient element is counted exactly once: a rank counts a
+parameter only where it is the first of the ranks holding the same piece (coordinate 0 on every mesh
+dimension that replicates it), and one all-reduce over all ranks sums the pieces. nnScaler divides each
+replicated norm by its number of replicas instead; counting owners is exact and does less work.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from .accumulation import ACCUMULATION
+from .sharding import get_tag, is_sharded
+
+
+def counted_here(param: torch.Tensor) -> bool:
+    """Whether this rank adds ``param``'s gradient to the global norm."""
+    tag = get_tag(param)
+    if tag is None:     # no dynshard program owns it: the same on every rank once reduced
+        return not dist.is_initialized() or dist.get_rank() == 0
+    layout = tag.layout
+    if not is_sharded(tag.placements) and layout.tp_rank != 0:
+        return False
+    if tag.zero is None:
+        return layout.dp_rank == 0
+    return layout.dp_rank // tag.zero.group_size == 0      # the first zero group holds every row once
+
+
+def unique_parameters(parameters: Iterable[torch.Tensor] | torch.Tensor) -> list[torch.Tensor]:
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    seen, unique = set(), []
+    for param in parameters:
+        if id(param) not in seen:
+            seen.add(id(param))
+            unique.append(param)
+    return unique
+
+
+def global_grad_norm(parameters: list[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients as if the model were on one process; the same tensor on every rank."""
+    norm_type = float(norm_type)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    owned = [p.grad for p in parameters if p.grad is not None and counted_here(p)]
+    if math.isinf(norm_type):
+        local = torch.stack([g.detach().abs().max().double() for g in owned]).max() if owned else \
+            torch.zeros((), dtype=torch.float64, device=device)
+        op = dist.ReduceOp.MAX
+    else:
+        local = torch.zeros((), dtype=torch.float64, device=device)
+        for grad in owned:
+            local += torch.linalg.vector_norm(grad.detach(), norm_type, dtype=torch.float64) ** norm_type
+        op = dist.ReduceOp.SUM
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(local, op=op)
+    total = local if math.isinf(norm_type) else local ** (1.0 / norm_type)
+    dtype = grads[0].dtype if grads else torch.float32
+    return total.to(dtype)
+
+
+def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                    foreach: bool | None = None) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for dynshard's parameters: the global norm over every shard,
+    replica and rank (each element counted once), and the same clipping on every rank.
+
+    Every rank must call it. Gradients accumulated under :func:`dynshard.no_sync` are reduced first.
+    ``foreach`` is accepted for torch's signature and ignored.
+    """
+    ACCUMULATION.flush()
+    params = unique_parameters(parameters)
+    total = global_grad_norm(params, norm_type)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise RuntimeError(
+            f"dynshard: the total norm of order {norm_type} of the gradients is non-finite ({total.item()}), "
+            "so it cannot be clipped; set error_if_nonfinite=False to skip this check")
+    coefficient = torch.clamp(float(max_norm) / (total.double() + 1e-6), max=1.0)
+    for param in params:
+        if param.grad is not None:
+            param.grad.detach().mul_(coefficient.to(device=param.grad.device, dtype=param.grad.dtype))
+    return total

@@ -1,0 +1,156 @@
+"""Recompute by module (Config.recompute_modules): the tags, the saved bytes, the numbers, the traffic."""
+
+from __future__ import annotations
+
+import collections
+import importlib
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import CheckpointPolicy
+
+import dynshard
+from dynshard import compat
+from distributed import run_ranks
+from dynshard.passes.context import PassContext
+from models import GPT, GPTConfig, gpt_batch
+from workers_recompute import single_process_scenarios, tensor_parallel_scenarios
+
+tag_recompute = importlib.import_module("dynshard.passes.tag_recompute")
+RECOMPUTE = CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def tagged_graph(model, inputs, names: str) -> torch.fx.GraphModule:
+    """The single-process ATen graph of ``model(*inputs)`` with dynshard's recompute tags (no process group)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        ctx = PassContext(config=dynshard.Config(recompute_modules=names), layout=None, inputs=[],
+                          fake_mode=compat.new_fake_mode())
+        graphs.append(tag_recompute.tag_single_process(gm, example_inputs, ctx))
+        return gm.forward
+
+    torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    return graphs[0]
+
+
+def regions(gm) -> dict[str, set[int]]:
+    """Innermost module path of each recomputed op -> the region ids it got."""
+    found = collections.defaultdict(set)
+    for node in gm.graph.nodes:
+        if node.meta.get("recompute") == RECOMPUTE:
+            stack = tag_recompute.frames(node)
+            found[stack[-1].path if stack else ""].add(node.meta["ac_graph_id"])
+    return found
+
+
+def gpt_graph(names: str):
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    return tagged_graph(GPT(cfg), gpt_batch(cfg, 2, 0), names)
+
+
+def test_a_class_name_makes_one_region_per_instance_in_forward_order():
+    found = regions(gpt_graph("Block"))
+    assert set(found) == {f"blocks.{i}{part}" for i in (0, 1) for part in
+                          ("", ".ln1", ".ln2", ".fc1", ".fc2", ".attn", ".attn.q", ".attn.k", ".attn.v", ".attn.proj")}
+    first, second = ({i for path, ids in found.items() if path.startswith(f"blocks.{b}") for i in ids} for b in (0, 1))
+    assert len(first) == 1 and len(second) == 1 and min(first) < min(second)
+
+
+@pytest.mark.parametrize("names, expected", [
+    ("blocks.1", {"blocks.1"}),                       # a path
+    ("attn", {"blocks.0.attn", "blocks.1.attn"}),     # a dotted suffix of paths
+    ("blocks.*", {"blocks.0", "blocks.1"}),           # a wildcard component
+    ("*Attention", {"blocks.0.attn", "blocks.1.attn"}),
+    ("Block,attn", {"blocks.0", "blocks.1"}),         # nested matches: the outermost instance is the region
+])
+def test_names_match_paths_suffixes_wildcards_and_nesting(names, expected):
+    gm = gpt_graph(names)
+    ids = collections.defaultdict(set)
+    for node in gm.graph.nodes:
+        if node.meta.get("recompute") == RECOMPUTE:
+            region = next(f.path for f in tag_recompute.frames(node)
+                          if any(tag_recompute.matches(n, f) for n in names.split(",")))
+            ids[region].add(node.meta["ac_graph_id"])
+    assert set(ids) == expected
+    assert all(len(v) == 1 for v in ids.values()) and len(set().union(*ids.values())) == len(expected)
+
+
+def test_root_recomputes_every_forward_op_as_one_region():
+    gm = gpt_graph("ROOT")
+    ops = [n for n in gm.graph.nodes if n.op == "call_function"]
+    assert all(n.meta.get("recompute") == RECOMPUTE for n in ops)
+    assert len({n.meta["ac_graph_id"] for n in ops}) == 1
+
+
+def test_random_ops_are_saved_not_recomputed():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8))
+    gm = tagged_graph(model, (torch.randn(4, 8),), "Sequential")
+    rng = [n for n in gm.graph.nodes if tag_recompute.is_rng(n)]
+    assert rng and all(n.meta["recompute"] == CheckpointPolicy.MUST_SAVE for n in rng)   # the dropout mask
+    assert any(n.meta.get("recompute") == RECOMPUTE for n in gm.graph.nodes)
+
+
+def test_an_unknown_name_is_refused_with_the_modules_the_graph_has():
+    with pytest.raises(Exception, match=r"'Blok'.*match no module.*classes: .*Block.*CausalSelfAttention"
+                                        r".*paths: .*blocks\.0\.attn\.q"):
+        gpt_graph("Block,Blok")
+
+
+# -- training: one process, and tensor parallelism over 2 gloo ranks ------------------------------------
+
+@pytest.fixture(scope="module")
+def single():
+    return run_ranks(single_process_scenarios, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def tp():
+    return run_ranks(tensor_parallel_scenarios, 2)
+
+
+def _same(a, b):
+    torch.testing.assert_close(torch.tensor(a), torch.tensor(b), rtol=1e-6, atol=0)
+
+
+def test_single_process_recompute_cuts_saved_bytes_and_keeps_the_losses(single):
+    plain, block = single["plain"], single["block"]
+    assert block["saved_bytes"] <= 0.4 * plain["saved_bytes"], (plain["saved_bytes"], block["saved_bytes"])
+    assert block["backward_matmuls"] > plain["backward_matmuls"]          # the blocks' matmuls run again
+    _same(block["losses"], plain["losses"])
+    _same(block["losses"], block["ref_losses"])
+    assert f"saved for backward: {block['saved_bytes']} bytes" in block["explain"]
+
+
+def test_a_user_checkpoint_still_works_in_one_process(single):
+    user, plain = single["user"], single["plain"]
+    _same(user["losses"], user["ref_losses"])
+    assert user["saved_bytes"] < plain["saved_bytes"] and user["backward_matmuls"] > plain["backward_matmuls"]
+
+
+def test_an_unknown_module_name_fails_the_first_call_with_a_clear_error(single):
+    assert "'Blok', which match no module of the compiled graph" in single["unknown"]
+    assert "classes: Block, CausalSelfAttention, Embedding, LayerNorm, Linear" in single["unknown"]
+
+
+def test_tensor_parallel_recompute_cuts_saved_bytes_without_communicating_again(tp):
+    for rank in tp:
+        plain, block = rank["plain"], rank["block"]
+        assert block["saved_bytes"] <= 0.4 * plain["saved_bytes"], (plain["saved_bytes"], block["saved_bytes"])
+        assert block["backward_matmuls"] > plain["backward_matmuls"]
+        _same(block["losses"], plain["losses"])
+        _same(block["losses"], block["ref_losses"])                         # single-process eager
+        all_reduces = {k: v for k, v in block["collectives"].items() if k[1] == "all_reduce"}
+        assert all_reduces == {k: v for k, v in plain["collectives"].items() if k[1] == "all_reduce"}
+        assert all_reduces[("forward", "all_reduce", "tp")] == 4 and all_reduces[("backward", "all_reduce", "tp")] == 4
+        assert block["collectives"] == plain["collectives"]
+
+
+def test_a_user_checkpoint_still_works_under_tensor_parallelism(tp):
+    for rank in tp:
+        user, plain = rank["user"], rank["plain"]
+        _same(user["losses"], user["ref_losses"])
+        assert user["saved_bytes"] < plain["saved_bytes"] and user["backward_matmuls"] > plain["backward_matmuls"]
+        assert user["collectives"] == plain["collectives"]

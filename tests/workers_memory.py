@@ -1,0 +1,95 @@
+"""Rank functions for the memory tests: ZeRO levels, accumulation, build_optimizer, gradient norms."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+import torch.distributed as dist
+
+import dynshard
+from dynshard.runtime.accumulation import ACCUMULATION
+from workers import _unit_rows, build
+
+LR = 0.05
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=LR, momentum=0.9)
+
+
+def _state_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    params = list({id(p): p for p in model.parameters()}.values())
+    return {
+        "params": sum(p.numel() * p.element_size() for p in params),
+        "grads": sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None),
+        "optimizer": sum(v.numel() * v.element_size() for state in optimizer.state.values()
+                         for v in state.values() if isinstance(v, torch.Tensor) and v.dim()),
+    }
+
+
+def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: int, case: dict,
+               steps: int = 3, batch: int = 4) -> dict:
+    """One training run under ``case`` (use_zero, accumulate, ... Config fields and test knobs) next to
+    single-process eager training on the same global batches."""
+    case = dict(case)
+    accumulate = case.pop("accumulate", 1)
+    builder = case.pop("optimizer", "plain")
+    model, make_batch = build(model_name)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy=policy, plan_ngpus=plan_ngpus, compiler=case.pop("compiler", "aot_eager"), **case))
+    opt = dynshard.build_optimizer(compiled, _sgd) if builder == "build" else _sgd(model.parameters())
+    ref_opt = _sgd(reference.parameters())
+    dp_rank, dp_size = dynshard.data_parallel_rank(plan_ngpus)
+    losses, ref_losses, bytes_at_rest, flushes = [], [], [], []
+    for step in range(steps):
+        global_batch = make_batch(batch * dp_size, step)
+        unit = _unit_rows(global_batch, dp_rank, batch)
+        before = ACCUMULATION.reducer.buckets_reduced
+        total = 0.0
+        for micro in range(accumulate):
+            rows = tuple(t[micro * batch // accumulate:(micro + 1) * batch // accumulate] for t in unit)
+            last = micro == accumulate - 1
+            with contextlib.nullcontext() if last or accumulate == 1 else dynshard.no_sync(compiled):
+                loss = compiled(*rows) / accumulate
+                loss.backward()
+            total += loss.detach()
+        opt.step()
+        flushes.append(ACCUMULATION.reducer.buckets_reduced - before)
+        bytes_at_rest.append(_state_bytes(model, opt))
+        opt.zero_grad()
+        mean = total.clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+        ref_loss = reference(*global_batch)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    report = dynshard.explain(compiled)
+    full = dynshard.collect_state_dict(compiled)
+    relocated = dynshard.relocate_state_dict(compiled, full)
+    plans = [ref() for p in model.parameters() if (tag := dynshard.runtime.sharding.get_tag(p)) for ref in tag.plans]
+    no_sync_collectives = sorted({(c.phase, c.kind, c.group) for plan in plans if plan is not None and
+                                  plan._no_sync is not None for c in plan._no_sync.collectives})
+    return {
+        "losses": losses, "ref_losses": ref_losses, "params": full,
+        "ref_params": {k: v.detach() for k, v in reference.state_dict().items()},
+        "relocated_equals_local": all(torch.equal(relocated[k], v) for k, v in model.state_dict().items()),
+        "collectives": [(c.phase, c.kind, c.group, c.bytes) for c in report.collectives()],
+        "no_sync_collectives": no_sync_collectives,
+        "flush_buckets": flushes,
+        "bytes": bytes_at_rest[-1],
+        "full_bytes": sum(v.numel() * v.element_size() for k, v in full.items()),
+        "explain": str(report),
+    }
+
+
+def train_cases(rank: int, world: int, model_name: str, policy: str, plan_ngpus: int, cases: list[dict]) -> list:
+    results = []
+    for case in cases:
+        torch._dynamo.reset()
+        results.append(train_case(rank, world, model_name, policy, plan_ngpus, case))
+    return results
