@@ -36,14 +36,20 @@ def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: 
     case = dict(case)
     accumulate = case.pop("accumulate", 1)
     builder = case.pop("optimizer", "plain")
+    clip = case.pop("clip", None)
+    hooks = case.pop("hooks", False)
     model, make_batch = build(model_name)
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
         policy=policy, plan_ngpus=plan_ngpus, compiler=case.pop("compiler", "aot_eager"), **case))
     opt = dynshard.build_optimizer(compiled, _sgd) if builder == "build" else _sgd(model.parameters())
     ref_opt = _sgd(reference.parameters())
+    hook_calls = {"pre": [], "post": []}
+    if hooks:
+        opt.register_reducer_pre_hook(lambda reducer, grad: hook_calls["pre"].append((grad.dim(), grad.is_contiguous())))
+        opt.register_reducer_post_hook(lambda reducer, grad: hook_calls["post"].append((grad.dim(), grad.is_contiguous())))
     dp_rank, dp_size = dynshard.data_parallel_rank(plan_ngpus)
-    losses, ref_losses, bytes_at_rest, flushes = [], [], [], []
+    losses, ref_losses, bytes_at_rest, flushes, norms = [], [], [], [], []
     for step in range(steps):
         global_batch = make_batch(batch * dp_size, step)
         unit = _unit_rows(global_batch, dp_rank, batch)
@@ -56,6 +62,10 @@ def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: 
                 loss = compiled(*rows) / accumulate
                 loss.backward()
             total += loss.detach()
+        ref_loss = _reference_backward(reference, global_batch, case.get("mixed_precision"))
+        if clip is not None:
+            norm = opt.clip_gnorm(clip) if builder == "build" else dynshard.clip_grad_norm_(model.parameters(), clip)
+            norms.append((norm.item(), torch.nn.utils.clip_grad_norm_(reference.parameters(), clip).item()))
         opt.step()
         flushes.append(ACCUMULATION.reducer.buckets_reduced - before)
         bytes_at_rest.append(_state_bytes(model, opt))
@@ -63,14 +73,17 @@ def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: 
         mean = total.clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
-        ref_loss = reference(*global_batch)
-        ref_loss.backward()
         ref_opt.step()
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
     report = dynshard.explain(compiled)
     full = dynshard.collect_state_dict(compiled)
     relocated = dynshard.relocate_state_dict(compiled, full)
+    for param in model.parameters():            # nnScaler's gnorm check: gradients = the weights
+        param.grad = param.detach().clone()
+    whole = [full[name] for name, _ in model.named_parameters()]
+    weight_norms = (dynshard.clip_grad_norm_(model.parameters(), float("inf")).item(),
+                    torch.linalg.vector_norm(torch.cat([w.flatten() for w in whole])).item())
     plans = [ref() for p in model.parameters() if (tag := dynshard.runtime.sharding.get_tag(p)) for ref in tag.plans]
     no_sync_collectives = sorted({(c.phase, c.kind, c.group) for plan in plans if plan is not None and
                                   plan._no_sync is not None for c in plan._no_sync.collectives})
@@ -80,11 +93,27 @@ def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: 
         "relocated_equals_local": all(torch.equal(relocated[k], v) for k, v in model.state_dict().items()),
         "collectives": [(c.phase, c.kind, c.group, c.bytes) for c in report.collectives()],
         "no_sync_collectives": no_sync_collectives,
-        "flush_buckets": flushes,
+        "flush_buckets": flushes, "norms": norms, "weight_norms": weight_norms, "hook_calls": hook_calls,
         "bytes": bytes_at_rest[-1],
         "full_bytes": sum(v.numel() * v.element_size() for k, v in full.items()),
         "explain": str(report),
     }
+
+
+def _reference_backward(reference: torch.nn.Module, batch, mixed_precision: dict | None) -> torch.Tensor:
+    """Single-process eager loss and gradients; with mixed precision as FSDP2 computes it: a copy in
+    param_dtype runs forward and backward, and its gradients update the fp32 parameters."""
+    if not mixed_precision:
+        loss = reference(*batch)
+        loss.backward()
+        return loss
+    dtype = getattr(torch, mixed_precision["param_dtype"])
+    low = copy.deepcopy(reference).to(dtype)
+    loss = low(*(t.to(dtype) if t.is_floating_point() else t for t in batch))
+    loss.backward()
+    for param, low_param in zip(reference.parameters(), low.parameters()):
+        param.grad = low_param.grad.to(param.dtype)
+    return loss.float()
 
 
 def train_cases(rank: int, world: int, model_name: str, policy: str, plan_ngpus: int, cases: list[dict]) -> list:

@@ -10,7 +10,7 @@ import torch.fx as fx
 
 from .. import compat
 from ..config import Config
-from ..passes import PassContext, run_passes
+from ..passes import PassContext, cast_to_compute_dtype, run_passes
 from ..passes.tag_recompute import tag_single_process
 from ..runtime.mesh import ensure_process_group, layout_for, world_size
 from ..runtime.program import CompiledPlan, ShardedProgram
@@ -55,6 +55,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
 
     ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode())
     if layout.mesh is None:   # a single process: nothing to place, compile as it is
+        gm = cast_to_compute_dtype(gm, ctx)
         compiled = compile_program(tag_single_process(gm, example_inputs, ctx), example_inputs, config.compiler,
                                    layout, config.inference_only)
         plan = CompiledPlan(key, inputs, {i.index: () for i in inputs}, {}, layout, compiled, None, [],

@@ -9,6 +9,7 @@ from typing import Callable
 import torch.fx as fx
 
 from .assign_placements import assign_placements
+from .cast_to_compute_dtype import cast_to_compute_dtype
 from .context import PassContext
 from .insert_collectives import insert_collectives
 from .lower_to_aten import lower_to_aten
@@ -19,6 +20,7 @@ from .tag_recompute import tag_recompute
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 PASSES: list[Pass] = [
+    cast_to_compute_dtype,  # mixed precision: parameters (and inputs) enter in param_dtype
     lower_to_aten,        # Dynamo graph -> ATen graph on FakeTensors (global shapes)
     split_fused_projections,  # c_attn(x).split(C) -> one matmul per block of the fused weight
     assign_placements,    # the policy places parameters, buffers and inputs
@@ -41,5 +43,5 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[Pass] | None =
     return gm
 
 
-__all__ = ["PASSES", "PassContext", "run_passes", "lower_to_aten", "assign_placements",
+__all__ = ["PASSES", "PassContext", "run_passes", "cast_to_compute_dtype", "lower_to_aten", "assign_placements",
            "propagate_sharding", "insert_collectives", "split_fused_projections", "tag_recompute"]

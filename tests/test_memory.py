@@ -1,0 +1,140 @@
+"""ZeRO 1/2/3, accumulation without communication, mixed precision, build_optimizer and the global gradient
+norm: every case trains like one process (SGD with momentum: strict parameter parity), sends the
+analytic minimum, and holds 1/N of the model state per rank."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from workers_memory import train_cases
+
+BF16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+DP_GROUPS = {"dp", "zero", "zero_replicas"}
+
+
+def assert_trains_like_one_process(result: dict, case: dict) -> None:
+    low_precision = "mixed_precision" in case
+    rtol, atol = (2e-2, 5e-3) if low_precision else (1e-4, 1e-6)
+    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]),
+                               rtol=2e-2 if low_precision else 1e-5, atol=0, msg=lambda m: f"{case} losses: {m}")
+    assert result["relocated_equals_local"], case
+    for name, expected in result["ref_params"].items():
+        torch.testing.assert_close(result["params"][name], expected, rtol=rtol, atol=atol,
+                                   msg=lambda m, name=name: f"{case} {name}: {m}")
+
+
+def padded_bytes(params: dict[str, torch.Tensor], group: int, itemsize: int | None = None) -> int:
+    """What ZeRO moves per pass over every parameter: whole rows, padded to the group."""
+    total = 0
+    for value in params.values():
+        rows = math.ceil(value.shape[0] / group) * group
+        total += rows * (value.numel() // value.shape[0]) * (itemsize or value.element_size())
+    return total
+
+
+def summed(collectives, phase: str, kind: str) -> tuple[int, int]:
+    picked = [b for p, k, g, b in collectives if p == phase and k == kind and g in DP_GROUPS]
+    return len(picked), sum(picked)
+
+
+def unique_params(result: dict) -> dict[str, torch.Tensor]:
+    """Trainable parameters of the collected state, tied ones once (the GPT ties its head to wte)."""
+    seen, params = set(), {}
+    for name, value in result["params"].items():
+        if value.data_ptr() not in seen:
+            seen.add(value.data_ptr())
+            params[name] = value
+    return params
+
+
+MLP_DP_CASES = [
+    {"use_zero": 1},
+    {"use_zero": 1, "zero_use_reduce_scatter": True},
+    {"use_zero": 2},
+    {"use_zero": 3},
+    {"use_zero": 0, "accumulate": 2},
+    {"use_zero": 3, "accumulate": 2},
+    {"use_zero": 2, "accumulate": 2, "optimizer": "build", "hooks": True, "clip": 0.5},
+    {"use_zero": 3, "mixed_precision": BF16},
+]
+
+
+@pytest.fixture(scope="module")
+def mlp_on_two_ranks():
+    return run_ranks(train_cases, 2, "mlp", "dp", 1, MLP_DP_CASES)
+
+
+@pytest.mark.parametrize("index", range(len(MLP_DP_CASES)), ids=[str(c) for c in MLP_DP_CASES])
+def test_every_zero_level_trains_like_one_process_on_two_ranks(mlp_on_two_ranks, index):
+    for rank in mlp_on_two_ranks:
+        assert_trains_like_one_process(rank[index], MLP_DP_CASES[index])
+
+
+def test_each_zero_level_sends_the_analytic_minimum(mlp_on_two_ranks):
+    params = mlp_on_two_ranks[0][0]["params"]
+    whole, rows = padded_bytes(params, 1), padded_bytes(params, 2)
+    by_level = {case["use_zero"]: mlp_on_two_ranks[0][i]["collectives"]
+                for i, case in enumerate(MLP_DP_CASES[:4]) if "zero_use_reduce_scatter" not in case}
+    rs_level_1 = mlp_on_two_ranks[0][1]["collectives"]
+    n = len(params)
+    # ZeRO-1 (nnScaler's default): gather once, all-reduce then slice: 3 x params (a DDP all-reduce + a gather)
+    assert summed(by_level[1], "forward", "all_gather") == (n, rows)
+    assert summed(by_level[1], "backward", "all_reduce") == (n, rows)
+    assert summed(by_level[1], "backward", "all_gather") == (0, 0)
+    # ZeRO-1 with reduce-scatter and ZeRO-2: gather + reduce-scatter: 2 x params
+    for collectives in (rs_level_1, by_level[2]):
+        assert summed(collectives, "forward", "all_gather") == (n, rows)
+        assert summed(collectives, "backward", "reduce_scatter") == (n, rows)
+        assert summed(collectives, "backward", "all_reduce") == (0, 0)
+    # ZeRO-3: the backward gathers again only the weights whose value it needs: every matmul weight but
+    # the first layer's, whose input needs no gradient
+    assert summed(by_level[3], "forward", "all_gather") == (n, rows)
+    assert summed(by_level[3], "backward", "reduce_scatter") == (n, rows)
+    needed = {k: v for k, v in params.items() if k.endswith("weight") and k != "blocks.0.0.weight"}
+    assert summed(by_level[3], "backward", "all_gather") == (len(needed), padded_bytes(needed, 2))
+    assert whole < rows < whole * 1.01      # padding: the head's single row
+
+
+def test_mixed_precision_gathers_in_param_dtype_and_reduces_in_reduce_dtype(mlp_on_two_ranks):
+    collectives = mlp_on_two_ranks[0][-1]["collectives"]
+    params = mlp_on_two_ranks[0][0]["params"]
+    assert summed(collectives, "forward", "all_gather")[1] == padded_bytes(params, 2, itemsize=2)
+    assert summed(collectives, "backward", "reduce_scatter")[1] == padded_bytes(params, 2, itemsize=4)
+
+
+def test_zero_holds_one_nth_of_parameters_gradients_and_optimizer_state(mlp_on_two_ranks):
+    for rank in mlp_on_two_ranks:
+        full = rank[0]["full_bytes"]
+        replicated = rank[4]["bytes"]           # zero 0
+        assert replicated == {"params": full, "grads": full, "optimizer": full}
+        for result in rank[:4]:
+            state = result["bytes"]
+            assert sum(state.values()) <= 1.05 * 3 * full / 2, (state, full)
+            assert state["params"] == state["grads"] == state["optimizer"]
+
+
+def test_accumulation_sends_nothing_until_one_reduction_per_step(mlp_on_two_ranks):
+    for result in (mlp_on_two_ranks[0][4], mlp_on_two_ranks[0][5]):
+        assert result["no_sync_collectives"] == [], result["no_sync_collectives"]
+        assert result["flush_buckets"] == [1, 1, 1]      # one bucket reduced at the synchronising call
+
+
+def test_reducer_hooks_see_each_bucket_once_per_step_and_clip_gnorm_is_the_global_norm(mlp_on_two_ranks):
+    for rank in mlp_on_two_ranks:
+        result = rank[6]
+        assert result["hook_calls"]["pre"] == [(1, True)] * 3
+        assert result["hook_calls"]["post"] == [(1, True)] * 3
+        for norm, expected in result["norms"]:
+            assert norm == pytest.approx(expected, rel=1e-5)
+        assert result["norms"][0][1] > 0.5         # the clip was active
+
+
+def test_grad_norm_counts_every_element_once(mlp_on_two_ranks):
+    for rank in mlp_on_two_ranks:
+        for result in rank:
+            norm, expected = result["weight_norms"]
+            assert norm == pytest.approx(expected, rel=1e-5)
