@@ -138,3 +138,54 @@ def test_grad_norm_counts_every_element_once(mlp_on_two_ranks):
         for result in rank:
             norm, expected = result["weight_norms"]
             assert norm == pytest.approx(expected, rel=1e-5)
+
+
+GPT_DP_CASES = [
+    {"use_zero": 1, "zero_use_reduce_scatter": True},
+    {"use_zero": 2, "accumulate": 2},
+    {"use_zero": 3, "optimizer": "build", "clip": 0.5},
+    {"use_zero": 3, "mixed_precision": BF16, "accumulate": 2},
+]
+TP_ZERO_CASES = [  # model, cases: tensor parallel inside units of 2 ranks, ZeRO over the 2 units
+    ("mlp", [{"use_zero": 1}, {"use_zero": 3, "accumulate": 2, "clip": 0.5}]),
+    ("gpt", [{"use_zero": 2}, {"use_zero": 3, "accumulate": 2, "clip": 0.5}, {"use_zero": 3, "mixed_precision": BF16}]),
+]
+GROUP_CASES = [{"use_zero": 1, "zero_ngroups": 2}, {"use_zero": 3, "zero_ngroups": 2, "accumulate": 2, "clip": 0.5}]
+
+
+def test_gpt_with_a_tied_head_trains_like_one_process_at_every_zero_level():
+    ranks = run_ranks(train_cases, 2, "gpt", "dp", 1, GPT_DP_CASES)
+    for rank in ranks:
+        for case, result in zip(GPT_DP_CASES, rank):
+            assert_trains_like_one_process(result, case)
+            for norm, expected in result["norms"]:
+                assert norm == pytest.approx(expected, rel=1e-5)
+            assert result["weight_norms"][0] == pytest.approx(result["weight_norms"][1], rel=1e-5)
+    assert "wte.weight" in ranks[0][0]["explain"] and "zero1=S(0)/2" in ranks[0][0]["explain"]
+
+
+@pytest.mark.parametrize("model,cases", TP_ZERO_CASES, ids=[m for m, _ in TP_ZERO_CASES])
+def test_tensor_parallel_composes_with_zero_over_units(model, cases):
+    ranks = run_ranks(train_cases, 4, model, "tp", 2, cases)
+    for rank in ranks:
+        for case, result in zip(cases, rank):
+            assert_trains_like_one_process(result, case)
+            for norm, expected in result["norms"]:
+                assert norm == pytest.approx(expected, rel=1e-5)
+            assert result["weight_norms"][0] == pytest.approx(result["weight_norms"][1], rel=1e-5)
+            assert all(group == "tp" for _, _, group in result["no_sync_collectives"])
+    kinds = {(phase, kind, group) for phase, kind, group, _ in ranks[0][0]["collectives"]}
+    assert ("forward", "all_reduce", "tp") in kinds and ("forward", "all_gather", "dp") in kinds, ranks[0][0]["explain"]
+
+
+def test_zero_groups_shard_inside_a_group_and_replicate_across_groups():
+    ranks = run_ranks(train_cases, 4, "mlp", "dp", 1, GROUP_CASES)
+    for rank in ranks:
+        for case, result in zip(GROUP_CASES, rank):
+            assert_trains_like_one_process(result, case)
+            assert result["weight_norms"][0] == pytest.approx(result["weight_norms"][1], rel=1e-5)
+    groups = {(phase, kind, group) for phase, kind, group, _ in ranks[0][1]["collectives"]}
+    assert groups == {("forward", "all_gather", "zero"), ("backward", "all_gather", "zero"),
+                      ("backward", "reduce_scatter", "zero"), ("backward", "all_reduce", "zero_replicas")}
+    full = ranks[0][0]["full_bytes"]
+    assert sum(ranks[0][0]["bytes"].values()) <= 1.05 * 3 * full / 2     # sharded over 2 ranks of a group
