@@ -147,8 +147,9 @@ GPT_DP_CASES = [
     {"use_zero": 3, "mixed_precision": BF16, "accumulate": 2},
 ]
 TP_ZERO_CASES = [  # model, cases: tensor parallel inside units of 2 ranks, ZeRO over the 2 units
-    ("mlp", [{"use_zero": 1}, {"use_zero": 3, "accumulate": 2, "clip": 0.5}]),
-    ("gpt", [{"use_zero": 2}, {"use_zero": 3, "accumulate": 2, "clip": 0.5}, {"use_zero": 3, "mixed_precision": BF16}]),
+    pytest.param("mlp", [{"use_zero": 1}, {"use_zero": 3, "accumulate": 2, "clip": 0.5}], id="mlp"),
+    pytest.param("gpt", [{"use_zero": 2}, {"use_zero": 3, "accumulate": 2, "clip": 0.5},
+                         {"use_zero": 3, "mixed_precision": BF16}], id="gpt", marks=pytest.mark.slow),
 ]
 GROUP_CASES = [{"use_zero": 1, "zero_ngroups": 2}, {"use_zero": 3, "zero_ngroups": 2, "accumulate": 2, "clip": 0.5}]
 
@@ -164,7 +165,7 @@ def test_gpt_with_a_tied_head_trains_like_one_process_at_every_zero_level():
     assert "wte.weight" in ranks[0][0]["explain"] and "zero1=S(0)/2" in ranks[0][0]["explain"]
 
 
-@pytest.mark.parametrize("model,cases", TP_ZERO_CASES, ids=[m for m, _ in TP_ZERO_CASES])
+@pytest.mark.parametrize("model,cases", TP_ZERO_CASES)
 def test_tensor_parallel_composes_with_zero_over_units(model, cases):
     ranks = run_ranks(train_cases, 4, model, "tp", 2, cases)
     for rank in ranks:

@@ -79,13 +79,19 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
 def _plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str):
     """The passes, then the per-rank compile of their program."""
     config, layout = ctx.config, ctx.layout
-    lowered = run_passes(gm, ctx)
+    lowered = run_passes(_copy(gm), ctx)     # passes may edit the graph they get; the variant reuses gm
     local_inputs = [_local_example(inp, ctx.placements[inp.index], ctx.zero_of(inp), layout) for inp in ctx.inputs]
     return compile_program(lowered, local_inputs, config.compiler, layout, config.inference_only,
                            freeze=config.constant_folding, joint_pass=_reshard_pass(config, ctx),
                            inductor_patches=compat.bucketing_patches(
                                bool(ctx.zero) and ctx.sync_grads, config.reducer_bucket_cap_mb,
                                config.use_async_reducer and device_type == "cuda"))
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
 
 
 def _no_sync_builder(gm: fx.GraphModule, planned: PassContext, device_type: str):

@@ -20,14 +20,11 @@ import torch.fx as fx
 
 from .context import PassContext
 
-_DONE = "dynshard_cast_to_compute_dtype"
-
 
 def cast_to_compute_dtype(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     policy = ctx.config.mixed_precision
-    if policy is None or (policy.param_dtype is None and policy.output_dtype is None) or gm.meta.get(_DONE):
+    if policy is None or (policy.param_dtype is None and policy.output_dtype is None):
         return gm
-    gm.meta[_DONE] = True        # the graph is kept for the no-sync variant, which runs the passes again
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     if policy.param_dtype is not None:
@@ -35,7 +32,7 @@ def cast_to_compute_dtype(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
             cast = inp.kind == "parameter" or (inp.kind == "input" and policy.cast_forward_inputs)
             if not cast or not inp.dtype.is_floating_point or inp.dtype == policy.param_dtype:
                 continue
-            with graph.inserting_after(node):
+            with graph.inserting_after(placeholders[-1]):     # placeholders stay first
                 new = graph.call_method("to", (node, policy.param_dtype))
             node.replace_all_uses_with(new, delete_user_cb=lambda user, new=new: user is not new)
     if policy.output_dtype is not None:

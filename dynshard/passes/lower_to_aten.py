@@ -10,6 +10,11 @@ from .context import PassContext
 
 
 def lower_to_aten(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Units of one rank (data parallelism, ZeRO) have nothing to place: their Dynamo graph only gains
+    the data-parallel wrappers, and aot_autograd lowers it once, in the compile. Recompute tags need
+    ATen ops, so ``recompute_modules`` lowers here too."""
+    if ctx.layout.tp_mesh is None and not ctx.config.recompute_names:
+        return gm
     device_of = (lambda inp: inp.device) if ctx.config.trace_strategy == "fake" else (lambda inp: torch.device("meta"))
     with ctx.fake_mode:
         fakes = []

@@ -43,6 +43,8 @@ def param_block(tensor: torch.Tensor, index: int, count: int, dim: int) -> torch
 
 
 def split_fused_projections(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    if ctx.layout.tp_mesh is None:      # nothing is split inside a unit of one rank
+        return gm
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for split in [n for n in gm.graph.nodes if n.target in (aten.split.Tensor, aten.split_with_sizes.default)]:
         match = _match(split)
