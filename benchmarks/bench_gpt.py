@@ -1,73 +1,178 @@
-"""dynshard against its peers on the GPT model, in one run: torchrun --nproc-per-node 2 benchmarks/bench_gpt.py
+"""dynshard against its peers on the GPT model; one job (own torchrun, own process group, empty Inductor
+and Triton caches) per system, then one table:
 
-tensor parallel: dynshard policy "tp" (plan 2)  vs  DTensor parallelize_module (Colwise/Rowwise) + torch.compile
-data parallel:   dynshard policy "dp"           vs  DDP + torch.compile
-All with Inductor. Reports first-step time (compile included), median steady step time, their ratio to
-the peer, bytes communicated per step (and the analytic minimum), and parameter bytes per rank.
+    python benchmarks/bench_gpt.py                      # or: torchrun --nproc-per-node 2 benchmarks/bench_gpt.py
+    python benchmarks/bench_gpt.py --cases zero3 --steps 3 --warmup 1 --layers 2 --d-model 64   # a quick look
+
+case     dynshard                                 peer
+tp       policy "tp", plan_ngpus 2                DTensor parallelize_module (Colwise/Rowwise) + torch.compile
+dp       policy "dp"                              DDP + torch.compile
+zero1    "dp", use_zero 1                         DDP + torch.compile + ZeroRedundancyOptimizer(AdamW)
+zero1rs  "dp", use_zero 1, zero_use_reduce_scatter  the same peer
+zero2    "dp", use_zero 2                         FSDP2 (fully_shard per block and root, reshard_after_forward=False) + compile
+zero3    "dp", use_zero 3                         FSDP2 (fully_shard per block and root) + torch.compile
+tpzero1  "tp", plan_ngpus 2, use_zero 1, 4 ranks  DTensor TP (tp mesh dim) x FSDP2 (dp mesh dim) + torch.compile
+tpzero3  "tp", plan_ngpus 2, use_zero 3, 4 ranks  the same peer
+
+Every system trains with torch.optim.AdamW (fp32, the ZeRO peer wraps it) and Inductor. A peer job is run
+once and shared by the cases that name it. What each column means is in gpt_job.py and in NOTES below.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
-import statistics
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 
-import torch
-import torch.distributed as dist
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-import dynshard  # noqa: E402
-from models import GPT, GPTConfig, gpt_batch  # noqa: E402
+# case -> (ranks, dynshard system, peer system, peer's name in the table)
+CASES = {
+    "tp": (2, "dynshard:tp", "dtensor_tp", "DTensor TP + compile"),
+    "dp": (2, "dynshard:dp", "ddp", "DDP + compile"),
+    "zero1": (2, "dynshard:zero1", "ddp_zero", "DDP + ZeroRedundancyOpt + compile"),
+    "zero1rs": (2, "dynshard:zero1rs", "ddp_zero", "DDP + ZeroRedundancyOpt + compile"),
+    "zero2": (2, "dynshard:zero2", "fsdp2_noreshard", "FSDP2 no reshard + compile"),
+    "zero3": (2, "dynshard:zero3", "fsdp2", "FSDP2 + compile"),
+    "tpzero1": (4, "dynshard:tpzero1", "tp_fsdp2", "DTensor TP x FSDP2 + compile"),
+    "tpzero3": (4, "dynshard:tpzero3", "tp_fsdp2", "DTensor TP x FSDP2 + compile"),
+}
+DEFAULT_CASES = "tp,dp,zero1,zero2,zero3,tpzero3"
+MODEL_ARGS = ("steps", "warmup", "layers", "d_model", "heads", "seq", "vocab", "batch")
+
+NOTES = """\
+first s: step 0 (forward, backward, AdamW step) of a job with empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR,
+  max over ranks; setup s: building the model wrapper before it (DDP / fully_shard / parallelize_module, imports).
+step s: median of the timed steps after warm-up, max over ranks. ratios: dynshard / peer.
+comm MB: collectives of one training step, each counted at its full size (the larger of input and output);
+  dynshard: dynshard.explain (traced graphs); peers: one eager step under a dispatch mode that records every c10d
+  op. wire MB: bytes one rank sends with ring algorithms (all-reduce 2(N-1)/N, others (N-1)/N of the full size).
+min: the analytic minimum in the same units (research/zero.md section 7): dp AR(P); zero1/2 RS(P)+AG(P);
+  zero3 AG(P)+AG(weights read by a backward formula)+RS(P); tp 4 all-reduces of B*T*C per layer.
+state MB/rank: parameters + gradients + optimizer tensors (m, v; scalar steps left out) after a step, max over
+  ranks, DTensors by their local shard; x total/N: over (4 * parameter bytes) / world size."""
 
 
-def param_bytes(model: torch.nn.Module) -> int:
-    total = 0
-    for p in model.parameters():
-        local = p.to_local() if hasattr(p, "to_local") else p
-        total += local.numel() * local.element_size()
-    return total
+def torchrun_env() -> dict[str, str]:
+    """The environment for a child torchrun: without the outer torchrun's and dynshard's variables."""
+    drop = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+            "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+            "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+            "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS")
+    return {k: v for k, v in os.environ.items()
+            if k not in drop and not k.startswith(("DYNSHARD_", "TORCHINDUCTOR_", "TRITON_"))}
 
 
-def layer_param_fraction(model: torch.nn.Module, full: dict[str, int]) -> float:
-    """Transformer-layer parameters held per rank over their total (LayerNorms and biases included)."""
-    local = {n: (p.to_local() if hasattr(p, "to_local") else p).numel() for n, p in model.named_parameters()}
-    names = [n for n in full if n.startswith("blocks.")]
-    return sum(local[n] for n in names) / sum(full[n] for n in names)
+def load_average() -> list[float]:
+    return list(os.getloadavg())
 
 
-def time_steps(step, steps: int, warmup: int) -> tuple[float, float]:
-    dist.barrier()
+def run_job(system: str, ranks: int, args, results_dir: str) -> dict:
+    out = os.path.join(results_dir, "jobs", system.replace(":", "_") + ".json")
+    log = os.path.join(results_dir, "logs", system.replace(":", "_") + ".log")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    if os.path.exists(out):
+        os.remove(out)
+    cache = tempfile.mkdtemp(prefix="bench_gpt_cache_")
+    env = torchrun_env()
+    env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
+    env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
+    env["OMP_NUM_THREADS"] = "1"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+           os.path.join(HERE, "gpt_job.py"), "--system", system, "--out", out]
+    for name in MODEL_ARGS:
+        cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    load_before = load_average()
     start = time.perf_counter()
-    step(0)
-    first = time.perf_counter() - start
-    for i in range(1, warmup):
-        step(i)
-    times = []
-    for i in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        step(warmup + i)
-        times.append(time.perf_counter() - start)
-    return first, statistics.median(times)
+    print(f"[{time.strftime('%H:%M:%S')}] {system} on {ranks} ranks (load {load_before[0]:.1f}) ...", flush=True)
+    with open(log, "w") as f:
+        try:
+            proc = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.job_timeout)
+            rc = proc.returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    shutil.rmtree(cache, ignore_errors=True)
+    wall = time.perf_counter() - start
+    if rc != 0 or not os.path.exists(out):
+        print(f"    failed ({rc}) after {wall:.0f}s, see {log}", flush=True)
+        return dict(system=system, world=ranks, error=f"exit {rc}, log {log}", job_wall_s=wall)
+    with open(out) as f:
+        result = json.load(f)
+    result.update(job_wall_s=wall, load_before=load_before, load_after=load_average())
+    print(f"    first step {result['first_step_s']:.1f}s, step {result['step_s']:.3f}s, job {wall:.0f}s", flush=True)
+    return result
 
 
-def trainer(model, batch_for):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+def minima(case: str, ranks: int, args) -> dict[str, float]:
+    """Analytic minimum communication (full-size and wire bytes per step) and model-state bytes."""
+    from models import GPT, GPTConfig
 
-    def step(i):
-        loss = model(*batch_for(i))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
+    import torch
+
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, heads=args.heads, layers=args.layers)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    tp = 2 if case.startswith("tp") else 1
+    dp = ranks // tp
+    colwise = (".attn.q.", ".attn.k.", ".attn.v.", ".fc1.")
+    rowwise_weights = (".attn.proj.weight", ".fc2.weight")
+
+    def local_bytes(name, p):          # bytes on one tensor-parallel rank (Megatron split of the layers)
+        split = tp if any(s in name for s in colwise) or name.endswith(rowwise_weights) else 1
+        return p.numel() * p.element_size() // split
+
+    named = list(model.named_parameters())                     # the tied lm_head weight counted once
+    full = sum(p.numel() * p.element_size() for _, p in named)
+    local = sum(local_bytes(n, p) for n, p in named)
+    # weights a backward formula reads (matmul weights with an input that needs grad, LayerNorm weights,
+    # the tied wte/lm_head); biases and the position embedding need no backward gather
+    needed = sum(local_bytes(n, p) for n, p in named if n.endswith(".weight") and n != "wpe.weight")
+    act = (args.batch // dp) * args.seq * args.d_model * 4
+    tp_traced = 4 * args.layers * act if tp > 1 else 0
+    tp_wire = 2 * (tp - 1) / tp * tp_traced
+    ring = (dp - 1) / dp
+    level = {"dp": 0, "tp": 0, "zero1": 1, "zero1rs": 1, "zero2": 2, "zero3": 3, "tpzero1": 1, "tpzero3": 3}[case]
+    if dp == 1:
+        traced, wire = 0, 0.0
+    elif level == 0:
+        traced, wire = local, 2 * ring * local
+    elif level in (1, 2):
+        traced, wire = 2 * local, 2 * ring * local
+    else:
+        traced, wire = 2 * local + needed, ring * (2 * local + needed)
+    return dict(comm_min_bytes=tp_traced + traced, comm_min_wire_bytes=tp_wire + wire,
+                state_total_bytes=4 * full, state_target_bytes=4 * full / ranks, param_bytes=full)
+
+
+def table(rows: list[dict]) -> str:
+    header = ("case", "system", "ranks", "setup s", "first s", "first x", "step s", "step x", "comm MB", "min MB",
+              "wire MB", "min wire", "colls", "state MB/rank", "x total/N")
+    lines = [header]
+    for r in rows:
+        if "error" in r:
+            lines.append((r["case"], r["name"], str(r["world"])) + ("failed",) + ("",) * (len(header) - 4))
+            continue
+        lines.append((r["case"], r["name"], str(r["world"]), f"{r['setup_s']:.1f}", f"{r['first_step_s']:.1f}",
+                      f"{r['first_ratio']:.2f}" if r.get("first_ratio") is not None else "-",
+                      f"{r['step_s']:.3f}", f"{r['step_ratio']:.2f}" if r.get("step_ratio") is not None else "-",
+                      f"{r['comm_bytes'] / 1e6:.2f}", f"{r['comm_min_bytes'] / 1e6:.2f}",
+                      f"{r['comm_wire_bytes'] / 1e6:.2f}", f"{r['comm_min_wire_bytes'] / 1e6:.2f}",
+                      str(r["comm_count"]), f"{r['state_bytes'] / 1e6:.2f}",
+                      f"{r['state_bytes'] / r['state_target_bytes']:.3f}"))
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in lines)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", default=DEFAULT_CASES, help=f"comma-separated subset of {','.join(CASES)}")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
@@ -76,122 +181,54 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=8, help="global batch")
-    parser.add_argument("--cases", default="tp,dp", help="comma-separated subset of tp,dp")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "gpt_cpu.json"))
+    parser.add_argument("--job-timeout", type=float, default=1800, help="seconds per job")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "gpt_cpu.json"))
     args = parser.parse_args()
 
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, heads=args.heads, layers=args.layers)
-    base = GPT(cfg)
-    full_numel = {n: p.numel() for n, p in base.named_parameters()}
-    act_bytes = args.batch * args.seq * args.d_model * 4
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = [c for c in cases if c not in CASES]
+    if unknown:
+        raise SystemExit(f"unknown case(s) {unknown}; choose from {', '.join(CASES)}")
+    results_dir = os.path.dirname(os.path.abspath(args.out))
+    load_start = load_average()
+    jobs: dict[str, dict] = {}
+    for case in cases:
+        ranks, ours, peer, _ = CASES[case]
+        for system in (ours, peer):
+            if system not in jobs:
+                jobs[system] = run_job(system, ranks, args, results_dir)
     rows = []
+    for case in cases:
+        ranks, ours, peer, peer_name = CASES[case]
+        limits = minima(case, ranks, args)
+        pair = [dict(jobs[ours], case=case, name="dynshard", **limits), dict(jobs[peer], case=case, name=peer_name,
+                                                                           **limits)]
+        if all("error" not in r for r in pair):
+            pair[0]["first_ratio"] = pair[0]["first_step_s"] / pair[1]["first_step_s"]
+            pair[0]["step_ratio"] = pair[0]["step_s"] / pair[1]["step_s"]
+        rows += pair
+    text = table(rows)
+    load_end = load_average()
+    print()
+    print(text)
+    print()
+    print(NOTES)
+    print(f"load average (1 min) at start {load_start[0]:.1f}, at end {load_end[0]:.1f}; "
+          f"model: {args.layers} layers, d_model {args.d_model}, seq {args.seq}, vocab {args.vocab}, global batch "
+          f"{args.batch}, {args.steps} timed steps after {args.warmup}")
+    os.makedirs(results_dir, exist_ok=True)
+    import torch
 
-    def whole_batch(i):
-        return gpt_batch(cfg, args.batch, i)
-
-    def own_rows(i):
-        idx, tgt = gpt_batch(cfg, args.batch, i)
-        per = args.batch // world
-        return idx[rank * per:(rank + 1) * per], tgt[rank * per:(rank + 1) * per]
-
-    cases = args.cases.split(",")
-    if "tp" in cases:
-        tensor_parallel(args, cfg, base, full_numel, act_bytes, rows, whole_batch, rank, world)
-    if "dp" in cases:
-        data_parallel(args, base, rows, own_rows)
-    report_rows(args, rows, rank, world)
-    dist.destroy_process_group()
-
-
-def tensor_parallel(args, cfg, base, full_numel, act_bytes, rows, whole_batch, rank, world) -> None:
-    torch._dynamo.reset()
-    model = copy.deepcopy(base)
-    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(policy="tp", plan_ngpus=world))
-    first, median = time_steps(trainer(compiled, whole_batch), args.steps, args.warmup)
-    report = dynshard.explain(compiled)
-    fraction = layer_param_fraction(model, full_numel)
-    rows.append(dict(case="tp", system="dynshard", first_step_s=first, step_s=median,
-                     comm_bytes=report.bytes(), comm_count=len(report.collectives()),
-                     comm_min_bytes=4 * args.layers * act_bytes, param_bytes=param_bytes(model),
-                     layer_param_fraction=fraction))
-    if rank == 0:
-        print(report)
-
-    torch._dynamo.reset()
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.debug import CommDebugMode
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    mesh = init_device_mesh("cpu", (world,))
-    model = copy.deepcopy(base)
-    plan = {}
-    for i in range(args.layers):
-        plan.update({f"blocks.{i}.attn.{n}": ColwiseParallel() for n in ("q", "k", "v")})
-        plan.update({f"blocks.{i}.attn.proj": RowwiseParallel(), f"blocks.{i}.fc1": ColwiseParallel(),
-                     f"blocks.{i}.fc2": RowwiseParallel()})
-        model.blocks[i].attn.heads //= world       # the rewrite DTensor TP needs: local head count
-    parallelize_module(model, mesh, plan)
-    with CommDebugMode() as comm:                 # eager step: the collectives DTensor issues
-        model(*whole_batch(0)).backward()
-    model.zero_grad(set_to_none=True)
-    peer_count = comm.get_total_counts()
-    compiled = torch.compile(model)
-    first, median = time_steps(trainer(compiled, whole_batch), args.steps, args.warmup)
-    rows.append(dict(case="tp", system="DTensor TP + compile", first_step_s=first, step_s=median,
-                     comm_bytes=peer_count * act_bytes, comm_count=peer_count,
-                     comm_min_bytes=4 * args.layers * act_bytes, param_bytes=param_bytes(model),
-                     layer_param_fraction=layer_param_fraction(model, full_numel)))
-
-
-
-def data_parallel(args, base, rows, own_rows) -> None:
-    torch._dynamo.reset()
-    model = copy.deepcopy(base)
-    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(policy="dp"))
-    first, median = time_steps(trainer(compiled, own_rows), args.steps, args.warmup)
-    report = dynshard.explain(compiled)
-    grads = param_bytes(model)
-    rows.append(dict(case="dp", system="dynshard", first_step_s=first, step_s=median,
-                     comm_bytes=report.bytes(), comm_count=len(report.collectives()),
-                     comm_min_bytes=grads, param_bytes=grads, layer_param_fraction=1.0))
-
-    torch._dynamo.reset()
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = copy.deepcopy(base)
-    ddp = DDP(model)
-    compiled = torch.compile(ddp)
-    first, median = time_steps(trainer(compiled, own_rows), args.steps, args.warmup)
-    rows.append(dict(case="dp", system="DDP + compile", first_step_s=first, step_s=median,
-                     comm_bytes=grads, comm_count=len(ddp.reducer._get_zeros_like_grad_buckets())
-                     if hasattr(ddp.reducer, "_get_zeros_like_grad_buckets") else -1,
-                     comm_min_bytes=grads, param_bytes=param_bytes(model), layer_param_fraction=1.0))
-
-
-def report_rows(args, rows, rank, world) -> None:
-    for case in sorted({r["case"] for r in rows}):
-        ours, peer = [r for r in rows if r["case"] == case]
-        ours["ratio_to_peer"] = ours["step_s"] / peer["step_s"]
-        peer["ratio_to_peer"] = 1.0
-    if rank == 0:
-        header = ("case", "system", "first step s", "step s", "ratio", "comm MB/step", "collectives (traced|buckets)",
-                  "min MB", "param MB/rank", "layer params/rank (of total)")
-        table = [header] + [(r["case"], r["system"], f"{r['first_step_s']:.2f}", f"{r['step_s']:.3f}",
-                             f"{r['ratio_to_peer']:.2f}", f"{r['comm_bytes'] / 1e6:.2f}", str(r["comm_count"]),
-                             f"{r['comm_min_bytes'] / 1e6:.2f}", f"{r['param_bytes'] / 1e6:.2f}",
-                             f"{r['layer_param_fraction']:.3f}") for r in rows]
-        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-        print()
-        for row in table:
-            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)))
-        os.makedirs(os.path.dirname(args.out), exist_ok=True)
-        with open(args.out, "w") as f:
-            json.dump({"config": vars(args), "world": world, "torch": torch.__version__, "rows": rows}, f, indent=2)
-        print(f"\nwrote {args.out}")
+    with open(args.out, "w") as f:
+        json.dump({"config": vars(args), "torch": torch.__version__, "load_start": load_start, "load_end": load_end,
+                   "rows": rows, "table": text}, f, indent=1)
+    with open(os.path.splitext(args.out)[0] + ".txt", "w") as f:
+        f.write(text + "\n\n" + NOTES + "\n")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
+    if "LOCAL_RANK" in os.environ:          # launched as before, under torchrun: rank 0 drives, the others leave
+        if os.environ.get("RANK", "0") != "0":
+            sys.exit(0)
     main()
