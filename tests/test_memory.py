@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from workers_memory import train_cases
+from workers_memory import optimizer_api, train_cases
 
 BF16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
 DP_GROUPS = {"dp", "zero", "zero_replicas"}
@@ -190,3 +190,14 @@ def test_zero_groups_shard_inside_a_group_and_replicate_across_groups():
                       ("backward", "reduce_scatter", "zero"), ("backward", "all_reduce", "zero_replicas")}
     full = ranks[0][0]["full_bytes"]
     assert sum(ranks[0][0]["bytes"].values()) <= 1.05 * 3 * full / 2     # sharded over 2 ranks of a group
+
+
+def test_scale_grads_gradient_scaler_and_autocast_on_zero_shards():
+    for rank in run_ranks(optimizer_api, 2):
+        loss, eager = rank["autocast_losses"]
+        assert loss == eager                              # autocast computes exactly as eager autocast
+        assert rank["scaled"]
+        assert "only call scale_grads() after gradients are synchronized" in rank["scale_pending_error"]
+        assert rank["skipped"] and rank["scale"] == 512.0  # an inf on one rank skips the step on every rank
+        assert rank["stepped_after"]
+        assert max(rank["submodule_errors"]) < 1e-6, rank["submodule_errors"]

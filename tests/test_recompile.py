@@ -20,7 +20,7 @@ from workers_recompile import recompile_scenarios
 def outcome():
     # the optimizer scenario first: training_loop then starts after a torch._dynamo.reset() (which
     # drops Dynamo's compile callbacks) and a dynshard compile, and still needs global shapes
-    return run_ranks(recompile_scenarios, 2, ["compiled_opt_step_aot_eager", "training_loop"])
+    return run_ranks(recompile_scenarios, 2, ["compiled_opt_step_aot_eager", "training_loop", "training_loop_zero3"])
 
 
 def assert_trains_like_one_process(results: list[dict], scenario: str) -> None:
@@ -44,6 +44,12 @@ def test_recompiles_with_gradients_set_train_like_one_process(outcome):
     # accumulation with a shorter micro-batch, eval before zero_grad, zero_grad(set_to_none=False)
     # then a new batch size: all on GPT-2-style layers (view(B, T, H, C // H) needs global shapes)
     assert_trains_like_one_process(outcome, "training_loop")
+
+
+def test_recompiles_with_zero3_rows_and_their_gradients_train_like_one_process(outcome):
+    assert_trains_like_one_process(outcome, "training_loop_zero3")
+    for rank in outcome:
+        assert max(rank["training_loop_zero3"]["eval_errors"]) < 1e-5
 
 
 def test_eval_and_inference_mode_before_zero_grad_match_one_process(outcome):

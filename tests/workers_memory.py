@@ -122,3 +122,73 @@ def train_cases(rank: int, world: int, model_name: str, policy: str, plan_ngpus:
         torch._dynamo.reset()
         results.append(train_case(rank, world, model_name, policy, plan_ngpus, case))
     return results
+
+
+def optimizer_api(rank: int, world: int) -> dict:
+    """build_optimizer's scale_grads, dynshard.GradScaler's agreed skip, and autocast computing as eager."""
+    out: dict = {}
+    model, make_batch = build("mlp")
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(use_zero=2, compiler="aot_eager"))
+    opt = dynshard.build_optimizer(compiled, _sgd)
+    x, y = _unit_rows(make_batch(8, 0), rank, 4)
+
+    with torch.autocast("cpu", torch.bfloat16):
+        out["autocast_losses"] = (compiled(x, y).item(), reference(x, y).item())
+
+    compiled(x, y).backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    opt.scale_grads(0.5)
+    out["scaled"] = all(torch.equal(p.grad, g * 0.5) for p, g in zip(model.parameters(), before))
+    opt.zero_grad()
+    with dynshard.no_sync(compiled):
+        compiled(x, y).backward()
+    try:
+        opt.scale_grads(2.0)
+        out["scale_pending_error"] = None
+    except RuntimeError as error:
+        out["scale_pending_error"] = str(error)
+    opt.sync_shard_grad()
+    opt.zero_grad()
+
+    scaler = dynshard.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(compiled(x, y)).backward()
+    if rank == 1:                          # an inf in one rank's rows only
+        next(model.parameters()).grad.view(-1)[0] = float("inf")
+    params = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    out["skipped"] = all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    out["scale"] = scaler.get_scale()
+    opt.zero_grad()
+    scaler.scale(compiled(x, y)).backward()
+    scaler.step(opt)
+    scaler.update()
+    out["stepped_after"] = not all(torch.equal(p, q) for p, q in zip(model.parameters(), params))
+    out["submodule_errors"] = _compiled_submodule(rank)
+    return out
+
+
+def _compiled_submodule(rank: int) -> list[float]:
+    """nnScaler's "parallelize submodules": only ``inner`` is compiled (ZeRO-1); build_optimizer also
+    averages the head's gradient over the data-parallel ranks."""
+    torch.manual_seed(0)
+    whole = torch.nn.ModuleDict({"inner": torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(),
+                                                              torch.nn.Linear(32, 16)),
+                                 "head": torch.nn.Linear(16, 1)})
+    reference = copy.deepcopy(whole)
+    inner = torch.compile(whole["inner"], backend="dynshard", options=dynshard.Config(use_zero=1, compiler="aot_eager"))
+    opt = dynshard.build_optimizer(whole, _sgd)
+    ref_opt = _sgd(reference.parameters())
+    _, make_batch = build("mlp")
+    for step in range(2):
+        x, y = make_batch(8, 10 + step)
+        local_x, local_y = _unit_rows((x, y), rank, 4)
+        torch.nn.functional.mse_loss(whole["head"](inner(local_x)).squeeze(-1), local_y).backward()
+        opt.step()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(reference["head"](reference["inner"](x)).squeeze(-1), y).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    full = dynshard.collect_state_dict(whole)
+    return [(full[k] - v).abs().max().item() for k, v in reference.state_dict().items()]

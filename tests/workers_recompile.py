@@ -19,6 +19,9 @@ from workers import build
 
 LR, MOMENTUM = 0.05, 0.9
 OPTIONS = dynshard.Config(policy="tp", plan_ngpus=2, compiler="aot_eager")
+# ZeRO-3 over 2 units of one rank: every parameter holds rows, so every recompile needs global shapes
+# (both units read the same batches here, so the mean gradient is the single-process one)
+ZERO3 = dynshard.Config(use_zero=3, compiler="aot_eager")
 
 
 def _build(name: str):
@@ -33,7 +36,7 @@ def _build(name: str):
     return LayerStack(cfg, GPT2StyleBlock), make_batch
 
 
-def _pair(name: str):
+def _pair(name: str, options: dynshard.Config = OPTIONS):
     """(compiled model, its optimizer, module, reference, its optimizer, batch maker).
 
     ``torch._dynamo.reset()`` first: scenarios do not share compiled frames (and dynshard must
@@ -41,7 +44,7 @@ def _pair(name: str):
     torch._dynamo.reset()
     model, make_batch = _build(name)
     reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="dynshard", options=OPTIONS)
+    compiled = torch.compile(model, backend="dynshard", options=options)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
     return compiled, opt, model, reference, ref_opt, make_batch
@@ -59,14 +62,14 @@ def _finish(out: dict, compiled, reference) -> dict:
     return out
 
 
-def training_loop() -> dict:
+def training_loop(options: dynshard.Config = OPTIONS) -> dict:
     """Every recompile a training loop meets while gradients exist, on GPT-2-style layers.
 
     Step 0: micro-batches of 4 then 2 (accumulation: the shorter one compiles while .grad is set),
     step, then eval under no_grad and under inference_mode before zero_grad(set_to_none=False).
     Step 1: a new micro-batch size (3) compiles with zeroed .grad tensors. Step 2 compiles nothing.
     """
-    compiled, opt, model, reference, ref_opt, make_batch = _pair("gpt2_layers")
+    compiled, opt, model, reference, ref_opt, make_batch = _pair("gpt2_layers", options)
     out: dict = {"losses": [], "ref_losses": [], "eval_errors": [], "graphs": []}
     for step, sizes in enumerate(((4, 2), (4, 3), (4, 3))):
         for net, optimizer, losses in ((compiled, opt, out["losses"]), (reference, ref_opt, out["ref_losses"])):
@@ -111,6 +114,7 @@ def compiled_optimizer_step(backend: str) -> dict:
 
 SCENARIOS = {
     "training_loop": training_loop,
+    "training_loop_zero3": lambda: training_loop(ZERO3),
     "compiled_opt_step_aot_eager": lambda: compiled_optimizer_step("aot_eager"),
     "compiled_opt_step_inductor": lambda: compiled_optimizer_step("inductor"),
 }
