@@ -26,6 +26,6 @@ def data_parallel_rank(plan_ngpus: int = 1) -> tuple[int, int]:
     return dist.get_rank() // plan_ngpus, dist.get_world_size() // plan_ngpus
 
 
-__all__ = ["Config", "ConfigError", "Explanation", "GradScaler", "Layout", "ParallelOptimizer", "PlanBuilder", "PlanError",
-           "PlanMismatchError", "Reducer", "build_optimizer", "clip_grad_norm_", "collect_state_dict",
+__all__ = ["Config", "ConfigError", "Explanation", "GradScaler", "Layout", "ParallelOptimizer", "PlanBuilder",
+           "PlanError", "PlanMismatchError", "Reducer", "build_optimizer", "clip_grad_norm_", "collect_state_dict",
            "data_parallel_rank", "explain", "get_parallel_dim", "no_sync", "relocate_state_dict"]

@@ -78,8 +78,10 @@ def format_plan(plan) -> str:
     """A compiled plan as a reviewer reads it: where each input sits and what the forward will send."""
     rows = [("input", "kind", "shape", "placement")]
     for inp in plan.inputs:
-        rows.append((inp.name, inp.kind, str(list(inp.shape)),
-                     describe_placements(plan.layout, plan.placements[inp.index])))
+        placement = describe_placements(plan.layout, plan.placements[inp.index])
+        if inp.index in plan.zero:
+            placement += ", " + plan.zero[inp.index].describe()
+        rows.append((inp.name, inp.kind, str(list(inp.shape)), placement))
     lines = ["placements"] + _table(rows)
     propagation = plan.propagation
     if propagation is not None:

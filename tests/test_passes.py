@@ -36,6 +36,31 @@ class TestPlans(expecttest.TestCase):
     def _world(self, fake_world):
         pass
 
+    def test_zero3_plan_stores_padded_rows_and_gathers_them_in_the_compute_dtype(self):
+        torch.manual_seed(0)
+        plan = plan_for(MLP(dim=8, hidden=16, layers=1), mlp_batch(4, 0, dim=8), use_zero=3,
+                        mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"})
+        traced = "\n".join(f"{c.phase:8} {c.kind:14} {c.group} {c.shape} {c.bytes}" for c in plan.program.collectives)
+        self.assertExpectedInline(format_plan(plan) + "\n" + traced, """\
+placements
+  input              kind       shape    placement
+  blocks.0.0.weight  parameter  [16, 8]  Replicate(), zero3=S(0)/2
+  blocks.0.0.bias    parameter  [16]     Replicate(), zero3=S(0)/2
+  x                  input      [4, 8]   Replicate()
+  blocks.0.2.weight  parameter  [8, 16]  Replicate(), zero3=S(0)/2
+  blocks.0.2.bias    parameter  [8]      Replicate(), zero3=S(0)/2
+  head.weight        parameter  [1, 8]   Replicate(), zero3=S(0)/2, 1 padding rows
+  head.bias          parameter  [1]      Replicate(), zero3=S(0)/2, 1 padding rows
+  y                  input      [4]      Replicate()
+forward communication (predicted)
+  none
+forward  all_gather     dp (16, 8) 256
+forward  all_gather     dp (16,) 32
+forward  all_gather     dp (8, 16) 256
+forward  all_gather     dp (8,) 16
+forward  all_gather     dp (2, 8) 32
+forward  all_gather     dp (2,) 4""")
+
     def test_tp_plan_of_a_transformer_layer_is_megatron(self):
         torch.manual_seed(0)
         cfg = GPTConfig(layers=1, d_model=16, heads=2)

@@ -46,8 +46,10 @@ def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: 
     ref_opt = _sgd(reference.parameters())
     hook_calls = {"pre": [], "post": []}
     if hooks:
-        opt.register_reducer_pre_hook(lambda reducer, grad: hook_calls["pre"].append((grad.dim(), grad.is_contiguous())))
-        opt.register_reducer_post_hook(lambda reducer, grad: hook_calls["post"].append((grad.dim(), grad.is_contiguous())))
+        def record(kind):
+            return lambda reducer, grad: hook_calls[kind].append((grad.dim(), grad.is_contiguous()))
+        opt.register_reducer_pre_hook(record("pre"))
+        opt.register_reducer_post_hook(record("post"))
     dp_rank, dp_size = dynshard.data_parallel_rank(plan_ngpus)
     losses, ref_losses, bytes_at_rest, flushes, norms = [], [], [], [], []
     for step in range(steps):

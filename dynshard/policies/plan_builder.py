@@ -38,9 +38,7 @@ class PlanBuilder:
         for inp in ctx.inputs:
             if inp.tag is not None and inp.tag.placements:
                 self._tp[inp.index] = inp.tag.placements[0]
-        self._over_dp = {inp.index for inp in ctx.inputs
-                         if (inp.tag.zero is not None if inp.tag is not None else
-                             ctx.config.zero and inp.kind == "parameter" and inp.requires_grad)}
+        self._over_dp = {inp.index for inp in ctx.inputs if self._zero_by_default(inp)}
         self._placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
 
     # -- what the policy reads ------------------------------------------------------------------------
@@ -135,6 +133,12 @@ class PlanBuilder:
                 return inp
         known = ", ".join(inp.name for inp in self.ctx.inputs)
         raise PlanError(f"dynshard: the graph has no parameter, buffer or input named {name!r}; it has {known}")
+
+    def _zero_by_default(self, inp: GraphInput) -> bool:
+        """A tensor already stored keeps its storage; otherwise ZeRO splits every trainable parameter."""
+        if inp.tag is not None:
+            return inp.tag.zero is not None
+        return bool(self.config.zero) and inp.kind == "parameter" and inp.requires_grad
 
     def _set_over_dp(self, inp: GraphInput, split: bool) -> None:
         if inp.tag is not None and (inp.tag.zero is not None) != split:

@@ -49,9 +49,11 @@ def build_optimizer(model: torch.nn.Module, optimizer_fn: Callable[..., torch.op
     optimizer = optimizer_fn(params, *args, **kwargs)
     optimizer._dynshard_reducer = Reducer()
     optimizer._dynshard_synced = False
-    for name in ("sync_shard_grad", "scale_grads", "clip_gnorm", "register_reducer_pre_hook",
-                 "register_reducer_post_hook"):
-        setattr(optimizer, name, types.MethodType(globals()[f"_{name}"], optimizer))
+    methods = {"sync_shard_grad": _sync_shard_grad, "scale_grads": _scale_grads, "clip_gnorm": _clip_gnorm,
+               "register_reducer_pre_hook": _register_reducer_pre_hook,
+               "register_reducer_post_hook": _register_reducer_post_hook}
+    for name, method in methods.items():
+        setattr(optimizer, name, types.MethodType(method, optimizer))
     original_zero_grad = optimizer.zero_grad
 
     def zero_grad(self, set_to_none: bool = True):
