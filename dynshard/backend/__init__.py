@@ -23,6 +23,7 @@ from .plan_cache import PlanCache, plan_key
 from .reshard import reshard_pass
 
 log = logging.getLogger("dynshard")
+ASYNC_BUCKET_CAP_MB = 25
 PLANS = PlanCache()
 _logged_configs: set[str] = set()
 
@@ -84,8 +85,15 @@ def _plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str):
     return compile_program(lowered, local_inputs, config.compiler, layout, config.inference_only,
                            freeze=config.constant_folding, joint_pass=_reshard_pass(config, ctx),
                            inductor_patches=compat.bucketing_patches(
-                               bool(ctx.zero) and ctx.sync_grads, config.reducer_bucket_cap_mb,
+                               bool(ctx.zero) and ctx.sync_grads, _bucket_cap_mb(config),
                                config.use_async_reducer and device_type == "cuda"))
+
+
+def _bucket_cap_mb(config: Config) -> float | None:
+    """nnScaler's and DDP's default: 25 MB buckets when reduction overlaps the backward, else one bucket."""
+    if config.reducer_bucket_cap_mb:
+        return config.reducer_bucket_cap_mb
+    return ASYNC_BUCKET_CAP_MB if config.use_async_reducer else None
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:

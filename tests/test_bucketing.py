@@ -1,0 +1,41 @@
+"""Gradient buckets in the graph: which Inductor settings each configuration gives, and that Inductor
+knows them (a renamed setting fails here, not silently in a user's job)."""
+
+from __future__ import annotations
+
+import torch
+
+from dynshard import Config, compat
+from dynshard.backend import _bucket_cap_mb
+
+
+def _patches(config: Config, zero: bool, cuda: bool) -> dict:
+    return compat.bucketing_patches(zero, _bucket_cap_mb(config), config.use_async_reducer and cuda)
+
+
+def test_all_reduces_always_go_in_buckets_and_zero_adds_gathers_and_reduce_scatters():
+    assert _patches(Config(), zero=False, cuda=False) == {"bucket_all_reduces_fx": "all"}
+    zero = _patches(Config(use_zero=3), zero=True, cuda=False)
+    assert zero == {"bucket_all_reduces_fx": "all", "bucket_all_gathers_fx": "only_fsdp",
+                    "bucket_reduce_scatters_fx": "all"}
+
+
+def test_async_reducer_uses_25_mb_buckets_and_overlap_scheduling_only_on_gpu():
+    cpu = _patches(Config(use_zero=2, use_async_reducer=True), zero=True, cuda=False)
+    caps = {k: v(0) for k, v in cpu.items() if k.endswith("determinator")}
+    assert caps == {f"bucket_{kind}_fx_bucket_size_determinator": 25
+                    for kind in ("all_reduces", "all_gathers", "reduce_scatters")}
+    assert not any(k.startswith("aten_distributed_optimizations") for k in cpu)
+    gpu = _patches(Config(use_zero=2, use_async_reducer=True), zero=True, cuda=True)
+    assert gpu["aten_distributed_optimizations.enable_overlap_scheduling"] is True
+
+
+def test_an_explicit_bucket_cap_wins():
+    patches = _patches(Config(reducer_bucket_cap_mb=4, use_async_reducer=True), zero=False, cuda=False)
+    assert patches["bucket_all_reduces_fx_bucket_size_determinator"](3) == 4
+
+
+def test_inductor_knows_every_setting_dynshard_patches():
+    patches = _patches(Config(use_zero=1, use_async_reducer=True), zero=True, cuda=True)
+    with torch._inductor.config.patch(patches):
+        pass
