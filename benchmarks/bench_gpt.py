@@ -56,7 +56,8 @@ comm MB: collectives of one training step, each counted at its full size (the la
 min: the analytic minimum in the same units (research/zero.md section 7): dp AR(P); zero1/2 RS(P)+AG(P);
   zero3 AG(P)+AG(weights read by a backward formula)+RS(P); tp 4 all-reduces of B*T*C per layer.
 state MB/rank: parameters + gradients + optimizer tensors (m, v; scalar steps left out) after a step, max over
-  ranks, DTensors by their local shard; x total/N: over (4 * parameter bytes) / world size."""
+  ranks, DTensors by their local shard; x total/N: over (4 * parameter bytes) / world size.
+load: 1-minute load average of the machine (2 cores) when the job started / ended."""
 
 
 def torchrun_env() -> dict[str, str]:
@@ -106,7 +107,29 @@ def run_job(system: str, ranks: int, args, results_dir: str) -> dict:
     with open(out) as f:
         result = json.load(f)
     result.update(job_wall_s=wall, load_before=load_before, load_after=load_average())
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
     print(f"    first step {result['first_step_s']:.1f}s, step {result['step_s']:.3f}s, job {wall:.0f}s", flush=True)
+    return result
+
+
+def reusable(system: str, args, results_dir: str) -> dict | None:
+    if not args.reuse or system in args.rerun.split(","):
+        return None
+    path = os.path.join(results_dir, "jobs", system.replace(":", "_") + ".json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        result = json.load(f)
+    same = all(result["config"].get(name) == getattr(args, name) for name in MODEL_ARGS)
+    if "job_wall_s" not in result and os.path.exists(args.out):      # written before the driver kept it there
+        with open(args.out) as f:
+            rows = [r for r in json.load(f)["rows"] if r["system"] == system and "job_wall_s" in r]
+        if rows:
+            result.update({k: rows[0][k] for k in ("job_wall_s", "load_before", "load_after")})
+    if not same or "job_wall_s" not in result:
+        return None
+    print(f"reusing {path} (load {result['load_before'][0]:.1f} at its start)", flush=True)
     return result
 
 
@@ -153,7 +176,7 @@ def minima(case: str, ranks: int, args) -> dict[str, float]:
 
 def table(rows: list[dict]) -> str:
     header = ("case", "system", "ranks", "setup s", "first s", "first x", "step s", "step x", "comm MB", "min MB",
-              "wire MB", "min wire", "colls", "state MB/rank", "x total/N")
+              "wire MB", "min wire", "colls", "state MB/rank", "x total/N", "load")
     lines = [header]
     for r in rows:
         if "error" in r:
@@ -165,7 +188,8 @@ def table(rows: list[dict]) -> str:
                       f"{r['comm_bytes'] / 1e6:.2f}", f"{r['comm_min_bytes'] / 1e6:.2f}",
                       f"{r['comm_wire_bytes'] / 1e6:.2f}", f"{r['comm_min_wire_bytes'] / 1e6:.2f}",
                       str(r["comm_count"]), f"{r['state_bytes'] / 1e6:.2f}",
-                      f"{r['state_bytes'] / r['state_target_bytes']:.3f}"))
+                      f"{r['state_bytes'] / r['state_target_bytes']:.3f}",
+                      f"{r['load_before'][0]:.1f}/{r['load_after'][0]:.1f}"))
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in lines)
 
@@ -181,6 +205,9 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=8, help="global batch")
+    parser.add_argument("--reuse", action="store_true",
+                        help="reuse the job results already under results/jobs/ (same model flags) except --rerun")
+    parser.add_argument("--rerun", default="", help="comma-separated systems to run again with --reuse")
     parser.add_argument("--job-timeout", type=float, default=1800, help="seconds per job")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "gpt_cpu.json"))
     args = parser.parse_args()
@@ -196,7 +223,8 @@ def main() -> None:
         ranks, ours, peer, _ = CASES[case]
         for system in (ours, peer):
             if system not in jobs:
-                jobs[system] = run_job(system, ranks, args, results_dir)
+                old = reusable(system, args, results_dir)
+                jobs[system] = old if old is not None else run_job(system, ranks, args, results_dir)
     rows = []
     for case in cases:
         ranks, ours, peer, peer_name = CASES[case]
@@ -219,8 +247,15 @@ def main() -> None:
     os.makedirs(results_dir, exist_ok=True)
     import torch
 
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], cwd=HERE, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            return ""
+
     with open(args.out, "w") as f:
-        json.dump({"config": vars(args), "torch": torch.__version__, "load_start": load_start, "load_end": load_end,
+        json.dump({"config": vars(args), "torch": torch.__version__, "git_head": git("rev-parse", "HEAD"),
+                   "dynshard_uncommitted": git("status", "--short", "--", "../dynshard").splitlines(), "load_start": load_start, "load_end": load_end,
                    "rows": rows, "table": text}, f, indent=1)
     with open(os.path.splitext(args.out)[0] + ".txt", "w") as f:
         f.write(text + "\n\n" + NOTES + "\n")
