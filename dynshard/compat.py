@@ -7,6 +7,7 @@ private piece it wraps.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -153,9 +154,12 @@ def keep_shapes_static() -> None:
 
 
 def new_fake_mode():
+    """A fake mode with a ShapeEnv (shapes stay static): Inductor's FX graph cache bypasses graphs
+    compiled without one ("No shape env"), so a restarted job would redo all code generation."""
     from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    return FakeTensorMode(allow_non_fake_inputs=True)
+    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
 
 
 @contextlib.contextmanager
@@ -248,6 +252,8 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
             return backend(gm, list(example_inputs))
 
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        # registers the bucketing custom ops, which programs loaded from Inductor's cache call
+        importlib.import_module("torch._inductor.fx_passes.bucketing")
 
         def inner_compile(graph: fx.GraphModule, inputs, **kwargs):
             if kwargs.get("is_backward"):
@@ -287,7 +293,10 @@ def bucketing_patches(gathers_and_scatters: bool, bucket_cap_mb: float | None, o
     patches: dict[str, Any] = {"bucket_all_reduces_fx": "all"}
     kinds = ["all_reduces"]
     if gathers_and_scatters:
-        patches.update(bucket_all_gathers_fx="only_fsdp", bucket_reduce_scatters_fx="all")
+        # "custom_ops": merged buckets traced as one op each; measured 10% faster to compile than
+        # "default" (ZeRO-3 GPT, 2 layers) for the same steps
+        patches.update(bucket_all_gathers_fx="only_fsdp", bucket_reduce_scatters_fx="all",
+                       bucket_all_gathers_bucket_mode="custom_ops", bucket_reduce_scatters_bucket_mode="custom_ops")
         kinds += ["all_gathers", "reduce_scatters"]
     if bucket_cap_mb:
         for kind in kinds:

@@ -17,7 +17,8 @@ def test_all_reduces_always_go_in_buckets_and_zero_adds_gathers_and_reduce_scatt
     assert _patches(Config(), zero=False, cuda=False) == {"bucket_all_reduces_fx": "all"}
     zero = _patches(Config(use_zero=3), zero=True, cuda=False)
     assert zero == {"bucket_all_reduces_fx": "all", "bucket_all_gathers_fx": "only_fsdp",
-                    "bucket_reduce_scatters_fx": "all"}
+                    "bucket_reduce_scatters_fx": "all", "bucket_all_gathers_bucket_mode": "custom_ops",
+                    "bucket_reduce_scatters_bucket_mode": "custom_ops"}
 
 
 def test_async_reducer_uses_25_mb_buckets_and_overlap_scheduling_only_on_gpu():

@@ -37,8 +37,9 @@ def collectives_in(graph: fx.GraphModule, phase: str, layout: Layout) -> list[Co
         group_name = node.args[-1] if isinstance(node.args[-1], str) else str(node.kwargs.get("group_name"))
         records.append(CollectiveRecord(
             phase=phase, kind=kind, group=layout.group_dim(group_name),
-            bytes=largest.numel() * largest.element_size() if largest is not None else 0,
-            shape=tuple(largest.shape) if largest is not None else ()))
+            # int(): sizes computed by a collective's fake kernel can be (constant) SymInts
+            bytes=int(largest.numel()) * largest.element_size() if largest is not None else 0,
+            shape=tuple(int(size) for size in largest.shape) if largest is not None else ()))
     return records
 
 
@@ -53,7 +54,7 @@ def saved_activations(backward: fx.GraphModule, forward_storages: set) -> tuple[
             continue
         storage = StorageWeakRef(value.untyped_storage())
         if storage not in forward_storages:
-            storages[storage] = value.untyped_storage().nbytes()
+            storages[storage] = int(value.untyped_storage().nbytes())
     return sum(storages.values()), len(storages)
 
 
