@@ -154,12 +154,12 @@ def keep_shapes_static() -> None:
 
 
 def new_fake_mode():
-    """A fake mode with a ShapeEnv (shapes stay static): Inductor's FX graph cache bypasses graphs
-    compiled without one ("No shape env"), so a restarted job would redo all code generation."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-    return FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(), static_shapes=True)
+    # No ShapeEnv, although Inductor's FX graph cache bypasses graphs compiled without one ("No shape
+    # env"): with one, aot_autograd fakeifies the program's inputs with symbolic sizes (a dynamic-shape
+    # program) and Dynamo's next recompile of the frame goes dynamic too. See docs/design.md.
+    return FakeTensorMode(allow_non_fake_inputs=True)
 
 
 @contextlib.contextmanager
