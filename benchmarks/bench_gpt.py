@@ -9,7 +9,8 @@ tp       policy "tp", plan_ngpus 2                DTensor parallelize_module (Co
 dp       policy "dp"                              DDP + torch.compile
 zero1    "dp", use_zero 1                         DDP + torch.compile + ZeroRedundancyOptimizer(AdamW)
 zero1rs  "dp", use_zero 1, zero_use_reduce_scatter  the same peer
-zero2    "dp", use_zero 2                         FSDP2 (fully_shard per block and root, reshard_after_forward=False) + compile
+zero2    "dp", use_zero 2                         FSDP2 (fully_shard per block and root,
+                                                  reshard_after_forward=False) + compile
 zero3    "dp", use_zero 3                         FSDP2 (fully_shard per block and root) + torch.compile
 tpzero1  "tp", plan_ngpus 2, use_zero 1, 4 ranks  DTensor TP (tp mesh dim) x FSDP2 (dp mesh dim) + torch.compile
 tpzero3  "tp", plan_ngpus 2, use_zero 3, 4 ranks  the same peer
@@ -28,6 +29,9 @@ import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt_job import add_run_arguments  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
@@ -197,14 +201,7 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=DEFAULT_CASES, help=f"comma-separated subset of {','.join(CASES)}")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--d-model", type=int, default=256)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--seq", type=int, default=128)
-    parser.add_argument("--vocab", type=int, default=4096)
-    parser.add_argument("--batch", type=int, default=8, help="global batch")
+    add_run_arguments(parser)
     parser.add_argument("--reuse", action="store_true",
                         help="reuse the job results already under results/jobs/ (same model flags) except --rerun")
     parser.add_argument("--rerun", default="", help="comma-separated systems to run again with --reuse")
@@ -255,7 +252,8 @@ def main() -> None:
 
     with open(args.out, "w") as f:
         json.dump({"config": vars(args), "torch": torch.__version__, "git_head": git("rev-parse", "HEAD"),
-                   "dynshard_uncommitted": git("status", "--short", "--", "../dynshard").splitlines(), "load_start": load_start, "load_end": load_end,
+                   "dynshard_uncommitted": git("status", "--short", "--", "../dynshard").splitlines(),
+                   "load_start": load_start, "load_end": load_end,
                    "rows": rows, "table": text}, f, indent=1)
     with open(os.path.splitext(args.out)[0] + ".txt", "w") as f:
         f.write(text + "\n\n" + NOTES + "\n")

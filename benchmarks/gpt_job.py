@@ -175,9 +175,8 @@ def build(system: str, base: GPT, args):
     return model, torch.compile(model), torch.optim.AdamW(model.parameters(), **adamw), model
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--system", required=True)
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The model and step-count flags, shared with the driver (bench_gpt.py)."""
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--layers", type=int, default=4)
@@ -186,6 +185,12 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=8, help="global batch (split over the data-parallel units)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--system", required=True)
+    add_run_arguments(parser)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
