@@ -43,6 +43,9 @@ class TensorSet:
         ref = self._refs.get(id(tensor))
         return ref is not None and ref() is tensor
 
+    def __bool__(self) -> bool:
+        return bool(self._refs)
+
 
 class Accumulation:
     """Which parameters accumulate locally, their replicas, and what is waiting to be reduced."""
@@ -57,7 +60,10 @@ class Accumulation:
         self._step_hook = None
 
     # -- what programs ask ---------------------------------------------------------------------------
-    def wants_no_sync(self, params: list[torch.Tensor]) -> bool:
+    def wants_no_sync(self, params) -> bool:
+        """Whether any of ``params`` (an iterable, read only when accumulation is in use) skips sync."""
+        if not (self.no_sync or self.always):       # the common step: nothing to look up
+            return False
         return any(p in self.no_sync or p in self.always for p in params)
 
     def reduce_outside_graphs(self, params: list[torch.Tensor], reducer: Reducer) -> None:

@@ -59,7 +59,7 @@ class ShardedProgram:
             with torch.no_grad():
                 return plan.program.run(*args)
         if plan.build_no_sync is not None and torch.is_grad_enabled() and ACCUMULATION.wants_no_sync(
-                [args[i.index] for i in self._params]):
+                args[i.index] for i in self._params):
             return plan.no_sync_program().run(*self._accumulating(args))
         if ACCUMULATION.pending and torch.is_grad_enabled():
             ACCUMULATION.flush()       # the first synchronising call reduces what was accumulated
