@@ -59,10 +59,6 @@ class Reducer:
     def register_post_hook(self, fn: Hook) -> None:
         self.post_hooks.append(fn)
 
-    @property
-    def has_hooks(self) -> bool:
-        return bool(self.pre_hooks or self.post_hooks)
-
     def reduce(self, pending: list[PendingGrad]) -> None:
         """Reduce every pending gradient and add it to its parameter's ``.grad``; same order on all ranks."""
         for bucket in self._buckets(pending):
