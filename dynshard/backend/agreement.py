@@ -8,6 +8,7 @@ At each backend call the ranks all-gather their plan key on a small gloo group o
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import hashlib
 import itertools
@@ -106,6 +107,13 @@ class _Agreement:
 
 
 _AGREEMENT = _Agreement()
+
+
+@atexit.register
+def _release_group() -> None:
+    """Destroy the gloo group before interpreter shutdown: destroyed during static destruction, its
+    threads abort the process ("terminate called without an active exception", seen once in CI)."""
+    _AGREEMENT.group = None
 
 
 def ensure_ranks_agree(key: str, code: str, inputs: Sequence[GraphInput], config: Config,
