@@ -362,3 +362,31 @@ def sharding_decompositions() -> dict:
         if sdpa_cpu in _DECOMPOSITIONS:
             _DECOMPOSITIONS[sdpa_cpu] = _contiguous_output(_DECOMPOSITIONS[sdpa_cpu])
     return _DECOMPOSITIONS
+
+
+# -- vocab-parallel cross-entropy: the local computations of DTensor's loss_parallel ----------------------
+def loss_parallel_forward(logits: torch.Tensor, target: torch.Tensor, weight, reduction: int, ignore_index: int,
+                          global_shape: torch.Size, mesh, half_to_float: bool = False):
+    """log_softmax + nll_loss over logits split along the class dimension (dim 1, or 0 for 1-D) on
+    ``mesh``'s only dimension: (loss, total_weight, log-probabilities), with two all-reduces of one
+    value per row in log_softmax and one in the target lookup, never the logits."""
+    from torch.distributed.tensor.parallel import loss
+
+    channel_dim = 1 if logits.dim() >= 2 else 0
+    logp = loss._log_softmax(logits, channel_dim, half_to_float, mesh, 0)
+    local_weight = None
+    if weight is not None:
+        local_weight = weight.chunk(mesh.size(), 0)[mesh.get_local_rank()]
+    out, total_weight = loss._nll_loss_forward(logp, target, weight, local_weight, reduction, ignore_index,
+                                               global_shape, channel_dim, mesh, 0)
+    return out, total_weight, logp
+
+
+def loss_parallel_backward(grad_output, logp, target, weight, reduction: int, ignore_index: int, total_weight,
+                           global_shape: torch.Size, mesh):
+    """The gradient of :func:`loss_parallel_forward`'s loss for the local logits (no communication)."""
+    from torch.distributed.tensor.parallel import loss
+
+    channel_dim = 1 if logp.dim() >= 2 else 0
+    return loss._nll_loss_and_log_softmax_backward(grad_output, logp, target, weight, reduction, ignore_index,
+                                                   total_weight, global_shape, channel_dim, mesh, 0)

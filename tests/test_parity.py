@@ -45,7 +45,13 @@ def test_parallel_training_matches_single_process(model, policy, plan_ngpus, wor
         assert bool(sharded) == (model != "mlp_bn"), results[0]["explain"]
     if model == "gpt_fused":      # q, k and v of the fused projection are split by heads
         assert results[0]["parallel_dims"]["blocks.0.attn.c_attn.weight"] == 0, results[0]["explain"]
-        assert len(results[0]["collectives"]) == 4 * GPTConfig().layers, results[0]["explain"]
+        forward = [c for c in results[0]["collectives"] if c[0] == "forward"]
+        backward = [c for c in results[0]["collectives"] if c[0] == "backward"]
+        # Megatron's: 2 per layer, the vocab-parallel embedding's, and 3 of one value per row in the
+        # vocab-parallel cross-entropy; backward: 2 per layer and the LM head's input gradient
+        assert len(forward) == 2 * GPTConfig().layers + 1 + 3, results[0]["explain"]
+        # (aot_eager's partitioner may recompute the loss's max all-reduce of one value per row)
+        assert len(backward) - 2 * GPTConfig().layers - 1 in (0, 1), results[0]["explain"]
 
 
 def test_tensor_parallel_gpt_with_inductor_matches_single_process():

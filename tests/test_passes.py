@@ -100,13 +100,17 @@ forward communication (predicted)
         with pytest.raises(Exception, match="batch size 3"):
             plan_for(MLP(), mlp_batch(3, 0), policy="data", plan_ngpus=2)
 
-    def test_tied_lm_head_and_embeddings_stay_replicated_under_tp(self):
+    def test_tied_embedding_and_lm_head_share_one_vocab_split_under_tp(self):
         cfg = GPTConfig(layers=1)
         plan = plan_for(GPT(cfg), gpt_batch(cfg, 2, 0), policy="tp", plan_ngpus=2)
         placements = {inp.name: str(plan.placements[inp.index][0]) for inp in plan.inputs}
-        assert placements["wte.weight"] == placements["wpe.weight"] == "R"
+        assert placements["wte.weight"] == "S(0)"      # vocab-parallel embedding and head
+        assert placements["wpe.weight"] == "R"         # positions come from arange: not a vocabulary
         assert "lm_head.weight" not in placements      # the same Parameter: one graph input
         assert not plan.propagation.fallbacks
+        kinds = [c.kind for c in plan.propagation.collectives]
+        assert "all_gather" not in kinds               # the logits are never gathered
+        assert kinds.count("all_reduce") == 2 + 1 + 3  # the layer's pair, the embedding, the loss
 
     def test_callable_policy_places_parameters_by_name(self):
         def shard_first_linear(plan, config):

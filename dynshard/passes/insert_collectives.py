@@ -32,6 +32,7 @@ from .context import PassContext
 from .grad_sync import GradSync, sync_over_dp
 from .op_sets import MATMUL_OPERANDS, view_root
 from .propagate_sharding import reduced_placements
+from .vocab_parallel_loss import fuse_vocab_parallel_losses
 
 
 class ReduceGradPartials(torch.autograd.Function):
@@ -135,6 +136,7 @@ def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         node.replace_all_uses_with(new, delete_user_cb=lambda user, new=new: user is not new)
 
     if layout.tp_mesh is not None:
+        fuse_vocab_parallel_losses(graph, propagation.vocab_parallel_losses)
         _rewrite_nodes(graph, layout, propagation)
         output = next(n for n in graph.nodes if n.op == "output")
         to_boundary = _named(gather_fn(layout), "to_boundary")

@@ -22,7 +22,28 @@ def lower_to_aten(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             fake = torch.empty_strided(inp.shape, inp.stride, dtype=inp.dtype, device=device_of(inp))
             fakes.append(fake.requires_grad_(inp.requires_grad))
     aten_gm = compat.trace_to_aten(gm, fakes, ctx.fake_mode, compat.sharding_decompositions())
-    return _split_addmm(_views_to_reshapes(aten_gm))
+    return _drop_legacy_empty_cat_inputs(_split_addmm(_views_to_reshapes(aten_gm)))
+
+
+def _drop_legacy_empty_cat_inputs(gm: fx.GraphModule) -> fx.GraphModule:
+    """``torch.cat`` skips 1-D empty tensors whatever the dimension (transformers' KV cache starts as
+    ``torch.tensor([])``); DTensor's strategy for cat does not, so they are removed from its inputs."""
+    aten = torch.ops.aten
+    for node in gm.graph.nodes:
+        if node.target is not aten.cat.default:
+            continue
+        tensors = list(node.args[0])
+        kept = [t for t in tensors if not _legacy_empty(t)]
+        if kept and len(kept) < len(tensors):
+            node.args = (kept, *node.args[1:])
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return gm
+
+
+def _legacy_empty(node) -> bool:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == 0
 
 
 def _split_addmm(gm: fx.GraphModule) -> fx.GraphModule:

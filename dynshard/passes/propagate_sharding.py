@@ -29,6 +29,7 @@ from .. import compat
 from ..runtime.mesh import Layout
 from ..runtime.sharding import SHARDS, local_shape
 from .context import PassContext
+from .vocab_parallel_loss import abstract_log_softmax, abstract_nll_loss, loss_pairs, rows, split_on_classes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,7 @@ class Propagation:
     replicated_constants: set[str]    # nodes producing plain tensors that become Replicate DTensors
     reduced_partials: set[str]        # nodes whose Partial outputs are all-reduced right away
     input_placements: tuple = ()
+    vocab_parallel_losses: set[str] = dataclasses.field(default_factory=set)  # fused log_softmax+nll nodes
     env: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # fx node -> fake value
 
     def prefix(self, names: set[str]) -> "Propagation":
@@ -66,7 +68,8 @@ class Propagation:
             [c for c in self.collectives if c.node in names],
             [r for r in self.local_reshards if r.node in names],
             {n: r for n, r in self.fallbacks.items() if n in names},
-            self.replicated_constants & names, self.reduced_partials & names)
+            self.replicated_constants & names, self.reduced_partials & names,
+            vocab_parallel_losses=self.vocab_parallel_losses & names)
 
     def comm_bytes(self) -> int:
         return sum(c.bytes for c in self.collectives)
@@ -121,6 +124,8 @@ class ShardingInterpreter(fx.Interpreter):
         self.warn = warn
         self.result = Propagation({}, [], [], {}, set(), set(), tuple(input_placements))
         self._placeholder_index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+        self._loss_pairs = loss_pairs(gm.graph)
+        self._paired_log_softmax = set(self._loss_pairs.values())
 
     # -- node kinds ---------------------------------------------------------------------------------
     def placeholder(self, target, args, kwargs):
@@ -156,6 +161,10 @@ class ShardingInterpreter(fx.Interpreter):
         node = self._current
         if not isinstance(target, torch._ops.OpOverload):
             return target(*args, **kwargs)
+        if node in self._paired_log_softmax and split_on_classes(args[0]):
+            return abstract_log_softmax(args[0], args[2])   # its collectives are counted with its nll_loss
+        if node in self._loss_pairs and split_on_classes(args[0]):
+            return self.vocab_parallel_loss(node, args)
         flat = pytree.arg_tree_leaves(*args, **kwargs)
         if not any(isinstance(a, DTensor) for a in flat):
             out = target(*args, **kwargs)
@@ -179,6 +188,16 @@ class ShardingInterpreter(fx.Interpreter):
             self.record(node, name, current.tensor_meta, current.placements, needed.placements)
         return target(*args, **kwargs)
 
+    def vocab_parallel_loss(self, node: fx.Node, args):
+        """log_softmax + nll_loss over logits split along the vocabulary: three all-reduces of one value
+        per row (:mod:`.vocab_parallel_loss`)."""
+        self.result.vocab_parallel_losses.update({node.name, self._loss_pairs[node].name})
+        row_bytes = rows(args[0]) * args[0].dtype.itemsize
+        for _ in range(3):
+            self.result.collectives.append(Collective(node.name, "all_reduce", self.layout.placement_dims[0],
+                                                      row_bytes))
+        return abstract_nll_loss(*args)
+
     # -- helpers ------------------------------------------------------------------------------------
     def replicate(self, tensor: torch.Tensor) -> DTensor:
         return DTensor.from_local(tensor, self.layout.tp_mesh, [Replicate()] * len(self.layout.placement_dims),
@@ -197,8 +216,12 @@ class ShardingInterpreter(fx.Interpreter):
             self.result.local_reshards.append(LocalReshard(node.name, source, tuple(dst)))
 
     def fallback(self, node: fx.Node, target, args, kwargs, reason: str):
+        """Run ``target`` on whole inputs. Over inputs that are whole already (constants such as
+        ``torch.tensor([])`` lifted by ``lift_fresh_copy``) nothing is gathered: no warning."""
         self.result.fallbacks[node.name] = reason
-        if self.warn:
+        gathers = any(isinstance(a, DTensor) and any(p != Replicate() for p in a.placements)
+                      for a in pytree.arg_tree_leaves(*args, **kwargs))
+        if self.warn and gathers:
             warnings.warn(f"dynshard: {target} has no sharding strategy; it runs replicated "
                           f"(inputs gathered) at {source_line(node)}", stacklevel=2)
         whole = [Replicate()] * len(self.layout.placement_dims)

@@ -44,7 +44,45 @@ def tp(plan: PlanBuilder, config: Config) -> None:
         else:
             for name, _ in group:
                 plan.replicate(name)
+    base = _split_vocabulary(plan, base)
     _store_local_reshards(plan, base)
+
+
+def _split_vocabulary(plan: PlanBuilder, base: Propagation) -> Propagation:
+    """Megatron's VocabParallelEmbedding: the token embedding split along its rows (a masked lookup
+    and one all-reduce). A table the LM head shares (tied) is split once for both; the head's logits
+    then stay split into the vocab-parallel cross-entropy."""
+    for name in token_embeddings(plan):
+        if plan.is_fixed(name) or not plan.divides(name, 0) or _is_split(base, plan.node_of(name)):
+            continue
+        plan.shard(name, 0)
+        trial = _try_propagate(plan, base)
+        if trial is not None and _adds_at_most_one_all_reduce(base, trial):
+            base = trial
+        else:
+            plan.replicate(name)
+    return base
+
+
+def token_embeddings(plan: PlanBuilder) -> list[str]:
+    """The largest embedding tables looked up with indices from a user input (token ids; position
+    tables are indexed by ``arange``, and small type tables are not worth an all-reduce)."""
+    user = set(_user_placeholders(plan))
+    sizes = {}
+    for name, inp in plan.state.items():
+        if inp.kind != "parameter" or len(inp.shape) != 2:
+            continue
+        lookups = [u for u in plan.node_of(name).users if u.target == aten.embedding.default and u.args[0] is
+                   plan.node_of(name)]
+        if lookups and any(view_root(u.args[1]) in user for u in lookups):
+            sizes[name] = inp.shape[0]
+    largest = max(sizes.values(), default=0)
+    return [name for name, rows in sizes.items() if rows == largest]
+
+
+def _user_placeholders(plan: PlanBuilder) -> list[fx.Node]:
+    placeholders = [n for n in plan.graph.nodes if n.op == "placeholder"]
+    return [placeholders[inp.index] for inp in plan.user_inputs]
 
 
 def column_groups(plan: PlanBuilder) -> list[tuple[fx.Node | None, list[tuple[str, int]]]]:
@@ -122,8 +160,9 @@ def _output_dim(use) -> int | None:
 
 
 def _adds_at_most_one_all_reduce(base: Propagation, trial: Propagation) -> bool:
-    before = collections.Counter(c.kind for c in base.collectives)
-    after = collections.Counter(c.kind for c in trial.collectives)
+    """Not counted: the all-reduces of one value per row of a vocab-parallel cross-entropy."""
+    before = collections.Counter(c.kind for c in base.collectives if c.node not in base.vocab_parallel_losses)
+    after = collections.Counter(c.kind for c in trial.collectives if c.node not in trial.vocab_parallel_losses)
     added = after - before
     return set(added) <= {"all_reduce"} and added["all_reduce"] <= 1
 
