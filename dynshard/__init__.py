@@ -12,8 +12,9 @@ from .runtime.grad_norm import clip_grad_norm_
 from .runtime.grad_scaler import GradScaler
 from .runtime.mesh import Layout
 from .runtime.optimizer import ParallelOptimizer, build_optimizer
+from .runtime.parallel_attributes import (get_parallel_dim, register_ddp_parameters_to_ignore,
+                                          register_parallel_attribute, register_parallel_dim, slice)
 from .runtime.reducer import Reducer
-from .runtime.sharding import get_parallel_dim
 from .runtime.state_dict import collect_state_dict, relocate_state_dict
 
 
@@ -28,4 +29,5 @@ def data_parallel_rank(plan_ngpus: int = 1) -> tuple[int, int]:
 
 __all__ = ["Config", "ConfigError", "Explanation", "GradScaler", "Layout", "ParallelOptimizer", "PlanBuilder",
            "PlanError", "PlanMismatchError", "Reducer", "build_optimizer", "clip_grad_norm_", "collect_state_dict",
-           "data_parallel_rank", "explain", "get_parallel_dim", "no_sync", "relocate_state_dict"]
+           "data_parallel_rank", "explain", "get_parallel_dim", "no_sync", "register_ddp_parameters_to_ignore",
+           "register_parallel_attribute", "register_parallel_dim", "relocate_state_dict", "slice"]

@@ -88,24 +88,57 @@ def compiling_backend() -> Callable | None:
     Read from the ``compiler_fn`` argument of ``torch._dynamo.convert_frame._compile`` on the call
     stack: Dynamo hands it to nothing else before the backend itself is called.
     """
-    import functools
     import sys
 
     from torch._dynamo import convert_frame
-    from torch._dynamo.eval_frame import innermost_backend
 
     frame = sys._getframe(1)
     while frame is not None and not (frame.f_code.co_name == "_compile"
                                      and frame.f_code.co_filename == convert_frame.__file__):
         frame = frame.f_back
     backend = frame.f_locals.get("compiler_fn") if frame is not None else None
-    if backend is None:
-        return None
+    return _unwrap_backend(backend) if backend is not None else None
+
+
+def _unwrap_backend(backend: Callable) -> Callable:
+    """The function behind a Dynamo backend: DDPOptimizer's ``compile_fn`` (a frame compiled inside
+    DistributedDataParallel's forward), torch.compile's wrapper and ``functools.partial`` unwrapped."""
+    import functools
+
+    from torch._dynamo.eval_frame import innermost_backend
+
+    backend = getattr(getattr(backend, "__self__", None), "backend_compile_fn", backend)   # DDPOptimizer
     backend = innermost_backend(backend)
     backend = getattr(backend, "compiler_fn", backend)   # torch.compile's _TorchCompileWrapper
     while isinstance(backend, functools.partial):
         backend = backend.func
     return backend
+
+
+def module_backend(module: torch.nn.Module) -> Callable | None:
+    """The backend a module was compiled with (``torch.compile(module)``'s wrapper, or a module compiled
+    in place with ``module.compile()``); None if it is not compiled or Dynamo's objects are not where
+    they are expected."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    try:
+        if isinstance(module, OptimizedModule):
+            callback = module.dynamo_ctx.callback
+        else:   # nn.Module.compile(): the context's callback is a free variable of the compiled _call_impl
+            compiled = getattr(module, "_compiled_call_impl", None)
+            cells = dict(zip(compiled.__code__.co_freevars, compiled.__closure__ or ())) if compiled else {}
+            if "callback" not in cells:
+                return None
+            callback = cells["callback"].cell_contents
+        return _unwrap_backend(callback)
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
+def ignore_in_ddp(module: torch.nn.Module, names: list[str]) -> None:
+    """DistributedDataParallel's hook for parameters it must leave alone (they also get ``_ddp_ignored``,
+    which keeps Dynamo's DDPOptimizer from splitting their graphs)."""
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
 
 
 def around_dynamo_compiles(start: Callable[[], None], end: Callable[[], None],
