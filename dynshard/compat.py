@@ -80,14 +80,10 @@ def drop_guards_on(node: fx.Node) -> None:
 _COMPILE_HOOKS: dict[int, tuple[Callable, Callable]] = {}
 
 
-def compiling_backend() -> Callable | None:
-    """The backend Dynamo is compiling the current frame for, as given to ``torch.compile`` (the
-    function behind a backend name, ``torch._TorchCompileWrapper`` and ``functools.partial`` unwrapped);
-    None outside a Dynamo compile or when it cannot be found.
-
-    Read from the ``compiler_fn`` argument of ``torch._dynamo.convert_frame._compile`` on the call
-    stack: Dynamo hands it to nothing else before the backend itself is called.
-    """
+def compiling_frame() -> dict[str, Any] | None:
+    """The arguments of Dynamo's ``convert_frame._compile`` on the call stack (the frame's ``locals``,
+    ``globals``, ``closure``, ``code``, and the ``compiler_fn`` it compiles for), or None outside a
+    Dynamo compile: Dynamo hands ``compiler_fn`` to nothing else before the backend itself is called."""
     import sys
 
     from torch._dynamo import convert_frame
@@ -96,8 +92,31 @@ def compiling_backend() -> Callable | None:
     while frame is not None and not (frame.f_code.co_name == "_compile"
                                      and frame.f_code.co_filename == convert_frame.__file__):
         frame = frame.f_back
-    backend = frame.f_locals.get("compiler_fn") if frame is not None else None
+    return frame.f_locals if frame is not None else None
+
+
+def compiling_backend() -> Callable | None:
+    """The backend Dynamo is compiling the current frame for, as given to ``torch.compile`` (the
+    function behind a backend name, ``torch._TorchCompileWrapper`` and ``functools.partial`` unwrapped);
+    None outside a Dynamo compile or when it cannot be found."""
+    frame = compiling_frame()
+    backend = frame.get("compiler_fn") if frame is not None else None
     return _unwrap_backend(backend) if backend is not None else None
+
+
+def backend_options(compiler_fn: Any) -> Any:
+    """The ``options=`` torch.compile was given with the backend ``compiler_fn`` (None if none)."""
+    import functools
+
+    from torch._dynamo.eval_frame import innermost_backend
+
+    backend = innermost_backend(compiler_fn)
+    options = getattr(backend, "kwargs", {}).get("options")
+    backend = getattr(backend, "compiler_fn", backend)
+    while isinstance(backend, functools.partial):
+        options = backend.keywords.get("options", options)
+        backend = backend.func
+    return options
 
 
 def _unwrap_backend(backend: Callable) -> Callable:

@@ -8,6 +8,7 @@ be given by an environment variable ``DYNSHARD_<FIELD>`` (``DYNSHARD_PLAN_NGPUS=
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 from types import MappingProxyType
@@ -22,6 +23,7 @@ TRACE_STRATEGIES = ("fake", "meta")
 ENV_PREFIX = "DYNSHARD_"
 
 Policy = Union[str, Callable[..., Any]]
+ParamInitFn = Callable[["torch.nn.Module"], None]
 
 
 class ConfigError(ValueError):
@@ -60,6 +62,15 @@ class Config:
         reduce gradients in reduce_dtype; parameters, gradients and optimizer state stay in their dtype.
     recompute_modules: comma-separated module class names or module paths whose activations are
         recomputed in the backward instead of kept ("ROOT": the whole program).
+
+    Models built on the meta device (``with torch.device("meta"): model = GPT(cfg)``; see
+    :mod:`dynshard.runtime.materialize`):
+    param_init_fn: ``param_init_fn(module)`` initializes the parameters and buffers ``module`` owns
+        directly (not its children's), in place. On the first step each rank calls it for every module of
+        the model that owns meta tensors, in ``model.modules()`` order, and keeps only its shards. None:
+        each such module's ``reset_parameters()``. Every rank must seed its RNG the same. Also a
+        ``"module:function"`` import path (the form ``DYNSHARD_PARAM_INIT_FN`` takes). Part of the plan key
+        by its qualified name.
     """
 
     plan_ngpus: int = 1
@@ -79,6 +90,7 @@ class Config:
     reducer_bucket_cap_mb: float | None = None
     mixed_precision: MixedPrecisionPolicy | None = None
     recompute_modules: str = ""
+    param_init_fn: ParamInitFn | None = None
 
     def __post_init__(self) -> None:
         for name in ("pas_config", "user_config"):
@@ -117,6 +129,7 @@ class Config:
                 "dynshard: constant_folding=True bakes buffer values into the program and needs "
                 "inference_only=True")
         self._check_memory_fields()
+        object.__setattr__(self, "param_init_fn", _param_init_fn(self.param_init_fn))
 
     def _check_memory_fields(self) -> None:
         zero = self.use_zero
@@ -206,10 +219,9 @@ class Config:
 
     def cache_token(self) -> str:
         """The part of the plan-cache key that comes from the configuration."""
-        policy = self.policy if isinstance(self.policy, str) else (
-            f"{getattr(self.policy, '__module__', '')}.{getattr(self.policy, '__qualname__', repr(self.policy))}")
-        parts = {f: getattr(self, f) for f in self.fields() if f not in ("cache_dir", "policy")}
-        parts["policy"] = policy
+        parts = {f: getattr(self, f) for f in self.fields() if f not in ("cache_dir", "policy", "param_init_fn")}
+        parts["policy"] = self.policy if isinstance(self.policy, str) else _qualified_name(self.policy)
+        parts["param_init_fn"] = None if self.param_init_fn is None else _qualified_name(self.param_init_fn)
         parts["pas_config"] = dict(self.pas_config)
         parts["user_config"] = dict(self.user_config)
         return json.dumps(parts, sort_keys=True, default=repr)
@@ -222,6 +234,31 @@ class Config:
                 value = dict(value)
             rows.append(f"{f}={value!r}")
         return "dynshard.Config(" + ", ".join(rows) + ")"
+
+
+def _qualified_name(fn: Callable[..., Any]) -> str:
+    """A callable by name (the same on every rank and across restarts, unlike its repr)."""
+    return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+def _param_init_fn(value: Any) -> ParamInitFn | None:
+    """The callable itself, or the one a ``"module:function"`` (or ``"module.function"``) path names."""
+    if value is None or (callable(value) and not isinstance(value, str)):
+        return value
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"dynshard: param_init_fn must be a callable param_init_fn(module) or a 'module:function' path, "
+            f"got {value!r}")
+    module_name, sep, attr = value.strip().partition(":")
+    if not sep:
+        module_name, _, attr = value.strip().rpartition(".")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr) if module_name and attr else None
+    except (ImportError, AttributeError, ValueError) as error:
+        raise ConfigError(f"dynshard: cannot import param_init_fn {value!r}: {error}") from None
+    if not callable(fn):
+        raise ConfigError(f"dynshard: param_init_fn {value!r} does not name a callable (use 'module:function')")
+    return fn
 
 
 def _check_int(name: str, value: Any) -> None:

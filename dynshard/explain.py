@@ -84,6 +84,10 @@ def format_plan(plan) -> str:
         rows.append((inp.name, inp.kind, str(list(inp.shape)), placement))
     lines = ["placements"] + _table(rows)
     propagation = plan.propagation
+    if propagation is not None and propagation.constraints:
+        lines.append("activations placed by the policy")
+        lines += _table([("node", "placement")] + [(name, describe_placements(plan.layout, placements))
+                                                   for name, placements in propagation.constraints.items()])
     if propagation is not None:
         lines.append("forward communication (predicted)")
         rows = [("node", "collective", "group", "bytes")] + [

@@ -85,9 +85,9 @@ placements
   blocks.0.fc2.weight        parameter  [16, 64]     tp=S(1)
   blocks.0.fc2.bias          parameter  [16]         tp=R
 forward communication (predicted)
-  node          collective  group  bytes
-  mm_default_2  all_reduce  tp     2048
-  mm_default_4  all_reduce  tp     2048""")
+  node               collective  group  bytes
+  reshape_default_2  all_reduce  tp     2048
+  reshape_default_4  all_reduce  tp     2048""")
 
     def test_data_policy_splits_the_batch_and_keeps_parameters_whole(self):
         plan = plan_for(MLP(), mlp_batch(4, 0), policy="data", plan_ngpus=2)
@@ -167,7 +167,8 @@ forward communication (predicted)
         with tempfile.TemporaryDirectory() as cache_dir:
             plan = plan_for(MLP(dim=8), mlp_batch(4, 0, dim=8), policy="tp", plan_ngpus=2, cache_dir=cache_dir)
             config = dynshard.Config(policy="tp", plan_ngpus=2, compiler="aot_eager", cache_dir=cache_dir)
-            assert PLANS.load_placements(config, plan.key) == (plan.placements, set())
+            stored = PLANS.load_plan(config, plan.key)
+            assert (stored["placements"], stored["over_dp"], stored["constraints"]) == (plan.placements, set(), {})
 
             def must_not_run(plan, config):
                 raise AssertionError("the stored plan should have been used")
@@ -228,3 +229,63 @@ def test_planning_on_the_meta_device_gives_the_same_plan(fake_world):
     torch._dynamo.reset()
     on_meta = plan_for(MLP(), inputs, policy="tp", plan_ngpus=2, trace_strategy="meta")
     assert on_meta.placements == on_device.placements
+
+
+class TestSequenceParallelPlans(expecttest.TestCase):
+    @pytest.fixture(autouse=True)
+    def _world(self, fake_world):
+        pass
+
+    def test_sequence_parallel_reduce_scatters_partials_and_gathers_matmul_inputs_along_the_sequence(self):
+        cfg = GPTConfig(layers=1)
+        plan = plan_for(GPT(cfg), gpt_batch(cfg, 2, 0), policy="tp", plan_ngpus=2,
+                        pas_config={"sequence_parallel": True})
+        self.assertExpectedInline(format_plan(plan), """\
+placements
+  input                      kind       shape      placement
+  idx                        input      [2, 16]    tp=R
+  wte.weight                 parameter  [64, 32]   tp=S(0)
+  wpe.weight                 parameter  [16, 32]   tp=R
+  blocks.0.ln1.weight        parameter  [32]       tp=R
+  blocks.0.ln1.bias          parameter  [32]       tp=R
+  blocks.0.attn.q.weight     parameter  [32, 32]   tp=S(0)
+  blocks.0.attn.q.bias       parameter  [32]       tp=S(0)
+  blocks.0.attn.k.weight     parameter  [32, 32]   tp=S(0)
+  blocks.0.attn.v.weight     parameter  [32, 32]   tp=S(0)
+  blocks.0.attn.v.bias       parameter  [32]       tp=S(0)
+  blocks.0.attn.proj.weight  parameter  [32, 32]   tp=S(1)
+  blocks.0.attn.proj.bias    parameter  [32]       tp=R
+  blocks.0.ln2.weight        parameter  [32]       tp=R
+  blocks.0.ln2.bias          parameter  [32]       tp=R
+  blocks.0.fc1.weight        parameter  [128, 32]  tp=S(0)
+  blocks.0.fc1.bias          parameter  [128]      tp=S(0)
+  blocks.0.fc2.weight        parameter  [32, 128]  tp=S(1)
+  blocks.0.fc2.bias          parameter  [32]       tp=R
+  ln_f.weight                parameter  [32]       tp=R
+  ln_f.bias                  parameter  [32]       tp=R
+  targets                    input      [2, 16]    tp=R
+activations placed by the policy
+  node               placement
+  embedding          tp=S(1)
+  getitem            tp=R
+  reshape_default_2  tp=S(1)
+  getitem_3          tp=R
+  reshape_default_4  tp=S(1)
+  getitem_6          tp=R
+forward communication (predicted)
+  node               collective      group  bytes
+  embedding          reduce_scatter  tp     4096
+  getitem            all_gather      tp     4096
+  reshape_default_2  reduce_scatter  tp     4096
+  getitem_3          all_gather      tp     4096
+  reshape_default_4  reduce_scatter  tp     4096
+  getitem_6          all_gather      tp     4096
+  nll_loss_forward   all_reduce      tp     128
+  nll_loss_forward   all_reduce      tp     128
+  nll_loss_forward   all_reduce      tp     128""")
+
+    def test_tp_refuses_an_unknown_option(self):
+        cfg = GPTConfig(layers=1)
+        with pytest.raises(Exception, match="the tp policy has no option 'sequence_paralel'"):
+            plan_for(GPT(cfg), gpt_batch(cfg, 2, 0), policy="tp", plan_ngpus=2,
+                     pas_config={"sequence_paralel": True})

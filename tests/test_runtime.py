@@ -24,7 +24,8 @@ def test_parameters_carry_their_parallel_dim(outcome):
     dims = outcome[0]["parallel_dims"]
     assert dims["blocks.0.fc1.weight"] == 0 and dims["blocks.0.fc2.weight"] == 1
     assert dims["blocks.0.attn.q.weight"] == 0 and dims["blocks.0.attn.proj.weight"] == 1
-    assert dims["blocks.0.ln1.weight"] is None and dims["wte.weight"] is None
+    assert dims["blocks.0.ln1.weight"] is None and dims["wpe.weight"] is None
+    assert dims["wte.weight"] == 0       # vocab parallel: the tied embedding and LM head split by rows
 
 
 def test_tied_parameters_stay_tied(outcome):

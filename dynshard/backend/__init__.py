@@ -62,11 +62,12 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         plan = CompiledPlan(key, inputs, {i.index: () for i in inputs}, {}, layout, compiled, None, [],
                             config.inference_only)
     else:
-        stored = PLANS.load_placements(config, key)
+        stored = PLANS.load_plan(config, key)
         if stored is not None:
-            ctx.placements, ctx.over_dp = stored
+            ctx.placements, ctx.over_dp, ctx.constraints = stored["placements"], stored["over_dp"], \
+                stored["constraints"]
         compiled = _plan_and_compile(gm, ctx, device_type)
-        PLANS.save_placements(config, key, ctx.placements, set(ctx.zero), layout)
+        PLANS.save_plan(config, key, ctx.placements, set(ctx.zero), ctx.constraints, layout)
         plan = CompiledPlan(key, inputs, ctx.placements, ctx.zero, layout, compiled, ctx.propagation,
                             ctx.timings, config.inference_only,
                             build_no_sync=_no_sync_builder(gm, ctx, device_type) if layout.dp_group else None)
@@ -108,7 +109,7 @@ def _no_sync_builder(gm: fx.GraphModule, planned: PassContext, device_type: str)
     def build():
         ctx = PassContext(config=planned.config, layout=planned.layout, inputs=planned.inputs,
                           fake_mode=compat.new_fake_mode(), placements=dict(planned.placements),
-                          over_dp=set(planned.zero), sync_grads=False)
+                          over_dp=set(planned.zero), constraints=dict(planned.constraints), sync_grads=False)
         return _plan_and_compile(gm, ctx, device_type)
     return build
 
@@ -136,5 +137,10 @@ def _device_type(example_inputs: Sequence[Any]) -> str:
 
 
 def _local_example(inp, placements, zero, layout) -> torch.Tensor:
+    """A tensor of the shape and device ``inp`` arrives in at run time; a meta parameter (a meta-built model
+    Dynamo traced as it is) arrives materialised on the current device."""
+    from ..runtime.materialize import default_device
+
     shape = stored_shape(inp.shape, layout, placements, zero) if inp.is_state else inp.shape
-    return torch.empty(shape, dtype=inp.dtype, device=inp.device).requires_grad_(inp.requires_grad)
+    device = default_device(layout.device_type) if inp.device.type == "meta" else inp.device
+    return torch.empty(shape, dtype=inp.dtype, device=device).requires_grad_(inp.requires_grad)

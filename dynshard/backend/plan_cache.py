@@ -50,8 +50,9 @@ class PlanCache:
 
     # -- placements on disk -----------------------------------------------------------------------
     @staticmethod
-    def load_placements(config: Config, key: str) -> tuple[dict[int, tuple[Placement, ...]], set[int]] | None:
-        """A stored plan: each input's placements and the inputs whose rows ZeRO splits over dp."""
+    def load_plan(config: Config, key: str) -> dict[str, Any] | None:
+        """A stored plan: each input's placements ("placements"), the inputs whose rows ZeRO splits over
+        dp ("over_dp") and the activations the policy placed ("constraints")."""
         if not config.cache_dir:
             return None
         path = os.path.join(config.cache_dir, f"plan-{key}.json")
@@ -59,12 +60,13 @@ class PlanCache:
             return None
         with open(path) as f:
             stored = json.load(f)
-        placements = {int(i): tuple(_decode(p) for p in ps) for i, ps in stored["placements"].items()}
-        return placements, set(stored.get("over_dp", ()))
+        return {"placements": {int(i): _decode_all(ps) for i, ps in stored["placements"].items()},
+                "over_dp": set(stored.get("over_dp", ())),
+                "constraints": {name: _decode_all(ps) for name, ps in stored.get("constraints", {}).items()}}
 
     @staticmethod
-    def save_placements(config: Config, key: str, placements: dict[int, tuple[Placement, ...]],
-                        over_dp: set[int], layout: Layout) -> None:
+    def save_plan(config: Config, key: str, placements: dict[int, tuple[Placement, ...]], over_dp: set[int],
+                  constraints: dict[str, tuple[Placement, ...]], layout: Layout) -> None:
         if not config.cache_dir or layout.rank != 0:
             return
         os.makedirs(config.cache_dir, exist_ok=True)
@@ -72,8 +74,13 @@ class PlanCache:
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
             json.dump({"placements": {i: [_encode(p) for p in ps] for i, ps in placements.items()},
-                       "over_dp": sorted(over_dp)}, f)
+                       "over_dp": sorted(over_dp),
+                       "constraints": {name: [_encode(p) for p in ps] for name, ps in constraints.items()}}, f)
         os.replace(tmp, path)
+
+
+def _decode_all(texts) -> tuple[Placement, ...]:
+    return tuple(_decode(t) for t in texts)
 
 
 def _encode(placement: Placement) -> str:

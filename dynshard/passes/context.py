@@ -26,6 +26,8 @@ class PassContext:
     sync_grads: bool = True          # False: the no-sync variant (whole replicas in, local gradients out)
     propagation: Any = None          # passes.propagate_sharding.Propagation
     blocked: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # input -> (blocks, dim)
+    # activations the policy placed: node name -> placements its value is redistributed to where produced
+    constraints: dict[str, tuple[Placement, ...]] = dataclasses.field(default_factory=dict)
     timings: list[tuple[str, float]] = dataclasses.field(default_factory=list)
 
     def arrival(self, inp: GraphInput) -> tuple[Placement, ...]:

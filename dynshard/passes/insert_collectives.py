@@ -111,6 +111,15 @@ def gather_fn(layout: Layout):
     return gather_whole
 
 
+def place_fn(layout: Layout, placements):
+    """Redistribute a value to the placements a policy gave it (``ctx.constraints``)."""
+    mesh = layout.tp_mesh
+
+    def place(value):
+        return pytree.tree_map_only(DTensor, lambda t: t.redistribute(mesh, placements), value)
+    return place
+
+
 def reduce_partials_fn(layout: Layout):
     mesh = layout.tp_mesh
 
@@ -137,7 +146,7 @@ def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
     if layout.tp_mesh is not None:
         fuse_vocab_parallel_losses(graph, propagation.vocab_parallel_losses)
-        _rewrite_nodes(graph, layout, propagation)
+        _rewrite_nodes(graph, layout, propagation, ctx.constraints)
         output = next(n for n in graph.nodes if n.op == "output")
         to_boundary = _named(gather_fn(layout), "to_boundary")
         with graph.inserting_before(output):
@@ -162,16 +171,22 @@ def matmul_input_roots(graph: fx.Graph, propagation) -> list[fx.Node]:
     return list(roots)
 
 
-def _rewrite_nodes(graph: fx.Graph, layout: Layout, propagation) -> None:
+def _rewrite_nodes(graph: fx.Graph, layout: Layout, propagation, constraints: dict) -> None:
     replicate = _named(replicate_fn(layout), "replicate")
     gather = _named(gather_fn(layout), "gather_whole")
     reduce_partials = _named(reduce_partials_fn(layout), "reduce_partials")
     for node in matmul_input_roots(graph, propagation):
+        if node.name in constraints:   # its redistribution's backward reduces (or reduce-scatters) instead
+            continue
         with graph.inserting_after(node):
             new = graph.call_function(reduce_grad_partials, (node,))
         node.replace_all_uses_with(new, delete_user_cb=lambda user, new=new: user is not new)
     for node in list(graph.nodes):
-        if node.name in propagation.reduced_partials:
+        if node.name in constraints:
+            with graph.inserting_after(node):
+                new = graph.call_function(_named(place_fn(layout, constraints[node.name]), "place"), (node,))
+            node.replace_all_uses_with(new, delete_user_cb=lambda user, new=new: user is not new)
+        elif node.name in propagation.reduced_partials:
             with graph.inserting_after(node):
                 new = graph.call_function(reduce_partials, (node,))
             node.replace_all_uses_with(new, delete_user_cb=lambda user, new=new: user is not new)

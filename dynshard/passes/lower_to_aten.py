@@ -7,6 +7,7 @@ import torch.fx as fx
 
 from .. import compat
 from .context import PassContext
+from .op_sets import RESHAPES
 
 
 def lower_to_aten(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -56,15 +57,37 @@ def _split_addmm(gm: fx.GraphModule) -> fx.GraphModule:
         if node.target is not aten.addmm.default or node.kwargs or len(node.args) != 3:
             continue
         bias, a, b = node.args[:3]
+        reshape = _only_reshape_keeping_last_dim(node)
         with gm.graph.inserting_before(node):
             product = gm.graph.call_function(aten.mm.default, (a, b))
-            summed = gm.graph.call_function(aten.add.Tensor, (product, bias))
-        product.meta.update(node.meta)
-        summed.meta.update(node.meta)
-        node.replace_all_uses_with(summed)
+            product.meta.update(node.meta)
+            if reshape is not None:     # reshape the product, then add: the partial is reduced on the
+                with gm.graph.inserting_before(reshape):   # model's shape (e.g. along the sequence)
+                    shaped = gm.graph.call_function(reshape.target, (product, *reshape.args[1:]))
+                    summed = gm.graph.call_function(aten.add.Tensor, (shaped, bias))
+                shaped.meta.update(reshape.meta)
+                summed.meta.update(reshape.meta)
+                reshape.replace_all_uses_with(summed)
+                gm.graph.erase_node(reshape)
+            else:
+                summed = gm.graph.call_function(aten.add.Tensor, (product, bias))
+                summed.meta.update(node.meta)
+                node.replace_all_uses_with(summed)
         gm.graph.erase_node(node)
     gm.recompile()
     return gm
+
+
+def _only_reshape_keeping_last_dim(node: fx.Node) -> fx.Node | None:
+    """The reshape that is ``node``'s only reader, if it keeps the last dimension (a bias added after
+    it broadcasts the same way)."""
+    if len(node.users) != 1:
+        return None
+    (user,) = node.users
+    out, shaped = node.meta.get("val"), user.meta.get("val")
+    if user.target not in RESHAPES or out is None or shaped is None or user.args[0] is not node:
+        return None
+    return user if shaped.dim() >= 1 and shaped.shape[-1] == out.shape[-1] else None
 
 
 def _views_to_reshapes(gm: fx.GraphModule) -> fx.GraphModule:

@@ -8,6 +8,12 @@ the redistribution costs.
 One rule is dynshard's own: a partial sum is reduced where it is produced. DTensor would happily carry
 a Partial through the residual stream (Replicate + Partial -> Partial) and then reduce it again before
 every LayerNorm that reads it; reducing at the producer costs one all-reduce, Megatron's placement.
+Views of a partial sum are free, so a partial read only by views (``mm`` -> ``view(B, T, C)``) is
+reduced after them, where the value has the shape the model gave it.
+
+A policy may also place activations (``ctx.constraints``): the value of a constrained node is
+redistributed to its placements where it is produced (a partial sum reduce-scattered along the
+sequence, a sequence shard gathered before the matmuls that read it: sequence parallelism).
 
 Ops with no strategy fall back to replicated execution (inputs made whole, output replicated) with a
 warning that names the op and its source line.
@@ -29,6 +35,7 @@ from .. import compat
 from ..runtime.mesh import Layout
 from ..runtime.sharding import SHARDS, local_shape
 from .context import PassContext
+from .op_sets import RESHAPES
 from .vocab_parallel_loss import abstract_log_softmax, abstract_nll_loss, loss_pairs, rows, split_on_classes
 
 
@@ -59,6 +66,7 @@ class Propagation:
     reduced_partials: set[str]        # nodes whose Partial outputs are all-reduced right away
     input_placements: tuple = ()
     vocab_parallel_losses: set[str] = dataclasses.field(default_factory=set)  # fused log_softmax+nll nodes
+    constraints: dict = dataclasses.field(default_factory=dict)   # the activation placements propagated
     env: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # fx node -> fake value
 
     def prefix(self, names: set[str]) -> "Propagation":
@@ -116,9 +124,10 @@ class ShardingInterpreter(fx.Interpreter):
     """Runs the ATen graph on fake DTensors and records placements and implied communication."""
 
     def __init__(self, gm: fx.GraphModule, layout: Layout, input_placements: Sequence[tuple[Placement, ...]],
-                 input_meta: Sequence[Any], warn: bool):
+                 input_meta: Sequence[Any], warn: bool, constraints: dict[str, tuple[Placement, ...]]):
         super().__init__(gm)
         self.layout = layout
+        self.constraints = constraints
         self.input_placements = list(input_placements)
         self.input_meta = list(input_meta)
         self.warn = warn
@@ -147,7 +156,9 @@ class ShardingInterpreter(fx.Interpreter):
     def run_node(self, n: fx.Node):
         self._current = n
         out = super().run_node(n)
-        if n.op == "call_function" and any(
+        if n.name in self.constraints and isinstance(out, DTensor):
+            out = self.place(n, out, self.constraints[n.name])
+        elif n.op == "call_function" and not _only_viewed(n) and any(
                 isinstance(leaf, DTensor) and any(isinstance(p, Partial) for p in leaf.placements)
                 for leaf in pytree.tree_leaves(out)):
             self.result.reduced_partials.add(n.name)
@@ -203,6 +214,11 @@ class ShardingInterpreter(fx.Interpreter):
         return DTensor.from_local(tensor, self.layout.tp_mesh, [Replicate()] * len(self.layout.placement_dims),
                                   run_check=False)
 
+    def place(self, node: fx.Node, tensor: DTensor, placements: tuple[Placement, ...]) -> DTensor:
+        if tuple(placements) != tuple(tensor.placements):
+            self.record(node, node.name, tensor._spec.tensor_meta, tensor.placements, placements)
+        return tensor.redistribute(self.layout.tp_mesh, placements)
+
     def reduce_partial(self, node: fx.Node, tensor: DTensor) -> DTensor:
         target = reduced_placements(tensor.placements)
         if tuple(target) != tuple(tensor.placements):
@@ -238,6 +254,11 @@ class ShardingInterpreter(fx.Interpreter):
         return pytree.tree_map_only(torch.Tensor, self.replicate, out)
 
 
+def _only_viewed(node: fx.Node) -> bool:
+    """Whether every reader of ``node`` is a reshape (its partial sum is reduced after them)."""
+    return bool(node.users) and all(user.target in RESHAPES for user in node.users)
+
+
 def _first_dtensor(out):
     for leaf in pytree.tree_leaves(out):
         if isinstance(leaf, DTensor):
@@ -253,17 +274,18 @@ def propagate(gm: fx.GraphModule, ctx: PassContext, input_placements: Sequence[t
         return Propagation({}, [], [], {}, set(), set(), tuple(input_placements))
     meta = [(inp.shape, inp.stride, inp.dtype, inp.device if ctx.config.trace_strategy == "fake"
              else torch.device("meta"), inp.requires_grad) for inp in ctx.inputs]
-    initial_env, known = _reusable_prefix(gm, tuple(input_placements), reuse)
+    initial_env, known = _reusable_prefix(gm, tuple(input_placements), ctx.constraints, reuse)
     with compat.isolated_tracing(ctx.fake_mode), ctx.fake_mode:
-        interpreter = ShardingInterpreter(gm, ctx.layout, input_placements, meta, warn)
+        interpreter = ShardingInterpreter(gm, ctx.layout, input_placements, meta, warn, dict(ctx.constraints))
         if known is not None:
             interpreter.result = dataclasses.replace(known, input_placements=tuple(input_placements))
         interpreter.run(*([None] * len(ctx.inputs)), initial_env=initial_env)
     interpreter.result.env = interpreter.env
+    interpreter.result.constraints = dict(ctx.constraints)
     return interpreter.result
 
 
-def _reusable_prefix(gm: fx.GraphModule, placements: tuple, reuse: Propagation | None):
+def _reusable_prefix(gm: fx.GraphModule, placements: tuple, constraints: dict, reuse: Propagation | None):
     if reuse is None or not reuse.env or len(reuse.input_placements) != len(placements):
         return {}, None
     nodes = list(gm.graph.nodes)
@@ -271,6 +293,9 @@ def _reusable_prefix(gm: fx.GraphModule, placements: tuple, reuse: Propagation |
     changed = {placeholders[i] for i, (a, b) in enumerate(zip(reuse.input_placements, placements)) if a != b}
     position = {n: i for i, n in enumerate(nodes)}
     first_use = min((position[u] for p in changed for u in p.users), default=len(nodes))
+    moved = {name for name in set(constraints) | set(reuse.constraints)
+             if constraints.get(name) != reuse.constraints.get(name)}
+    first_use = min([first_use] + [i for i, n in enumerate(nodes) if n.name in moved])
     prefix = [n for n in nodes[:first_use] if n not in changed and n in reuse.env]
     return {n: reuse.env[n] for n in prefix}, reuse.prefix({n.name for n in prefix})
 

@@ -1,5 +1,8 @@
 """Split fused projections (``q, k, v = c_attn(x).split(C, dim=-1)``) into one matmul per block.
 
+The projection is matched as ``mm``, reshapes and a bias added before or after them (``lower_to_aten``
+adds a linear's bias after the reshape that follows it).
+
 A fused weight cannot be column-split as one tensor: each rank needs its share of q, of k and of v, and
 DTensor gathers a strided shard before ``split``. So each block of the fused weight (and bias) becomes a
 :func:`param_block` of the parameter, with its own matmul; the policy can then split the blocks like any
@@ -17,9 +20,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .context import PassContext
-from .op_sets import aten
+from .op_sets import RESHAPES, aten
 
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 
 def param_block(tensor: torch.Tensor, index: int, count: int, dim: int) -> torch.Tensor:
@@ -79,12 +81,17 @@ def _match(split: fx.Node):
         return None
     if total % size or total // size < 2 or not all(u.target is operator.getitem for u in split.users):
         return None
-    reshapes, node = [], source
-    while node.target in _RESHAPES and _single_user(node):
+    node, bias = source, None       # mm -> reshapes -> (+ bias) -> reshapes -> split
+    if node.target is aten.add.Tensor and _single_user(node):
+        product, candidate = node.args
+        if isinstance(candidate, fx.Node) and candidate.op == "placeholder" and _single_user(candidate) \
+                and candidate.meta["val"].dim() == 1:
+            bias, node = candidate, product
+    reshapes = []
+    while node.target in RESHAPES and _single_user(node):
         reshapes.append(node)
         node = node.args[0]
-    bias = None
-    if node.target is aten.add.Tensor and _single_user(node):
+    if bias is None and node.target is aten.add.Tensor and _single_user(node):
         product, candidate = node.args
         if isinstance(candidate, fx.Node) and candidate.op == "placeholder" and _single_user(candidate) \
                 and candidate.meta["val"].dim() == 1:
@@ -107,12 +114,12 @@ def _rewrite(graph: fx.Graph, split, weight, weight_dim, bias, activation, resha
             block = graph.call_function(param_block, (weight, index, count, weight_dim))
             operand = graph.call_function(aten.t.default, (block,)) if weight_dim == 0 else block
             value = graph.call_function(aten.mm.default, (activation, operand))
-            if bias is not None:
-                value = graph.call_function(aten.add.Tensor, (value, graph.call_function(
-                    param_block, (bias, index, count, 0))))
             for reshape in reshapes:
                 shape = list(reshape.args[1])
                 shape[-1] = size
                 value = graph.call_function(aten.reshape.default, (value, shape))
+            if bias is not None:
+                value = graph.call_function(aten.add.Tensor, (value, graph.call_function(
+                    param_block, (bias, index, count, 0))))
             if index in users:
                 users[index].replace_all_uses_with(value)

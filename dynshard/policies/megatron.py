@@ -11,18 +11,33 @@
    pair, the bias of a column-split linear) is stored in that split instead, which keeps its gradient
    local. It stands when the plan's communication does not grow.
 
+3. Vocabulary pass: the largest embedding table indexed by token ids is split along its rows
+   (Megatron's VocabParallelEmbedding: a masked lookup, then one all-reduce). An LM head that is not tied
+   is split along the vocabulary by the column pass, since the cross-entropy over split logits adds only
+   all-reduces of one value per row (:mod:`..passes.vocab_parallel_loss`).
+
 On a transformer layer this yields q/k/v and fc1 column-split, the attention output projection and fc2
 row-split, attention split by heads: 2 all-reduces forward and 2 backward, Megatron's minimum.
+
+4. Sequence parallelism (``pas_config={"sequence_parallel": True}``, Megatron's): every partial sum the
+   plan reduces (row-split outputs, the vocab-parallel embedding) is reduce-scattered along its sequence
+   dimension (-2: T of [B, T, C]) instead, and every activation read by matmuls is gathered there. Norms,
+   dropouts and residual adds between them run on 1/t of the tokens; per layer 2 all-gathers and 2
+   reduce-scatters forward and backward, the bytes of the 4 all-reduces they replace.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+from typing import Any, Mapping
 
+import torch
 import torch.fx as fx
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
-from ..config import Config
+from ..config import Config, ConfigError
+from ..passes.insert_collectives import matmul_input_roots
 from ..passes.op_sets import MATMUL_OPERANDS, TRANSPOSE_OPS, aten, view_root
 from ..passes.propagate_sharding import Propagation
 from ..passes.split_fused_projections import param_block
@@ -30,7 +45,27 @@ from ..runtime.sharding import SHARDS
 from .plan_builder import PlanBuilder
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorParallelOptions:
+    """The ``tp`` policy's ``pas_config``."""
+
+    sequence_parallel: bool = False
+
+    @classmethod
+    def from_pas_config(cls, pas_config: Mapping[str, Any]) -> "TensorParallelOptions":
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(pas_config) - set(fields))
+        if unknown:
+            raise ConfigError(f"dynshard: the tp policy has no option {', '.join(map(repr, unknown))} in pas_config; "
+                              f"it takes {', '.join(fields)}")
+        for name, value in pas_config.items():
+            if not isinstance(value, bool):
+                raise ConfigError(f"dynshard: pas_config[{name!r}] must be True or False, got {value!r}")
+        return cls(**pas_config)
+
+
 def tp(plan: PlanBuilder, config: Config) -> None:
+    options = TensorParallelOptions.from_pas_config(config.pas_config)
     base = plan.propagate()
     for activation, group in column_groups(plan):
         group = [(name, dim) for name, dim in group if not plan.is_fixed(name) and plan.divides(name, dim)]
@@ -45,7 +80,20 @@ def tp(plan: PlanBuilder, config: Config) -> None:
             for name, _ in group:
                 plan.replicate(name)
     base = _split_vocabulary(plan, base)
-    _store_local_reshards(plan, base)
+    base = _store_local_reshards(plan, base)
+    if options.sequence_parallel:
+        _split_sequence(plan, base)
+
+
+def _split_sequence(plan: PlanBuilder, base: Propagation) -> None:
+    roots = set(matmul_input_roots(plan.graph, base))
+    for node in plan.graph.nodes:     # in graph order, so that plans print the same on every run
+        value = node.meta.get("val")
+        if node in roots:
+            plan.place_activation(node, Replicate())
+        elif node.name in base.reduced_partials and isinstance(value, torch.Tensor) and value.dim() >= 2 \
+                and value.shape[-2] % plan.tp_size == 0:
+            plan.place_activation(node, Shard(value.dim() - 2))
 
 
 def _split_vocabulary(plan: PlanBuilder, base: Propagation) -> Propagation:
@@ -167,7 +215,7 @@ def _adds_at_most_one_all_reduce(base: Propagation, trial: Propagation) -> bool:
     return set(added) <= {"all_reduce"} and added["all_reduce"] <= 1
 
 
-def _store_local_reshards(plan: PlanBuilder, base: Propagation) -> None:
+def _store_local_reshards(plan: PlanBuilder, base: Propagation) -> Propagation:
     """All candidates are tried at once first (the usual case: every one of them stands), and one by
     one only if that trial fails."""
     nodes = {node.name: node for node in plan.graph.nodes}
@@ -177,10 +225,14 @@ def _store_local_reshards(plan: PlanBuilder, base: Propagation) -> None:
         if target is not None and target not in targets and not plan.is_fixed(target[0]) \
                 and plan.divides(*target):
             targets.append(target)
-    if not targets or _accept_shards(plan, base, targets) is not None:
-        return
+    if not targets:
+        return base
+    accepted = _accept_shards(plan, base, targets)
+    if accepted is not None:
+        return accepted
     for target in targets:
         base = _accept_shards(plan, base, [target]) or base
+    return base
 
 
 def _accept_shards(plan: PlanBuilder, base: Propagation, targets) -> Propagation | None:

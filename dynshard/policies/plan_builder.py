@@ -94,6 +94,18 @@ class PlanBuilder:
     def replicate(self, name: str) -> None:
         self._set(self._input(name), Replicate())
 
+    def place_activation(self, node: fx.Node | str, placement: Placement | None) -> None:
+        """Redistribute the value of ``node`` to ``placement`` on the "tp" dimension where it is produced
+        (a partial sum reduce-scattered, a shard gathered); None drops an earlier choice. The placements
+        of parameters and inputs are chosen with :meth:`shard` / :meth:`replicate`."""
+        name = node.name if isinstance(node, fx.Node) else node
+        if not any(n.name == name for n in self.graph.nodes):
+            raise PlanError(f"dynshard: the graph has no node named {name!r}")
+        if placement is None:
+            self.ctx.constraints.pop(name, None)
+        elif self.ctx.layout.placement_dims:
+            self.ctx.constraints[name] = placements_for(self.ctx.layout, {"tp": placement})
+
     def shard_over_dp(self, name: str) -> None:
         """Split ``name``'s rows over its zero group (needs ``use_zero``): ZeRO storage."""
         inp = self._input(name)

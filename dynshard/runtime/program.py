@@ -10,6 +10,7 @@ from torch.distributed.tensor import Placement
 
 from ..backend.capture import GraphInput
 from ..backend.compile import CompiledProgram
+from . import materialize
 from .accumulation import ACCUMULATION
 from .mesh import Layout
 from .sharding import shard_in_place
@@ -43,13 +44,17 @@ class ShardedProgram:
     """The callable handed back to Dynamo for one captured graph.
 
     On its first call it turns the parameters and buffers it uses into this rank's shards, in place
-    (the same tensor objects), and tags them; from then on arguments arrive already local.
+    (the same tensor objects), and tags them; from then on arguments arrive already local. A model built on
+    the meta device is initialised first, one module at a time (:mod:`.materialize`).
     """
 
     def __init__(self, plan: CompiledPlan):
         self.plan = plan
         self._prepared = False
         self._params = [inp for inp in plan.inputs if inp.kind == "parameter"]
+        # built while Dynamo compiles a frame: the meta-built models of that frame, initialised on the first run
+        self._meta_models = materialize.frame_models()
+        materialize.install()      # the trace hook, again after a torch._dynamo.reset()
 
     def __call__(self, *args: Any):
         if not self._prepared:
@@ -77,6 +82,8 @@ class ShardedProgram:
         return args
 
     def _prepare(self, args) -> None:
+        materialize.materialize(self._meta_models, self.plan, args)   # cuts this program's tensors as it goes
+        self._meta_models = []
         for inp in self.plan.inputs:
             if inp.is_state:
                 tag = shard_in_place(args[inp.index], inp.name, self.plan.layout, self.plan.placements[inp.index],

@@ -26,6 +26,7 @@ from .mesh import Layout
 from .zero import ZeroSpec, gather_rows, shard_rows, zero_groups
 
 TAG_ATTR = "_dynshard_tag"
+ALIKE_ATTR = "_dynshard_initialized_alike"   # every rank computed the same values (no broadcast needed)
 SHARDS = (Shard, _StridedShard)   # _StridedShard is not a Shard subclass in torch 2.13
 _SHARDED: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
 _LOCAL_DATA: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -129,13 +130,21 @@ def local_shard(full: torch.Tensor, layout: Layout, placements: tuple[Placement,
     return piece.contiguous()
 
 
+def mark_initialized_alike(tensor: torch.Tensor) -> None:
+    """Every rank computed ``tensor``'s values the same way (a meta-built model initialised on every rank,
+    checked by :mod:`.materialize`): :func:`shard_in_place` does not broadcast them."""
+    setattr(tensor, ALIKE_ATTR, True)
+
+
 def shard_in_place(tensor: torch.Tensor, fqn: str, layout: Layout,
                    placements: tuple[Placement, ...], zero: ZeroSpec | None = None) -> ShardTag:
-    """Make ``tensor`` hold what this rank stores of it, and tag it. Ranks first agree on rank 0's values."""
+    """Make ``tensor`` hold what this rank stores of it, and tag it. Ranks first agree on rank 0's values
+    (a broadcast), unless every rank initialised them alike (:func:`mark_initialized_alike`); a meta
+    tensor, which has no values, is tagged as it is."""
     existing = get_tag(tensor)
     if existing is not None:
         return existing
-    if dist.is_initialized() and not tensor.is_meta:
+    if dist.is_initialized() and not tensor.is_meta and not getattr(tensor, ALIKE_ATTR, False):
         with torch.no_grad():
             dist.broadcast(tensor.data, src=0)
     global_shape, global_stride = tensor.shape, tensor.stride()
