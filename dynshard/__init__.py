@@ -6,7 +6,7 @@
 from .backend.agreement import PlanMismatchError
 from .config import Config, ConfigError
 from .explain import Explanation, explain
-from .policies import PlanBuilder, PlanError
+from .policies import PlanBuilder, PlanError, tensor_parallel
 from .runtime.accumulation import no_sync
 from .runtime.grad_norm import clip_grad_norm_
 from .runtime.grad_scaler import GradScaler
@@ -30,4 +30,4 @@ def data_parallel_rank(plan_ngpus: int = 1) -> tuple[int, int]:
 __all__ = ["Config", "ConfigError", "Explanation", "GradScaler", "Layout", "ParallelOptimizer", "PlanBuilder",
            "PlanError", "PlanMismatchError", "Reducer", "build_optimizer", "clip_grad_norm_", "collect_state_dict",
            "data_parallel_rank", "explain", "get_parallel_dim", "no_sync", "register_ddp_parameters_to_ignore",
-           "register_parallel_attribute", "register_parallel_dim", "relocate_state_dict", "slice"]
+           "register_parallel_attribute", "register_parallel_dim", "relocate_state_dict", "slice", "tensor_parallel"]

@@ -43,6 +43,10 @@ class Config:
     user_config: anything that changes the traced program; part of the plan-cache key.
     inference_only: programs run without autograd (no gradients, no gradient collectives).
     constant_folding: bake the values of buffers into inference programs (Inductor freezing).
+    gather_outputs: True: every tensor a program returns is whole (gathered inside the plan unit). False:
+        a returned tensor that is split inside the unit (vocab-parallel logits, sequence-parallel hidden
+        states, head-split KV caches) leaves as a DTensor over the unit's ranks, not gathered; the loss
+        and other whole values stay plain tensors. ``.full_tensor()`` (on every rank) gathers one.
     trace_strategy: "fake" plans with FakeTensors on the model's device, "meta" on the meta device.
     compiler: "inductor" (C++ on CPU, Triton on GPU) or "aot_eager" (no code generation, for debugging).
     cache_dir: where plans are stored so that a restart skips planning; None keeps them in memory only.
@@ -80,6 +84,7 @@ class Config:
     user_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     inference_only: bool = False
     constant_folding: bool = False
+    gather_outputs: bool = True
     trace_strategy: str = "fake"
     compiler: str = "inductor"
     cache_dir: str | None = None
@@ -149,7 +154,7 @@ class Config:
             raise ConfigError(
                 f"dynshard: zero_use_reduce_scatter=True needs zero_ngroups=1 (got {self.zero_ngroups}), as "
                 "in nnScaler; use use_zero=2 for reduce-scattered gradients with groups")
-        for name in ("zero_use_reduce_scatter", "use_async_reducer"):
+        for name in ("zero_use_reduce_scatter", "use_async_reducer", "gather_outputs"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"dynshard: {name} must be True or False, got {getattr(self, name)!r}")
         cap = self.reducer_bucket_cap_mb
@@ -237,7 +242,10 @@ class Config:
 
 
 def _qualified_name(fn: Callable[..., Any]) -> str:
-    """A callable by name (the same on every rank and across restarts, unlike its repr)."""
+    """A callable by name (the same on every rank and across restarts, unlike its repr); a policy object
+    whose plan depends on its contents says so with a ``cache_token()`` method."""
+    if hasattr(fn, "cache_token"):
+        return fn.cache_token()
     return f"{getattr(fn, '__module__', '')}.{getattr(fn, '__qualname__', repr(fn))}"
 
 
@@ -289,7 +297,7 @@ def _read_environment(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 _INTS = ("plan_ngpus", "runtime_ngpus", "zero_ngroups")
-_BOOLS = ("inference_only", "constant_folding", "zero_use_reduce_scatter", "use_async_reducer")
+_BOOLS = ("inference_only", "constant_folding", "gather_outputs", "zero_use_reduce_scatter", "use_async_reducer")
 _JSON = ("pas_config", "user_config", "mixed_precision")
 
 

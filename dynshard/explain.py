@@ -86,8 +86,10 @@ def format_plan(plan) -> str:
     propagation = plan.propagation
     if propagation is not None and propagation.constraints:
         lines.append("activations placed by the policy")
-        lines += _table([("node", "placement")] + [(name, describe_placements(plan.layout, placements))
-                                                   for name, placements in propagation.constraints.items()])
+        lines += _table([("node", "placement", "for")] + [
+            (name, describe_placements(plan.layout, c.placements),
+             "every reader" if c.readers is None else ", ".join(c.readers))
+            for name, c in propagation.constraints.items()])
     if propagation is not None:
         lines.append("forward communication (predicted)")
         rows = [("node", "collective", "group", "bytes")] + [

@@ -31,7 +31,8 @@ def test_every_field_can_come_from_the_environment_and_explicit_options_win():
     assert set(Config.fields()) == {"plan_ngpus", "runtime_ngpus", "policy", "pas_config", "user_config",
                                     "inference_only", "constant_folding", "trace_strategy", "compiler", "cache_dir",
                                     "use_zero", "zero_ngroups", "zero_use_reduce_scatter", "use_async_reducer",
-                                    "reducer_bucket_cap_mb", "mixed_precision", "recompute_modules", "param_init_fn"}
+                                    "reducer_bucket_cap_mb", "mixed_precision", "recompute_modules", "param_init_fn",
+                                    "gather_outputs"}
 
 
 def test_unknown_or_unreadable_environment_variables_are_errors():

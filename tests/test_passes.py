@@ -265,13 +265,13 @@ placements
   ln_f.bias                  parameter  [32]       tp=R
   targets                    input      [2, 16]    tp=R
 activations placed by the policy
-  node               placement
-  embedding          tp=S(1)
-  getitem            tp=R
-  reshape_default_2  tp=S(1)
-  getitem_3          tp=R
-  reshape_default_4  tp=S(1)
-  getitem_6          tp=R
+  node               placement  for
+  embedding          tp=S(1)    every reader
+  getitem            tp=R       view, view_2, view_3
+  reshape_default_2  tp=S(1)    every reader
+  getitem_3          tp=R       view_13
+  reshape_default_4  tp=S(1)    every reader
+  getitem_6          tp=R       view_17
 forward communication (predicted)
   node               collective      group  bytes
   embedding          reduce_scatter  tp     4096
@@ -289,3 +289,18 @@ forward communication (predicted)
         with pytest.raises(Exception, match="the tp policy has no option 'sequence_paralel'"):
             plan_for(GPT(cfg), gpt_batch(cfg, 2, 0), policy="tp", plan_ngpus=2,
                      pas_config={"sequence_paralel": True})
+
+
+class TestMixedPrecisionPlans:
+    @pytest.fixture(autouse=True)
+    def _world(self, fake_world):
+        pass
+
+    @pytest.mark.parametrize("fused", [False, True], ids=["qkv", "fused_qkv"])
+    def test_tp_splits_the_same_parameters_when_they_are_cast_to_the_compute_dtype(self, fused):
+        cfg = GPTConfig(layers=1, fused_qkv=fused)
+        placements = [{inp.name: str(plan.placements[inp.index][0]) for inp in plan.inputs} for plan in (
+            plan_for(GPT(cfg), gpt_batch(cfg, 2, 0), policy="tp", plan_ngpus=2, **options)
+            for options in ({}, {"mixed_precision": {"param_dtype": "bfloat16"}}))]
+        assert placements[0] == placements[1]
+        assert placements[1]["blocks.0.fc1.weight"] == "S(0)" and placements[1]["wte.weight"] == "S(0)"

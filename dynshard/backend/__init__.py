@@ -83,11 +83,13 @@ def _plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str):
     config, layout = ctx.config, ctx.layout
     lowered = run_passes(_copy(gm), ctx)     # passes may edit the graph they get; the variant reuses gm
     local_inputs = [_local_example(inp, ctx.placements[inp.index], ctx.zero_of(inp), layout) for inp in ctx.inputs]
-    return compile_program(lowered, local_inputs, config.compiler, layout, config.inference_only,
-                           freeze=config.constant_folding, joint_pass=_reshard_pass(config, ctx),
-                           inductor_patches=compat.bucketing_patches(
-                               bool(ctx.zero) and ctx.sync_grads, _bucket_cap_mb(config),
-                               config.use_async_reducer and device_type == "cuda"))
+    program = compile_program(lowered, local_inputs, config.compiler, layout, config.inference_only,
+                              freeze=config.constant_folding, joint_pass=_reshard_pass(config, ctx),
+                              inductor_patches=compat.bucketing_patches(
+                                  bool(ctx.zero) and ctx.sync_grads, _bucket_cap_mb(config),
+                                  config.use_async_reducer and device_type == "cuda"))
+    program.split_outputs = ctx.split_outputs     # recorded while the program was traced
+    return program
 
 
 def _bucket_cap_mb(config: Config) -> float | None:

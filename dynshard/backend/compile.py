@@ -71,6 +71,7 @@ class CompiledProgram:
     seconds: float
     saved_bytes: int = 0          # activations the forward keeps for the backward, on this rank
     saved_count: int = 0          # ... in this many tensors (distinct storages)
+    split_outputs: dict = dataclasses.field(default_factory=dict)  # output -> DTensor spec (gather_outputs=False)
     forward_storages: set = dataclasses.field(default_factory=set, repr=False)
 
 

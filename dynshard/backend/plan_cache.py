@@ -18,6 +18,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from .. import compat
 from ..config import Config
+from ..passes.context import ActivationPlacement
 from ..runtime.mesh import Layout
 from .capture import GraphInput
 
@@ -62,11 +63,13 @@ class PlanCache:
             stored = json.load(f)
         return {"placements": {int(i): _decode_all(ps) for i, ps in stored["placements"].items()},
                 "over_dp": set(stored.get("over_dp", ())),
-                "constraints": {name: _decode_all(ps) for name, ps in stored.get("constraints", {}).items()}}
+                "constraints": {name: ActivationPlacement(_decode_all(c["placements"]),
+                                                          None if c["readers"] is None else tuple(c["readers"]))
+                                for name, c in stored.get("constraints", {}).items()}}
 
     @staticmethod
     def save_plan(config: Config, key: str, placements: dict[int, tuple[Placement, ...]], over_dp: set[int],
-                  constraints: dict[str, tuple[Placement, ...]], layout: Layout) -> None:
+                  constraints: dict[str, ActivationPlacement], layout: Layout) -> None:
         if not config.cache_dir or layout.rank != 0:
             return
         os.makedirs(config.cache_dir, exist_ok=True)
@@ -75,7 +78,9 @@ class PlanCache:
         with open(tmp, "w") as f:
             json.dump({"placements": {i: [_encode(p) for p in ps] for i, ps in placements.items()},
                        "over_dp": sorted(over_dp),
-                       "constraints": {name: [_encode(p) for p in ps] for name, ps in constraints.items()}}, f)
+                       "constraints": {name: {"placements": [_encode(p) for p in c.placements],
+                                              "readers": None if c.readers is None else list(c.readers)}
+                                       for name, c in constraints.items()}}, f)
         os.replace(tmp, path)
 
 

@@ -14,6 +14,15 @@ from ..runtime.sharding import placements_for
 from ..runtime.zero import ZeroSpec
 
 
+@dataclasses.dataclass(frozen=True)
+class ActivationPlacement:
+    """Where a policy wants an activation: its placements, for the nodes that read it (``readers``, by
+    name; None: every reader)."""
+
+    placements: tuple[Placement, ...]
+    readers: tuple[str, ...] | None = None
+
+
 @dataclasses.dataclass
 class PassContext:
     config: Config
@@ -27,7 +36,8 @@ class PassContext:
     propagation: Any = None          # passes.propagate_sharding.Propagation
     blocked: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # input -> (blocks, dim)
     # activations the policy placed: node name -> placements its value is redistributed to where produced
-    constraints: dict[str, tuple[Placement, ...]] = dataclasses.field(default_factory=dict)
+    constraints: dict[str, ActivationPlacement] = dataclasses.field(default_factory=dict)
+    split_outputs: dict[int, tuple] = dataclasses.field(default_factory=dict)  # output -> DTensor spec
     timings: list[tuple[str, float]] = dataclasses.field(default_factory=list)
 
     def arrival(self, inp: GraphInput) -> tuple[Placement, ...]:

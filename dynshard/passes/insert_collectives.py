@@ -20,6 +20,7 @@ ZeRO-split parameter, average (and reduce-scatter) the gradient.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 import torch.fx as fx
@@ -120,6 +121,24 @@ def place_fn(layout: Layout, placements):
     return place
 
 
+def split_output_fn(layout: Layout, position: int, split: dict):
+    """``Config(gather_outputs=False)``: an output split inside the unit leaves the program as this
+    rank's shard, and ``split[position]`` records its DTensor spec, so that the runtime hands the user a
+    DTensor (:meth:`~dynshard.runtime.program.ShardedProgram.__call__`), outside the compiled graph.
+    Whole outputs (partial sums reduced) leave as they are."""
+    mesh = layout.tp_mesh
+
+    def split_output(value):
+        if not isinstance(value, DTensor):
+            return value
+        value = value.redistribute(mesh, reduced_placements(value.placements))
+        if all(p == Replicate() for p in value.placements):
+            return value.to_local()
+        split[position] = (tuple(value.placements), value.shape, value.stride())
+        return value.to_local()
+    return split_output
+
+
 def reduce_partials_fn(layout: Layout):
     mesh = layout.tp_mesh
 
@@ -149,8 +168,11 @@ def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         _rewrite_nodes(graph, layout, propagation, ctx.constraints)
         output = next(n for n in graph.nodes if n.op == "output")
         to_boundary = _named(gather_fn(layout), "to_boundary")
+        positions = itertools.count()
         with graph.inserting_before(output):
-            output.args = fx.node.map_arg(output.args, lambda a: graph.call_function(to_boundary, (a,)))
+            output.args = fx.node.map_arg(output.args, lambda a: graph.call_function(
+                to_boundary if ctx.config.gather_outputs else
+                _named(split_output_fn(layout, next(positions), ctx.split_outputs), "to_boundary"), (a,)))
     graph.lint()
     gm.recompile()
     return gm
@@ -175,17 +197,20 @@ def _rewrite_nodes(graph: fx.Graph, layout: Layout, propagation, constraints: di
     replicate = _named(replicate_fn(layout), "replicate")
     gather = _named(gather_fn(layout), "gather_whole")
     reduce_partials = _named(reduce_partials_fn(layout), "reduce_partials")
+    gathered = {c.node for c in propagation.collectives if c.kind == "all_gather" and c.node in constraints}
     for node in matmul_input_roots(graph, propagation):
-        if node.name in constraints:   # its redistribution's backward reduces (or reduce-scatters) instead
+        if node.name in gathered:   # the backward of its gather reduce-scatters the partial gradient instead
             continue
         with graph.inserting_after(node):
             new = graph.call_function(reduce_grad_partials, (node,))
         node.replace_all_uses_with(new, delete_user_cb=lambda user, new=new: user is not new)
     for node in list(graph.nodes):
         if node.name in constraints:
+            constraint = constraints[node.name]
             with graph.inserting_after(node):
-                new = graph.call_function(_named(place_fn(layout, constraints[node.name]), "place"), (node,))
-            node.replace_all_uses_with(new, delete_user_cb=lambda user, new=new: user is not new)
+                new = graph.call_function(_named(place_fn(layout, constraint.placements), "place"), (node,))
+            node.replace_all_uses_with(new, delete_user_cb=lambda user, new=new, readers=constraint.readers: (
+                user is not new and (readers is None or user.name in readers)))
         elif node.name in propagation.reduced_partials:
             with graph.inserting_after(node):
                 new = graph.call_function(reduce_partials, (node,))

@@ -14,6 +14,9 @@ MATMUL_OPERANDS = {aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 
 VIEW_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.clone.default,
             aten.expand.default}
 
+# dtype casts (mixed precision casts parameters to the compute dtype before their first use)
+CASTS = {aten._to_copy.default, torch.ops.prims.convert_element_type.default}
+
 # ops that give a tensor another shape over the same elements
 RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 

@@ -124,10 +124,11 @@ class ShardingInterpreter(fx.Interpreter):
     """Runs the ATen graph on fake DTensors and records placements and implied communication."""
 
     def __init__(self, gm: fx.GraphModule, layout: Layout, input_placements: Sequence[tuple[Placement, ...]],
-                 input_meta: Sequence[Any], warn: bool, constraints: dict[str, tuple[Placement, ...]]):
+                 input_meta: Sequence[Any], warn: bool, constraints: dict):
         super().__init__(gm)
         self.layout = layout
         self.constraints = constraints
+        self.placed: dict[fx.Node, DTensor] = {}     # values placed for some of their readers only
         self.input_placements = list(input_placements)
         self.input_meta = list(input_meta)
         self.warn = warn
@@ -156,8 +157,11 @@ class ShardingInterpreter(fx.Interpreter):
     def run_node(self, n: fx.Node):
         self._current = n
         out = super().run_node(n)
-        if n.name in self.constraints and isinstance(out, DTensor):
-            out = self.place(n, out, self.constraints[n.name])
+        constraint = self.constraints.get(n.name)
+        if constraint is not None and isinstance(out, DTensor) and constraint.readers is not None:
+            self.placed[n] = self.place(n, out, constraint.placements)
+        elif constraint is not None and isinstance(out, DTensor):
+            out = self.place(n, out, constraint.placements)
         elif n.op == "call_function" and not _only_viewed(n) and any(
                 isinstance(leaf, DTensor) and any(isinstance(p, Partial) for p in leaf.placements)
                 for leaf in pytree.tree_leaves(out)):
@@ -167,6 +171,13 @@ class ShardingInterpreter(fx.Interpreter):
         if spec is not None:
             self.result.placements[n.name] = spec.placements
         return out
+
+    def map_nodes_to_values(self, args, n: fx.Node):
+        placed = {source: value for source, value in self.placed.items()
+                  if n.name in self.constraints[source.name].readers}
+        if not placed:
+            return super().map_nodes_to_values(args, n)
+        return fx.node.map_arg(args, lambda a: placed[a] if a in placed else self.env[a])
 
     def call_function(self, target, args, kwargs):
         node = self._current

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from .context import PassContext
-from .op_sets import RESHAPES, aten
+from .op_sets import CASTS, RESHAPES, aten
 
 
 
@@ -53,10 +53,10 @@ def split_fused_projections(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
         if match is None:
             continue
         weight, weight_dim, bias, activation, reshapes, count, size = match
-        _rewrite(gm.graph, split, weight, weight_dim, bias, activation, reshapes, count, size)
-        ctx.blocked[placeholders.index(weight)] = (count, weight_dim)
+        ctx.blocked[placeholders.index(_parameter_of(weight))] = (count, weight_dim)
         if bias is not None:
-            ctx.blocked[placeholders.index(bias)] = (count, 0)
+            ctx.blocked[placeholders.index(_parameter_of(bias))] = (count, 0)
+        _rewrite(gm.graph, split, weight, weight_dim, bias, activation, reshapes, count, size)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
@@ -84,8 +84,7 @@ def _match(split: fx.Node):
     node, bias = source, None       # mm -> reshapes -> (+ bias) -> reshapes -> split
     if node.target is aten.add.Tensor and _single_user(node):
         product, candidate = node.args
-        if isinstance(candidate, fx.Node) and candidate.op == "placeholder" and _single_user(candidate) \
-                and candidate.meta["val"].dim() == 1:
+        if _parameter_of(candidate) is not None and candidate.meta["val"].dim() == 1:
             bias, node = candidate, product
     reshapes = []
     while node.target in RESHAPES and _single_user(node):
@@ -93,8 +92,7 @@ def _match(split: fx.Node):
         node = node.args[0]
     if bias is None and node.target is aten.add.Tensor and _single_user(node):
         product, candidate = node.args
-        if isinstance(candidate, fx.Node) and candidate.op == "placeholder" and _single_user(candidate) \
-                and candidate.meta["val"].dim() == 1:
+        if _parameter_of(candidate) is not None and candidate.meta["val"].dim() == 1:
             bias, node = candidate, product
     if node.target is not aten.mm.default or not _single_user(node):
         return None
@@ -102,9 +100,18 @@ def _match(split: fx.Node):
     weight, weight_dim = operand, 1
     if operand.target is aten.t.default and _single_user(operand):
         weight, weight_dim = operand.args[0], 0
-    if weight.op != "placeholder" or not _single_user(weight):
+    if _parameter_of(weight) is None:
         return None
     return weight, weight_dim, bias, activation, list(reversed(reshapes)), total // size, size
+
+
+def _parameter_of(node) -> fx.Node | None:
+    """The placeholder ``node`` is, or is a dtype cast of (mixed precision), if nothing else reads it."""
+    if isinstance(node, fx.Node) and node.target in CASTS and _single_user(node):
+        node = node.args[0]
+    if isinstance(node, fx.Node) and node.op == "placeholder" and _single_user(node):
+        return node
+    return None
 
 
 def _rewrite(graph: fx.Graph, split, weight, weight_dim, bias, activation, reshapes, count, size) -> None:

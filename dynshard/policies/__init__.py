@@ -8,6 +8,7 @@ from ..config import Config
 from .data_parallel import data, dp
 from .megatron import tp
 from .plan_builder import PlanBuilder, PlanError
+from .tensor_parallel import tensor_parallel
 
 BUILTIN: dict[str, Callable[[PlanBuilder, Config], None]] = {"dp": dp, "data": data, "tp": tp}
 
@@ -16,4 +17,4 @@ def resolve(config: Config) -> Callable[[PlanBuilder, Config], None]:
     return BUILTIN[config.policy] if isinstance(config.policy, str) else config.policy
 
 
-__all__ = ["BUILTIN", "PlanBuilder", "PlanError", "resolve", "dp", "data", "tp"]
+__all__ = ["BUILTIN", "PlanBuilder", "PlanError", "resolve", "dp", "data", "tp", "tensor_parallel"]

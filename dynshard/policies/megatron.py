@@ -38,7 +38,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from ..config import Config, ConfigError
 from ..passes.insert_collectives import matmul_input_roots
-from ..passes.op_sets import MATMUL_OPERANDS, TRANSPOSE_OPS, aten, view_root
+from ..passes.op_sets import CASTS, MATMUL_OPERANDS, TRANSPOSE_OPS, VIEW_OPS, aten, view_root
 from ..passes.propagate_sharding import Propagation
 from ..passes.split_fused_projections import param_block
 from ..runtime.sharding import SHARDS
@@ -89,8 +89,8 @@ def _split_sequence(plan: PlanBuilder, base: Propagation) -> None:
     roots = set(matmul_input_roots(plan.graph, base))
     for node in plan.graph.nodes:     # in graph order, so that plans print the same on every run
         value = node.meta.get("val")
-        if node in roots:
-            plan.place_activation(node, Replicate())
+        if node in roots:      # gathered for its matmuls only; a residual add that reads it stays split
+            plan.place_activation(node, Replicate(), readers=_matmul_readers(node))
         elif node.name in base.reduced_partials and isinstance(value, torch.Tensor) and value.dim() >= 2 \
                 and value.shape[-2] % plan.tp_size == 0:
             plan.place_activation(node, Shard(value.dim() - 2))
@@ -120,12 +120,17 @@ def token_embeddings(plan: PlanBuilder) -> list[str]:
     for name, inp in plan.state.items():
         if inp.kind != "parameter" or len(inp.shape) != 2:
             continue
-        lookups = [u for u in plan.node_of(name).users if u.target == aten.embedding.default and u.args[0] is
-                   plan.node_of(name)]
+        lookups = [u for use in _through_casts(plan.node_of(name)) for u in use.users
+                   if u.target == aten.embedding.default and u.args[0] is use]
         if lookups and any(view_root(u.args[1]) in user for u in lookups):
             sizes[name] = inp.shape[0]
     largest = max(sizes.values(), default=0)
     return [name for name, rows in sizes.items() if rows == largest]
+
+
+def _through_casts(node: fx.Node) -> list[fx.Node]:
+    """``node`` and its dtype casts (mixed precision)."""
+    return [node] + [u for u in node.users if u.target in CASTS]
 
 
 def _user_placeholders(plan: PlanBuilder) -> list[fx.Node]:
@@ -179,7 +184,7 @@ def _matmul_uses(param: fx.Node):
         for user in node.users:
             if user.target in TRANSPOSE_OPS:
                 stack.append((user, _transpose_map(user, dims)))
-            elif user.target is param_block:
+            elif user.target is param_block or user.target in CASTS:   # mixed precision casts parameters
                 stack.append((user, dims))
             elif user.target in MATMUL_OPERANDS and node in user.args[MATMUL_OPERANDS[user.target]:][:2]:
                 position = user.args.index(node) - MATMUL_OPERANDS[user.target]
@@ -213,6 +218,15 @@ def _adds_at_most_one_all_reduce(base: Propagation, trial: Propagation) -> bool:
     after = collections.Counter(c.kind for c in trial.collectives if c.node not in trial.vocab_parallel_losses)
     added = after - before
     return set(added) <= {"all_reduce"} and added["all_reduce"] <= 1
+
+
+def _matmul_readers(node: fx.Node) -> list[fx.Node]:
+    """The nodes reading ``node`` through which it reaches a matmul operand (directly or by views)."""
+    def reaches_matmul(user: fx.Node) -> bool:
+        if user.target in MATMUL_OPERANDS:
+            return True
+        return user.target in VIEW_OPS and any(reaches_matmul(u) for u in user.users)
+    return [user for user in node.users if reaches_matmul(user)]
 
 
 def _store_local_reshards(plan: PlanBuilder, base: Propagation) -> Propagation:
@@ -261,7 +275,7 @@ def _parameter_dim(plan: PlanBuilder, node: fx.Node | None, dst) -> tuple[str, i
             dim = 1 - dim
         elif node.target == aten.permute.default:
             dim = list(node.args[1])[dim]
-        elif node.target is not param_block:
+        elif node.target is not param_block and node.target not in CASTS:
             return None
         node = node.args[0]
     inp = plan.input_of(node)

@@ -20,7 +20,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..backend.capture import GraphInput
 from ..config import Config
-from ..passes.context import PassContext
+from ..passes.context import ActivationPlacement, PassContext
 from ..passes.propagate_sharding import Propagation, propagate
 from ..runtime.sharding import check_divisible, local_shape, placements_for
 from ..runtime.zero import ZeroSpec, zero_spec
@@ -94,17 +94,21 @@ class PlanBuilder:
     def replicate(self, name: str) -> None:
         self._set(self._input(name), Replicate())
 
-    def place_activation(self, node: fx.Node | str, placement: Placement | None) -> None:
+    def place_activation(self, node: fx.Node | str, placement: Placement | None,
+                         readers: list[fx.Node] | None = None) -> None:
         """Redistribute the value of ``node`` to ``placement`` on the "tp" dimension where it is produced
-        (a partial sum reduce-scattered, a shard gathered); None drops an earlier choice. The placements
-        of parameters and inputs are chosen with :meth:`shard` / :meth:`replicate`."""
+        (a partial sum reduce-scattered, a shard gathered), for ``readers`` only (default: every node
+        that reads it; the others keep the value as it is). None drops an earlier choice. Parameters and
+        inputs are placed with :meth:`shard` / :meth:`replicate`."""
         name = node.name if isinstance(node, fx.Node) else node
         if not any(n.name == name for n in self.graph.nodes):
             raise PlanError(f"dynshard: the graph has no node named {name!r}")
         if placement is None:
             self.ctx.constraints.pop(name, None)
         elif self.ctx.layout.placement_dims:
-            self.ctx.constraints[name] = placements_for(self.ctx.layout, {"tp": placement})
+            self.ctx.constraints[name] = ActivationPlacement(
+                placements_for(self.ctx.layout, {"tp": placement}),
+                None if readers is None else tuple(r.name for r in readers))
 
     def shard_over_dp(self, name: str) -> None:
         """Split ``name``'s rows over its zero group (needs ``use_zero``): ZeRO storage."""

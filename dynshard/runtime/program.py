@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any, Callable
 
 import torch
-from torch.distributed.tensor import Placement
+from torch.distributed.tensor import DTensor, Placement
 
 from ..backend.capture import GraphInput
 from ..backend.compile import CompiledProgram
@@ -62,13 +62,24 @@ class ShardedProgram:
         plan = self.plan
         if plan.inference_only:
             with torch.no_grad():
-                return plan.program.run(*args)
+                return self._outputs(plan.program, plan.program.run(*args))
         if plan.build_no_sync is not None and torch.is_grad_enabled() and ACCUMULATION.wants_no_sync(
                 args[i.index] for i in self._params):
-            return plan.no_sync_program().run(*self._accumulating(args))
+            program = plan.no_sync_program()
+            return self._outputs(program, program.run(*self._accumulating(args)))
         if ACCUMULATION.pending and torch.is_grad_enabled():
             ACCUMULATION.flush()       # the first synchronising call reduces what was accumulated
-        return plan.program.run(*args)
+        return self._outputs(plan.program, plan.program.run(*args))
+
+    def _outputs(self, program: CompiledProgram, outputs):
+        """``Config(gather_outputs=False)``: this rank's shards of split outputs become DTensors."""
+        if not program.split_outputs:
+            return outputs
+        outputs = list(outputs)
+        for position, (placements, shape, stride) in program.split_outputs.items():
+            outputs[position] = DTensor.from_local(outputs[position], self.plan.layout.tp_mesh, placements,
+                                                   run_check=False, shape=shape, stride=stride)
+        return outputs
 
     def _accumulating(self, args) -> list:
         """The no-sync variant's arguments: whole replicas for ZeRO parameters; local gradients."""

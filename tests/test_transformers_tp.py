@@ -1,0 +1,215 @@
+"""The ``tp`` policy on Hugging Face transformers' models (Llama with grouped-query attention, GPT-2 with
+Conv1D, a fused c_attn and a tied LM head, BERT's masked LM): training matches one process, every
+parameter but norms, row-split biases, position tables and BERT's MLM transform is halved, and a step
+sends Megatron's collectives (2 all-reduces per layer each way, the vocab-parallel embedding's and LM
+head's, and 3 of one value per row for the vocab-parallel cross-entropy).
+
+Each model is one 2-rank job (plan_ngpus=2) whose result all of its tests read, and one more with sequence
+parallelism (its split logits returned as DTensors, never gathered); Llama also runs as tp x dp x sequence
+parallel on 4 ranks.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from workers_transformers import ROWS, SEQ, VOCAB, train_transformers
+
+pytest.importorskip("transformers")
+
+LAYERS, HIDDEN, POSITIONS = 2, 32, 64
+MODELS = ["llama", "llama_mqa", "gpt2", "bert"]
+JOBS = [(name, 2) for name in MODELS]     # (model, world size); plan_ngpus=2 throughout
+JOB_IDS = [f"{name}-world{world}" for name, world in JOBS]
+SP_JOBS = [("llama", 2), ("gpt2", 2), ("bert", 2), ("llama", 4)]   # sequence parallel, split outputs
+SP_IDS = [f"{name}-world{world}-sp" for name, world in SP_JOBS]
+
+
+# Parameters Megatron keeps whole: norms, the biases of row-split layers (added after the all-reduce),
+# position and token-type tables (indexed by arange / two types, not worth an all-reduce) and BERT's
+# MLM transform (dense + LayerNorm before the vocab-parallel decoder). Everything else is halved.
+WHOLE = {
+    "llama": r"(norm\.weight)$",
+    "gpt2": r"(\.ln_\d\.(weight|bias)|\.ln_f\.(weight|bias)|\.c_proj\.bias|\.wpe\.weight)$",
+    "bert": r"(LayerNorm\.(weight|bias)|output\.dense\.bias|position_embeddings\.weight"
+            r"|token_type_embeddings\.weight)$|^cls\.predictions\.transform\.",
+}
+# kv heads that do not divide tp=2 (one kv head): k and v projections stay whole, q is still split by heads
+WHOLE["llama_mqa"] = r"(norm\.weight|self_attn\.[kv]_proj\.weight)$"
+
+
+@functools.cache
+def job(name: str, world: int, sequence_parallel: bool = False) -> tuple[dict, ...]:
+    """Run once per module; every test of this model reads the result."""
+    return tuple(run_ranks(train_transformers, world, name, 2, sequence_parallel, timeout=900))
+
+
+def whole_and_split(result: dict) -> tuple[set[str], set[str], set[str]]:
+    """(whole, halved, other) parameter names on one rank."""
+    local, full = result["local_numel"], result["full_numel"]
+    whole = {n for n in full if local[n] == full[n]}
+    halved = {n for n in full if local[n] * 2 == full[n]}
+    return whole, halved, set(full) - whole - halved
+
+
+def fraction(result: dict) -> float:
+    return sum(result["local_numel"].values()) / sum(result["full_numel"].values())
+
+
+def collective_table(result: dict) -> str:
+    rows = [("phase", "collective", "group", "bytes", "shape")] + [
+        (phase, kind, group, str(size), str(list(shape))) for phase, kind, group, size, shape in result["collectives"]]
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    return "\n".join("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
+# ----------------------------------------------------------------------------------------------- parity
+
+@pytest.mark.parametrize("name,world", JOBS, ids=JOB_IDS)
+def test_transformers_model_trains_like_one_process(name, world):
+    results = job(name, world)
+    for rank, result in enumerate(results):
+        assert result["dynamo_graphs"] == 1, f"rank {rank}: graph break\n{result['explain']}"
+        assert result["programs"] == 1, result["explain"]
+        assert not result["split_logits"] and result["logits_error"] < 1e-5   # whole by default
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]),
+                                   rtol=1e-5, atol=0, msg=lambda m: f"rank {rank} losses: {m}")
+        assert result["params"].keys() == result["ref_params"].keys()
+        for key, expected in result["ref_params"].items():
+            torch.testing.assert_close(result["params"][key], expected, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, key=key: f"rank {rank} {key}: {m}")
+
+
+# ------------------------------------------------------------------------------------------- placements
+
+def assert_megatron_placements(name: str, results: tuple[dict, ...]) -> None:
+    expected_whole = re.compile(WHOLE[name])
+    for rank, result in enumerate(results):
+        whole, halved, other = whole_and_split(result)
+        print(f"{name} rank {rank}: local/full parameters = {fraction(result):.4f} "
+              f"({sum(result['local_numel'].values())}/{sum(result['full_numel'].values())}); "
+              f"whole: {sorted(whole)}")
+        assert not other, f"rank {rank}: neither whole nor halved: {sorted(other)}\n{result['explain']}"
+        assert whole == {n for n in result["full_numel"] if expected_whole.search(n)}, result["explain"]
+        assert halved, result["explain"]
+
+
+@pytest.mark.parametrize("name,world", [j for j in JOBS if j[0] != "llama_mqa"],
+                         ids=[i for i, j in zip(JOB_IDS, JOBS) if j[0] != "llama_mqa"])
+def test_tp_halves_all_but_norms_row_biases_and_position_tables(name, world):
+    assert_megatron_placements(name, job(name, world))
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "one kv head: q, k and v are tried together and undone (k/v's 8 rows divide by 2, their one head does "
+    "not); q alone cannot be propagated either: in q @ k^T (aten.bmm over [B*H, T, D]) q's heads are a "
+    "_StridedShard of B*H while the repeated k is Replicate, and DTensor gathers q, which fails on fake "
+    "data (DataDependentOutputException), so q_proj and o_proj stay whole (attention runs replicated)"))
+def test_tp_splits_queries_when_kv_heads_do_not_divide():
+    results = job("llama_mqa", 2)
+    print(f"llama_mqa world 2, rank 0 collectives per step:\n{collective_table(results[0])}")
+    assert_megatron_placements("llama_mqa", results)
+    assert_megatron_collectives(results)
+
+
+# ------------------------------------------------------------------------------------------ collectives
+
+def assert_returned_logits_gathered(forward_gathers: list[tuple], result: dict) -> None:
+    # returned logits are gathered at the program boundary (issue 6 leftover)
+    # (recorded as the gather's output before it is rearranged: [tp * rows, T, V / tp], all the logits)
+    RETURNED_LOGITS_GATHERED = True
+    if RETURNED_LOGITS_GATHERED:
+        assert len(forward_gathers) == 1, result["explain"]
+        (_, kind, group, size, shape) = forward_gathers[0]
+        assert kind == "all_gather" and group == "tp", result["explain"]
+        assert size == ROWS * SEQ * VOCAB * 4 and shape[1:-1] == (SEQ,) and shape[-1] * 2 == VOCAB, result["explain"]
+    else:
+        assert not forward_gathers, result["explain"]
+
+
+def assert_megatron_collectives(results: tuple[dict, ...]) -> None:
+    activation, one_per_row = (ROWS, SEQ, HIDDEN), (ROWS * SEQ, 1)
+    for result in results:
+        tp = [c for c in result["collectives"] if c[2] == "tp"]
+        others = [c for c in tp if c[1] != "all_reduce"]
+        assert_returned_logits_gathered([c for c in others if c[0] == "forward"], result)
+        # no all-gather, reduce-scatter or all-to-all on the loss path
+        assert not [c for c in others if c[0] != "forward"], result["explain"]
+        forward = [c[4] for c in tp if c[:2] == ("forward", "all_reduce")]
+        backward = [c[4] for c in tp if c[:2] == ("backward", "all_reduce")]
+        # 2 per layer and the vocab-parallel embedding's; max, sum of exponentials and target logit
+        assert sorted(forward) == sorted([activation] * (2 * LAYERS + 1) + [one_per_row] * 3), result["explain"]
+        # 2 per layer and the LM head's input gradient (aot_eager's partitioner may recompute the
+        # loss's max all-reduce of one value per row)
+        assert backward.count(activation) == 2 * LAYERS + 1, result["explain"]
+        assert backward.count(one_per_row) in (0, 1), result["explain"]
+        assert len(backward) == backward.count(activation) + backward.count(one_per_row), result["explain"]
+        # the data-parallel group only averages gradients
+        assert {c[:3] for c in result["collectives"] if c[2] != "tp"} <= {("backward", "all_reduce", "dp")}
+
+
+@pytest.mark.parametrize("name,world", [j for j in JOBS if j[0] != "llama_mqa"],
+                         ids=[i for i, j in zip(JOB_IDS, JOBS) if j[0] != "llama_mqa"])
+def test_tp_step_sends_megatron_collectives(name, world):
+    results = job(name, world)
+    print(f"{name} world {world}, rank 0 collectives per step:\n{collective_table(results[0])}")
+    assert_megatron_collectives(results)
+    if world == 4:
+        assert any(c[2] == "dp" for c in results[0]["collectives"]), results[0]["explain"]
+
+
+# --------------------------------------------------------------------------------------------- warnings
+
+@pytest.mark.parametrize("name,world", JOBS, ids=JOB_IDS)
+def test_first_step_emits_no_dynshard_warning(name, world):
+    for rank, result in enumerate(job(name, world)):
+        dynshard_warnings = [(category, message) for category, message in result["warnings"]
+                             if message.startswith("dynshard:")]
+        assert not dynshard_warnings, f"rank {rank}: {dynshard_warnings}"
+
+
+# ------------------------------------------------------------------------------------ sequence parallel
+
+@pytest.mark.parametrize("name,world", SP_JOBS, ids=SP_IDS)
+def test_sequence_parallel_trains_like_one_process_with_megatron_collectives(name, world):
+    results = job(name, world, True)
+    print(f"{name} world {world} sequence parallel, rank 0 collectives per step:\n{collective_table(results[0])}")
+    assert_megatron_placements(name, results)
+    activation, one_per_row = (ROWS * 2, SEQ // 2, HIDDEN), (ROWS * SEQ, 1)
+    for rank, result in enumerate(results):
+        assert result["dynamo_graphs"] == 1, f"rank {rank}: graph break\n{result['explain']}"
+        assert not [m for _, m in result["warnings"] if m.startswith("dynshard:")], result["warnings"]
+        assert result["split_logits"] and result["logits_error"] < 1e-5   # a DTensor, never gathered
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]),
+                                   rtol=1e-5, atol=0, msg=lambda m: f"rank {rank} losses: {m}")
+        for key, expected in result["ref_params"].items():
+            torch.testing.assert_close(result["params"][key], expected, rtol=1e-4, atol=1e-6,
+                                       msg=lambda m, key=key: f"rank {rank} {key}: {m}")
+        tp = [c for c in result["collectives"] if c[2] == "tp"]
+        for phase in ("forward", "backward"):
+            kinds = [(c[1], c[4]) for c in tp if c[0] == phase]
+            # per layer 2 all-gathers + 2 reduce-scatters, and the embedding's reduce-scatter and the LM
+            # head's all-gather: the bytes of Megatron's all-reduces; no gather of the logits
+            assert kinds.count(("all_gather", activation)) == 2 * LAYERS + 1, result["explain"]
+            # BERT's MLM transform (dense + LayerNorm) runs whole between the last gather and the
+            # vocab-parallel decoder: the gather's gradient is whole (no reduce-scatter), and the decoder's
+            # input gradient is all-reduced instead (Megatron's f)
+            head_input_reduced = name == "bert" and phase == "backward"
+            assert kinds.count(("reduce_scatter", activation)) == 2 * LAYERS + 1 - head_input_reduced, \
+                result["explain"]
+            assert kinds.count(("all_reduce", (ROWS, SEQ, HIDDEN))) == head_input_reduced, result["explain"]
+            small = [k for k in kinds if k[0] == "all_reduce" and k[1] != (ROWS, SEQ, HIDDEN)]
+            if phase == "forward":   # the vocab-parallel cross-entropy's three values per row
+                assert small == [("all_reduce", one_per_row)] * 3, result["explain"]
+            else:   # gradients of whole parameters read on sequence shards (norms, position and token-type
+                # tables: partial over the sequence); aot_eager's partitioner may recompute the loss's max
+                whole_grads = ((HIDDEN,), (POSITIONS, HIDDEN), (2, HIDDEN), one_per_row)
+                assert all(shape in whole_grads for _, shape in small), result["explain"]
+            assert len(kinds) == 2 * (2 * LAYERS + 1) + len(small), result["explain"]   # nothing else
+        if world == 4:   # the data-parallel group only averages gradients
+            assert {c[:3] for c in result["collectives"] if c[2] != "tp"} == {("backward", "all_reduce", "dp")}
