@@ -6,6 +6,12 @@ and Triton caches) per system, then one table:
 
 case     dynshard                                 peer
 tp       policy "tp", plan_ngpus 2                DTensor parallelize_module (Colwise/Rowwise) + torch.compile
+tpvocab  the same dynshard job                    the same plus the vocabulary: wte RowwiseParallel, the tied
+                                                  lm_head ColwiseParallel(Shard(-1) logits), cross-entropy
+                                                  under loss_parallel() + torch.compile
+tpsp     "tp", plan_ngpus 2, pas_config           that plus sequence parallelism (torchtitan's plan):
+         {"sequence_parallel": True}              SequenceParallel norms, PrepareModuleInput on attn, proj/fc2
+                                                  output Shard(1), fc1 input Shard(1), wte output Shard(1)
 dp       policy "dp"                              DDP + torch.compile
 zero1    "dp", use_zero 1                         DDP + torch.compile + ZeroRedundancyOptimizer(AdamW)
 zero1rs  "dp", use_zero 1, zero_use_reduce_scatter  the same peer
@@ -17,6 +23,14 @@ tpzero3  "tp", plan_ngpus 2, use_zero 3, 4 ranks  the same peer
 
 Every system trains with torch.optim.AdamW (fp32, the ZeRO peer wraps it) and Inductor. A peer job is run
 once and shared by the cases that name it. What each column means is in gpt_job.py and in NOTES below.
+
+dynshard's tp policy splits the tied embedding / LM head along the vocabulary (vocab-parallel embedding,
+head and a cross-entropy that never gathers the logits), so its row in case tp sends the vocabulary's
+collectives that the tp peer (vocabulary replicated) does not, and holds less of the parameters; case
+tpvocab compares it with the DTensor plan that splits the vocabulary too. tpvocab and tpsp are not in the
+default cases:
+
+    python benchmarks/bench_gpt.py --cases tp,tpvocab,tpsp --out benchmarks/results/gpt_cpu_tp.json
 """
 
 from __future__ import annotations
@@ -39,6 +53,8 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 # case -> (ranks, dynshard system, peer system, peer's name in the table)
 CASES = {
     "tp": (2, "dynshard:tp", "dtensor_tp", "DTensor TP + compile"),
+    "tpvocab": (2, "dynshard:tp", "dtensor_tp_vocab", "DTensor TP vocab + loss_parallel + compile"),
+    "tpsp": (2, "dynshard:tpsp", "dtensor_tp_sp", "DTensor TP vocab + SP + loss_parallel + compile"),
     "dp": (2, "dynshard:dp", "ddp", "DDP + compile"),
     "zero1": (2, "dynshard:zero1", "ddp_zero", "DDP + ZeroRedundancyOpt + compile"),
     "zero1rs": (2, "dynshard:zero1rs", "ddp_zero", "DDP + ZeroRedundancyOpt + compile"),
@@ -48,6 +64,7 @@ CASES = {
     "tpzero3": (4, "dynshard:tpzero3", "tp_fsdp2", "DTensor TP x FSDP2 + compile"),
 }
 DEFAULT_CASES = "tp,dp,zero1,zero2,zero3,tpzero3"
+VOCAB_CASES = ("tpvocab", "tpsp")        # minima with the tied embedding / LM head split along the vocabulary
 MODEL_ARGS = ("steps", "warmup", "layers", "d_model", "heads", "seq", "vocab", "batch")
 
 NOTES = """\
@@ -58,7 +75,12 @@ comm MB: collectives of one training step, each counted at its full size (the la
   dynshard: dynshard.explain (traced graphs); peers: one eager step under a dispatch mode that records every c10d
   op. wire MB: bytes one rank sends with ring algorithms (all-reduce 2(N-1)/N, others (N-1)/N of the full size).
 min: the analytic minimum in the same units (research/zero.md section 7): dp AR(P); zero1/2 RS(P)+AG(P);
-  zero3 AG(P)+AG(weights read by a backward formula)+RS(P); tp 4 all-reduces of B*T*C per layer.
+  zero3 AG(P)+AG(weights read by a backward formula)+RS(P); tp 4 all-reduces of B*T*C per layer (the
+  vocabulary replicated, as the tp peer has it); tpvocab that + AR(B*T*C) of the embedding (forward) + AR(B*T*C)
+  of the LM head's input gradient (backward) + 3 AR(B*T) of the cross-entropy (max, sum of exponentials,
+  target logit); tpsp each of those B*T*C all-reduces as a reduce-scatter + an all-gather (twice the full-size
+  bytes, the same wire bytes) + AR of the LayerNorms' weight and bias gradients (their tokens are split).
+param MB/rank: parameters on one rank (DTensors by their local shard), max over ranks.
 state MB/rank: parameters + gradients + optimizer tensors (m, v; scalar steps left out) after a step, max over
   ranks, DTensors by their local shard; x total/N: over (4 * parameter bytes) / world size.
 load: 1-minute load average of the machine (2 cores) when the job started / ended."""
@@ -151,8 +173,12 @@ def minima(case: str, ranks: int, args) -> dict[str, float]:
     colwise = (".attn.q.", ".attn.k.", ".attn.v.", ".fc1.")
     rowwise_weights = (".attn.proj.weight", ".fc2.weight")
 
+    vocab = case in VOCAB_CASES
+
     def local_bytes(name, p):          # bytes on one tensor-parallel rank (Megatron split of the layers)
         split = tp if any(s in name for s in colwise) or name.endswith(rowwise_weights) else 1
+        if vocab and name == "wte.weight":          # vocab-parallel: the tied table split along its rows
+            split = tp
         return p.numel() * p.element_size() // split
 
     named = list(model.named_parameters())                     # the tied lm_head weight counted once
@@ -161,11 +187,27 @@ def minima(case: str, ranks: int, args) -> dict[str, float]:
     # weights a backward formula reads (matmul weights with an input that needs grad, LayerNorm weights,
     # the tied wte/lm_head); biases and the position embedding need no backward gather
     needed = sum(local_bytes(n, p) for n, p in named if n.endswith(".weight") and n != "wpe.weight")
-    act = (args.batch // dp) * args.seq * args.d_model * 4
-    tp_traced = 4 * args.layers * act if tp > 1 else 0
-    tp_wire = 2 * (tp - 1) / tp * tp_traced
+    rows = (args.batch // dp) * args.seq
+    act = rows * args.d_model * 4
+    # Megatron's layers: 2 all-reduces of B*T*C forward, 2 backward; vocab parallel adds the embedding's
+    # all-reduce (forward), the LM head's input gradient (backward) and the cross-entropy's 3 all-reduces
+    # of one value per row (max, sum of exponentials, target logit; forward)
+    reduced = (4 * args.layers + (2 if vocab else 0)) * act if tp > 1 else 0
+    loss_rows = 3 * rows * 4 if vocab and tp > 1 else 0
+    if case == "tpsp":
+        # each all-reduce of B*T*C replaced by a reduce-scatter and an all-gather of the same full size
+        # (the same wire bytes); the LayerNorms then see 1/tp of the tokens, so their weight and bias
+        # gradients are partial sums: one all-reduce of their bytes (the row-split biases and wpe can be
+        # added before the reduce-scatter, where their gradients are whole on every rank)
+        norms = sum(p.numel() * p.element_size() for n, p in named if ".ln" in n or n.startswith("ln_"))
+        tp_traced = 2 * reduced + loss_rows + norms
+        tp_wire = (tp - 1) / tp * 2 * reduced + 2 * (tp - 1) / tp * (loss_rows + norms)
+    else:
+        tp_traced = reduced + loss_rows
+        tp_wire = 2 * (tp - 1) / tp * tp_traced
     ring = (dp - 1) / dp
-    level = {"dp": 0, "tp": 0, "zero1": 1, "zero1rs": 1, "zero2": 2, "zero3": 3, "tpzero1": 1, "tpzero3": 3}[case]
+    level = {"dp": 0, "tp": 0, "tpvocab": 0, "tpsp": 0, "zero1": 1, "zero1rs": 1, "zero2": 2, "zero3": 3,
+             "tpzero1": 1, "tpzero3": 3}[case]
     if dp == 1:
         traced, wire = 0, 0.0
     elif level == 0:
@@ -180,7 +222,7 @@ def minima(case: str, ranks: int, args) -> dict[str, float]:
 
 def table(rows: list[dict]) -> str:
     header = ("case", "system", "ranks", "setup s", "first s", "first x", "step s", "step x", "comm MB", "min MB",
-              "wire MB", "min wire", "colls", "state MB/rank", "x total/N", "load")
+              "wire MB", "min wire", "colls", "param MB/rank", "state MB/rank", "x total/N", "load")
     lines = [header]
     for r in rows:
         if "error" in r:
@@ -191,7 +233,8 @@ def table(rows: list[dict]) -> str:
                       f"{r['step_s']:.3f}", f"{r['step_ratio']:.2f}" if r.get("step_ratio") is not None else "-",
                       f"{r['comm_bytes'] / 1e6:.2f}", f"{r['comm_min_bytes'] / 1e6:.2f}",
                       f"{r['comm_wire_bytes'] / 1e6:.2f}", f"{r['comm_min_wire_bytes'] / 1e6:.2f}",
-                      str(r["comm_count"]), f"{r['state_bytes'] / 1e6:.2f}",
+                      str(r["comm_count"]), f"{max(m['params'] for m in r['state_bytes_by_rank']) / 1e6:.2f}",
+                      f"{r['state_bytes'] / 1e6:.2f}",
                       f"{r['state_bytes'] / r['state_target_bytes']:.3f}",
                       f"{r['load_before'][0]:.1f}/{r['load_after'][0]:.1f}"))
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
@@ -206,7 +249,9 @@ def main() -> None:
                         help="reuse the job results already under results/jobs/ (same model flags) except --rerun")
     parser.add_argument("--rerun", default="", help="comma-separated systems to run again with --reuse")
     parser.add_argument("--job-timeout", type=float, default=1800, help="seconds per job")
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "gpt_cpu.json"))
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "gpt_cpu.json"),
+                        help="the results (JSON); the table is written beside it (.txt), the jobs under its "
+                             "folder's jobs/ and logs/")
     args = parser.parse_args()
 
     cases = [c for c in args.cases.split(",") if c]
@@ -238,9 +283,11 @@ def main() -> None:
     print(text)
     print()
     print(NOTES)
-    print(f"load average (1 min) at start {load_start[0]:.1f}, at end {load_end[0]:.1f}; "
-          f"model: {args.layers} layers, d_model {args.d_model}, seq {args.seq}, vocab {args.vocab}, global batch "
-          f"{args.batch}, {args.steps} timed steps after {args.warmup}")
+    footer = (f"load average (1 min) at start {load_start[0]:.1f}, at end {load_end[0]:.1f}; "
+              f"model: {args.layers} layers, d_model {args.d_model}, seq {args.seq}, vocab {args.vocab}, global batch "
+              f"{args.batch}, {args.steps} timed steps after {args.warmup}; "
+              f"parameters {rows[0]['param_bytes'] / 1e6:.2f} MB in all")
+    print(footer)
     os.makedirs(results_dir, exist_ok=True)
     import torch
 
@@ -256,7 +303,7 @@ def main() -> None:
                    "load_start": load_start, "load_end": load_end,
                    "rows": rows, "table": text}, f, indent=1)
     with open(os.path.splitext(args.out)[0] + ".txt", "w") as f:
-        f.write(text + "\n\n" + NOTES + "\n")
+        f.write(text + "\n\n" + NOTES + "\n" + footer + "\n")
     print(f"wrote {args.out}")
 
 

@@ -13,12 +13,14 @@ Measured here, on every rank, then reduced (max over ranks) and written by rank 
 - collectives: dynshard from dynshard.explain (every traced collective, bytes = the larger of input and
   output); peers from one more eager step (forward, backward, optimizer step) under a dispatch mode that
   sees every c10d / _c10d_functional op (DDP's reducer, ZeroRedundancyOptimizer's broadcasts, FSDP2's
-  all-gathers and reduce-scatters, DTensor's functional collectives), bytes counted the same way.
+  all-gathers and reduce-scatters, DTensor's functional collectives, those DTensor issues inside its own
+  dispatch included), bytes counted the same way.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -41,18 +43,20 @@ DYNSHARD = {
     "dynshard:zero1rs": dict(policy="dp", use_zero=1, zero_use_reduce_scatter=True),
     "dynshard:zero2": dict(policy="dp", use_zero=2),
     "dynshard:zero3": dict(policy="dp", use_zero=3),
-    "dynshard:tp": dict(policy="tp", plan_ngpus=2),
+    "dynshard:tp": dict(policy="tp", plan_ngpus=2),     # vocab-parallel embedding, head and cross-entropy
+    "dynshard:tpsp": dict(policy="tp", plan_ngpus=2, pas_config={"sequence_parallel": True}),
     "dynshard:tpzero1": dict(policy="tp", plan_ngpus=2, use_zero=1),
     "dynshard:tpzero3": dict(policy="tp", plan_ngpus=2, use_zero=3),
 }
-PEERS = ("ddp", "ddp_zero", "fsdp2", "fsdp2_noreshard", "dtensor_tp", "tp_fsdp2")
+PEERS = ("ddp", "ddp_zero", "fsdp2", "fsdp2_noreshard", "dtensor_tp", "dtensor_tp_vocab", "dtensor_tp_sp", "tp_fsdp2")
+LOSS_PARALLEL = ("dtensor_tp_vocab", "dtensor_tp_sp")     # peers whose steps run under loss_parallel()
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
 
 
 def plan_ngpus(system: str) -> int:
     if system in DYNSHARD:
         return DYNSHARD[system].get("plan_ngpus", 1)
-    return 2 if system in ("dtensor_tp", "tp_fsdp2") else 1
+    return 2 if system.startswith("dtensor_tp") or system == "tp_fsdp2" else 1
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -64,6 +68,14 @@ class CollectiveCounter(TorchDispatchMode):
         self.records: list[dict] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        if any(issubclass(t, DTensor) for t in types):
+            # as CommDebugMode does: let DTensor run with this mode still active, so that the collectives
+            # it issues inside its dispatch (implicit redistributions, loss_parallel's all-reduces, the
+            # Partial -> Replicate reduction of a sequence-parallel LayerNorm's gradient) come back here;
+            # a mode otherwise runs before the subclass and never sees them
+            return NotImplemented
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if func.namespace in COLLECTIVE_NAMESPACES and "wait" not in func.name():
@@ -126,6 +138,49 @@ def tp_plan(layers: int):
     return plan
 
 
+def vocab_plan(layers: int, sequence_parallel: bool):
+    """tp_plan plus the vocabulary (torchtitan's plan): the token embedding split along its rows
+    (RowwiseParallel: a masked lookup and an all-reduce, or with sequence parallelism a reduce-scatter
+    along T) and the tied LM head along the vocabulary, its logits left split (Shard(-1)) for the
+    cross-entropy under loss_parallel(). With ``sequence_parallel`` the residual stream between layers
+    is split along T (Shard(1)) as torchtitan does it: SequenceParallel LayerNorms, attention's input
+    and fc1's input all-gathered, proj and fc2 reduce-scattered."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel)
+
+    plan = tp_plan(layers)
+    if not sequence_parallel:
+        plan.update({"wte": RowwiseParallel(input_layouts=Replicate()),
+                     "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
+        return plan
+    plan.update({
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        # the one rewrite sequence parallelism needs here (torchtitan's models have no learned position
+        # table): wte(idx) is now this rank's [B, T/tp, C] chunk, so wpe(arange(T)) [T, C] must be cut to
+        # the same rows; a local chunk forward, an all-gather of its T x C gradient backward
+        "wpe": PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(0)),
+        "ln_f": SequenceParallel(),
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False)})
+    for i in range(layers):
+        plan.update({f"blocks.{i}.ln1": SequenceParallel(), f"blocks.{i}.ln2": SequenceParallel(),
+                     f"blocks.{i}.attn": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                            desired_input_layouts=(Replicate(),)),
+                     f"blocks.{i}.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+                     f"blocks.{i}.fc1": ColwiseParallel(input_layouts=Shard(1)),
+                     f"blocks.{i}.fc2": RowwiseParallel(output_layouts=Shard(1))})
+    return plan
+
+
+def loss_context(system: str):
+    """The context every step (forward and backward) of ``system`` runs in."""
+    if system in LOSS_PARALLEL:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+    return contextlib.nullcontext()
+
+
 def build(system: str, base: GPT, args):
     """(module that owns the parameters, callable to train, optimizer, module for the eager counting step)."""
     world = dist.get_world_size()
@@ -164,6 +219,15 @@ def build(system: str, base: GPT, args):
     if system == "dtensor_tp":
         mesh = init_device_mesh("cpu", (world,))
         parallelize_module(model, mesh, tp_plan(args.layers))
+    elif system in LOSS_PARALLEL:
+        mesh = init_device_mesh("cpu", (world,))
+        parallelize_module(model, mesh, vocab_plan(args.layers, sequence_parallel=system == "dtensor_tp_sp"))
+        # parallelize_module distributes wte.weight and lm_head.weight one module at a time, each into a new
+        # Parameter: the tie breaks into two Shard(0) DTensors; tie them again (the same rows on each rank)
+        model.lm_head.weight = model.wte.weight
+        # The whole model is compiled, the cross-entropy over the Shard(-1) logits included (GPT.forward
+        # computes it): loss_context() (loss_parallel) is entered around every forward and backward
+        # (train(), eager and compiled), so Dynamo traces DTensor's loss ops with it active.
     elif system == "tp_fsdp2":
         mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], tp_plan(args.layers))
@@ -212,8 +276,9 @@ def main() -> None:
     setup_s = time.perf_counter() - setup_start
 
     def step(i, fn=train, measure=None):
-        loss = fn(*batch_for(i))
-        loss.backward()
+        with loss_context(args.system):         # loss_parallel(): forward and backward inside it
+            loss = fn(*batch_for(i))
+            loss.backward()
         opt.step()
         if measure is not None:
             measure.update(state_bytes(model, opt))
@@ -262,7 +327,7 @@ def main() -> None:
     extra["cache_counters"] = {k: v for k, v in counters["inductor"].items() if "cache" in k} if rank == 0 else {}
     extra["graphs_compiled"] = counters["stats"].get("unique_graphs", 0) if rank == 0 else 0
     mine = dict(first_step_s=first, step_s=statistics.median(times), setup_s=setup_s, memory=memory,
-                loss=float(loss.detach()))
+                loss=float(loss.detach().full_tensor() if hasattr(loss, "full_tensor") else loss.detach()))
     everyone = [None] * world
     dist.all_gather_object(everyone, mine)
     if rank == 0:
