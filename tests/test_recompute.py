@@ -146,10 +146,11 @@ def test_tensor_parallel_recompute_cuts_saved_bytes_without_communicating_again(
         assert block["backward_matmuls"] > plain["backward_matmuls"]
         _same(block["losses"], plain["losses"])
         _same(block["losses"], block["ref_losses"])                         # single-process eager
-        all_reduces = {k: v for k, v in block["collectives"].items() if k[1] == "all_reduce"}
-        assert all_reduces == {k: v for k, v in plain["collectives"].items() if k[1] == "all_reduce"}
-        assert all_reduces[("forward", "all_reduce", "tp")] == 4 and all_reduces[("backward", "all_reduce", "tp")] == 4
-        assert block["collectives"] == plain["collectives"]
+        _same_communication(block["collectives"], plain["collectives"])
+        # 2 per layer, the vocab-parallel embedding's and the cross-entropy's 3 of one value per row;
+        # backward: 2 per layer and the LM head's input gradient
+        assert block["collectives"][("forward", "all_reduce", "tp")] == 4 + 1 + 3
+        assert block["collectives"][("backward", "all_reduce", "tp")] == 4 + 1
 
 
 def test_a_user_checkpoint_still_works_under_tensor_parallelism(tp):
@@ -157,4 +158,12 @@ def test_a_user_checkpoint_still_works_under_tensor_parallelism(tp):
         user, plain = rank["user"], rank["plain"]
         _same(user["losses"], user["ref_losses"])
         assert user["saved_bytes"] < plain["saved_bytes"] and user["backward_matmuls"] > plain["backward_matmuls"]
-        assert user["collectives"] == plain["collectives"]
+        _same_communication(user["collectives"], plain["collectives"])
+
+
+def _same_communication(recomputed, plain) -> None:
+    """Recompute sends nothing more. (Without it, aot_eager's partitioner recomputes the cross-entropy's
+    all-reduce of one max per row in the backward; with it, that value is saved: one fewer.)"""
+    assert recomputed[("forward", "all_reduce", "tp")] == plain[("forward", "all_reduce", "tp")]
+    assert plain[("backward", "all_reduce", "tp")] - recomputed[("backward", "all_reduce", "tp")] in (0, 1)
+    assert {k for k in recomputed if k[1] != "all_reduce"} == {k for k in plain if k[1] != "all_reduce"} == set()
