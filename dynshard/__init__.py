@@ -16,6 +16,7 @@ from .runtime.parallel_attributes import (get_parallel_dim, register_ddp_paramet
                                           register_parallel_attribute, register_parallel_dim, slice)
 from .runtime.reducer import Reducer
 from .runtime.state_dict import collect_state_dict, relocate_state_dict
+from . import checkpoint  # noqa: F401  (dynshard.checkpoint.save / load / latest)
 
 
 def data_parallel_rank(plan_ngpus: int = 1) -> tuple[int, int]:

@@ -1,0 +1,186 @@
+"""save / load: the state of a model (and optimizer, RNG, user extras) through DCP, sharded as it sits.
+
+Layout of a checkpoint (DCP keys, flattened with dots):
+
+- ``model.<key>``: every key of the original module's ``state_dict()``;
+- ``optim.state.<parameter name>.<state name>`` and ``optim.param_groups`` (parameter names in
+  ``params``): ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``'s layout;
+- ``rng.rank<r>``: torch's CPU RNG state of rank ``r`` (and ``rng_cuda.rank<r>`` on CUDA);
+- ``extra``: the user's ``extra``, pickled (``pickle.loads`` it after ``dcp_to_torch_save``).
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from ..runtime.sharding import get_tag, stored_piece
+from ..runtime.state_dict import _strip, unwrap_compiled
+from . import io
+from .planner import LoadPlanner, SavePlanner
+from .state import describe
+
+_PRE_HOOK_ATTR = "_dynshard_checkpoint_cut_hook"
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _model_state(model: torch.nn.Module) -> dict[str, Any]:
+    module = unwrap_compiled(model)
+    return {_strip(k): describe(v) if isinstance(v, torch.Tensor) else v
+            for k, v in module.state_dict(keep_vars=True).items()}
+
+
+def _param_names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(p): _strip(n) for n, p in unwrap_compiled(model).named_parameters()}
+
+
+def _groups(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[dict[str, Any]]:
+    groups = []
+    for group in optimizer.param_groups:
+        try:
+            params = [names[id(p)] for p in group["params"]]
+        except KeyError:
+            raise ValueError("dynshard.checkpoint: the optimizer holds a parameter that is not the model's") from None
+        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": params})
+    return groups
+
+
+def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    names = _param_names(model)
+    state = {}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param in optimizer.state:
+                tag = get_tag(param)
+                state[names[id(param)]] = {k: describe(v, tag) if isinstance(v, torch.Tensor) else v
+                                           for k, v in optimizer.state[param].items()}
+    return {"state": state, "param_groups": _groups(optimizer, names)}
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    rank = _rank()
+    state = {f"rng.rank{rank}": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state[f"rng_cuda.rank{rank}"] = torch.cuda.get_rng_state()
+    return state
+
+
+def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+         extra: Any = None) -> str:
+    """Write this rank's pieces of ``model`` (and ``optimizer``) to the DCP checkpoint ``path``, atomically.
+
+    Every rank calls it. Each rank writes only what it stores (tp shards, ZeRO rows without padding);
+    pieces that several ranks hold are written once. ``extra`` (any picklable object, the same on every
+    rank) comes back from :func:`load`. Returns ``path``.
+    """
+    state: dict[str, Any] = {"model": _model_state(model), "extra": pickle.dumps(extra)}
+    if optimizer is not None:
+        state["optim"] = _optimizer_state(model, optimizer)
+    state.update(_rng_state())
+    tmp = io.temporary_dir(path)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=SavePlanner())
+    io.publish(tmp, path)
+    return path
+
+
+def _load_placeholders(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                       metadata: Any) -> tuple[dict[str, Any], dict[int, tuple[torch.Tensor, dict[str, Any]]]]:
+    """The state dict to load into (model tensors in place) and, per parameter, the optimizer state
+    tensors loaded into (created where the optimizer has none yet)."""
+    state: dict[str, Any] = {"model": _model_state(model), "extra": b""}
+    created: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
+    if optimizer is not None:
+        names = _param_names(model)
+        by_name = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
+        saved: dict[str, dict[str, Any]] = {}
+        for key, path in metadata.planner_data.items():
+            if len(path) == 4 and path[0] == "optim" and path[1] == "state":
+                saved.setdefault(path[2], {})[path[3]] = metadata.state_dict_metadata[key]
+        optim_state = {}
+        for name, entries in saved.items():
+            param = by_name.get(name)
+            if param is None:
+                raise ValueError(f"dynshard.checkpoint: the checkpoint has optimizer state for {name}, "
+                                 "which this optimizer does not hold")
+            current = dict(optimizer.state.get(param, {}))
+            for key, md in entries.items():
+                if key in current:
+                    continue
+                if isinstance(md, TensorStorageMetadata):
+                    tag = get_tag(param)
+                    global_shape = tag.global_shape if tag is not None else param.shape
+                    if tuple(md.size) == tuple(global_shape):
+                        current[key] = torch.zeros_like(param.detach(), dtype=md.properties.dtype)
+                    else:
+                        current[key] = torch.zeros(md.size, dtype=md.properties.dtype)
+                else:
+                    current[key] = None
+            created[id(param)] = (param, current)
+            tag = get_tag(param)
+            optim_state[name] = {k: describe(v, tag) if isinstance(v, torch.Tensor) else v
+                                 for k, v in current.items()}
+        state["optim"] = {"state": optim_state, "param_groups": _groups(optimizer, names)}
+    rank_keys = [f"rng.rank{_rank()}", f"rng_cuda.rank{_rank()}"]
+    for key in rank_keys:
+        md = metadata.state_dict_metadata.get(key)
+        if isinstance(md, TensorStorageMetadata):
+            state[key] = torch.zeros(md.size, dtype=md.properties.dtype)
+    return state, created
+
+
+def _cut_whole_state_at_first_step(optimizer: torch.optim.Optimizer) -> None:
+    """Optimizer state loaded before the first compiled step is whole; the first step has made each
+    parameter this rank's piece, so before the optimizer steps, cut its state the same way (no
+    communication: every rank holds the whole state)."""
+    if getattr(optimizer, _PRE_HOOK_ATTR, None) is not None:
+        return
+
+    def cut(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        pending = False
+        for param, entries in opt.state.items():
+            tag = get_tag(param)
+            for key, value in list(entries.items()):
+                if not isinstance(value, torch.Tensor) or value.shape == param.shape:
+                    continue
+                if tag is not None and tag.is_split and value.shape == tag.global_shape:
+                    entries[key] = stored_piece(value, tag).clone()
+                elif tag is None and value.dim():
+                    pending = True
+        if not pending:
+            getattr(opt, _PRE_HOOK_ATTR).remove()
+            setattr(opt, _PRE_HOOK_ATTR, None)
+
+    setattr(optimizer, _PRE_HOOK_ATTR, optimizer.register_step_pre_hook(cut))
+
+
+def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+    """Load the checkpoint ``path`` (written by :func:`save` under any plan and world size) into
+    ``model`` and ``optimizer`` in place, and restore this rank's RNG state if it was saved. Works before
+    the first compiled step (whole tensors) and after (this rank's pieces). Returns ``extra``."""
+    reader = dcp.FileSystemReader(path)
+    metadata = reader.read_metadata()
+    state, created = _load_placeholders(model, optimizer, metadata)
+    dcp.load(state, storage_reader=reader, planner=LoadPlanner())
+    if optimizer is not None:
+        loaded = state["optim"]
+        for param, entries in created.values():
+            optimizer.state[param] = entries
+        for group, saved in zip(optimizer.param_groups, loaded["param_groups"]):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        if any(get_tag(p) is None for p, _ in created.values()):
+            _cut_whole_state_at_first_step(optimizer)
+    rng = state.get(f"rng.rank{_rank()}")
+    if rng is not None:
+        torch.set_rng_state(rng)
+    rng_cuda = state.get(f"rng_cuda.rank{_rank()}")
+    if rng_cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng_cuda)
+    return pickle.loads(state["extra"])
