@@ -132,9 +132,8 @@ def split_output_fn(layout: Layout, position: int, split: dict):
         if not isinstance(value, DTensor):
             return value
         value = value.redistribute(mesh, reduced_placements(value.placements))
-        if all(p == Replicate() for p in value.placements):
-            return value.to_local()
-        split[position] = (tuple(value.placements), value.shape, value.stride())
+        if any(p != Replicate() for p in value.placements):
+            split[position] = (tuple(value.placements), value.shape, value.stride())
         return value.to_local()
     return split_output
 
