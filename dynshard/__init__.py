@@ -12,6 +12,7 @@ from .runtime.grad_norm import clip_grad_norm_
 from .runtime.grad_scaler import GradScaler
 from .runtime.mesh import Layout
 from .runtime.optimizer import ParallelOptimizer, build_optimizer
+from .runtime.pipeline import infer_step, train_step
 from .runtime.parallel_attributes import (get_parallel_dim, register_ddp_parameters_to_ignore,
                                           register_parallel_attribute, register_parallel_dim, slice)
 from .runtime.reducer import Reducer
@@ -30,5 +31,5 @@ def data_parallel_rank(plan_ngpus: int = 1) -> tuple[int, int]:
 
 __all__ = ["Config", "ConfigError", "Explanation", "GradScaler", "Layout", "ParallelOptimizer", "PlanBuilder",
            "PlanError", "PlanMismatchError", "Reducer", "build_optimizer", "clip_grad_norm_", "collect_state_dict",
-           "data_parallel_rank", "explain", "get_parallel_dim", "no_sync", "register_ddp_parameters_to_ignore",
-           "register_parallel_attribute", "register_parallel_dim", "relocate_state_dict", "slice", "tensor_parallel"]
+           "data_parallel_rank", "explain", "get_parallel_dim", "infer_step", "no_sync", "register_ddp_parameters_to_ignore",
+           "register_parallel_attribute", "register_parallel_dim", "relocate_state_dict", "slice", "tensor_parallel", "train_step"]

@@ -154,6 +154,18 @@ def module_backend(module: torch.nn.Module) -> Callable | None:
         return None
 
 
+def module_backend_options(module: torch.nn.Module) -> Any:
+    """The ``options=`` of ``torch.compile(module, backend=..., options=...)`` (None if none or not compiled)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    if not isinstance(module, OptimizedModule):
+        return None
+    try:
+        return backend_options(module.dynamo_ctx.callback)
+    except AttributeError:
+        return None
+
+
 def ignore_in_ddp(module: torch.nn.Module, names: list[str]) -> None:
     """DistributedDataParallel's hook for parameters it must leave alone (they also get ``_ddp_ignored``,
     which keeps Dynamo's DDPOptimizer from splitting their graphs)."""
@@ -456,3 +468,29 @@ def loss_parallel_backward(grad_output, logp, target, weight, reduction: int, ig
 # (behaviour, not names): ``DefaultLoadPlanner.set_up_planner`` runs the private
 # ``planner_helpers._init_state_dict``, which replaces objects it does not know with None; the load planner
 # hides pieces behind strings around it. If a torch release teaches DCP the protocol there, drop the hiding.
+
+
+# -- torch.distributed.pipelining's schedule generators (an oracle for dynshard.runtime.pipeline) ----------
+def torch_pipeline_compute_order(schedule: str, pp_degree: int, nmicros: int,
+                                 stages_per_rank: int | None = None) -> list[list[tuple[str, int, int]]]:
+    """Per pipeline rank, the compute actions ``(kind, stage, micro-batch)`` of torch's schedule class
+    ``schedule`` (a name ``get_schedule_class`` knows, e.g. "Interleaved1F1B"), idle slots dropped; kind is
+    "F", "B", "I" or "W". Wraps the private ``torch.distributed.pipelining._schedule_visualizer.
+    get_schedule_ops``, which builds the schedule on mock stages in this process (no process group).
+    Used by tests to compare dynshard's own generators with torch's; torch 2.13's "1F1B" order is wrong
+    for the last rank (it skips F0 and adds F<m>), so never take that one as a reference."""
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+
+    ops = get_schedule_ops(schedule, pp_degree, nmicros, num_stages_per_rank=stages_per_rank)
+    return [[(a.computation_type.value, a.stage_index, a.microbatch_index) for a in rank if a is not None]
+            for rank in ops]
+
+
+def abstract_device_mesh(device_type: str, size: int):
+    """A 1-D DeviceMesh of ``size`` ranks with no process group behind it, this process at coordinate 0,
+    whatever the default process group is (none, fake, or real of any size): for DTensor sharding
+    propagation on FakeTensors only, any collective on it fails. ``DeviceMesh``'s private
+    ``_init_backend=False, _rank=0``, as DTensor's own decomposition strategies build their fake mesh."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh(device_type, torch.arange(size), _init_backend=False, _rank=0)

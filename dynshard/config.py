@@ -17,7 +17,8 @@ from typing import Any, Callable, Mapping, Union
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-POLICIES = ("dp", "data", "tp")
+POLICIES = ("dp", "data", "tp", "pp")
+PIPELINE_POLICIES = ("pp",)
 COMPILERS = ("inductor", "aot_eager")
 TRACE_STRATEGIES = ("fake", "meta")
 ENV_PREFIX = "DYNSHARD_"
@@ -37,11 +38,14 @@ class Config:
     plan_ngpus: ranks in one plan unit; the model is partitioned (tensor parallel, batch split) inside a
         unit, and units are data-parallel replicas of each other.
     runtime_ngpus: ranks at run time (defaults to the world size); a multiple of plan_ngpus.
-    policy: "dp", "data", "tp", or a callable ``policy(plan, config)`` that places parameters through
+    policy: "dp", "data", "tp", "pp" (pipeline stages inside a unit, see :mod:`dynshard.runtime.pipeline`),
+        or a callable ``policy(plan, config)`` that places parameters through
         :class:`dynshard.policies.PlanBuilder`.
     pas_config: options for the policy (read by the policy itself).
     user_config: anything that changes the traced program; part of the plan-cache key.
     inference_only: programs run without autograd (no gradients, no gradient collectives).
+    use_end2end: nnScaler's end-to-end module: the model takes a sample and returns the loss (a scalar)
+        first; ``dynshard.train_step`` / ``infer_step`` drive it. Required by the pipeline policies.
     constant_folding: bake the values of buffers into inference programs (Inductor freezing).
     gather_outputs: True: every tensor a program returns is whole (gathered inside the plan unit). False:
         a returned tensor that is split inside the unit (vocab-parallel logits, sequence-parallel hidden
@@ -83,6 +87,7 @@ class Config:
     pas_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     user_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     inference_only: bool = False
+    use_end2end: bool = False
     constant_folding: bool = False
     gather_outputs: bool = True
     trace_strategy: str = "fake"
@@ -134,6 +139,7 @@ class Config:
                 "dynshard: constant_folding=True bakes buffer values into the program and needs "
                 "inference_only=True")
         self._check_memory_fields()
+        self._check_pipeline_fields()
         object.__setattr__(self, "param_init_fn", _param_init_fn(self.param_init_fn))
 
     def _check_memory_fields(self) -> None:
@@ -167,6 +173,28 @@ class Config:
                 f"got {self.recompute_modules!r}")
         object.__setattr__(self, "recompute_modules",
                            ",".join(n.strip() for n in self.recompute_modules.split(",") if n.strip()))
+
+    def _check_pipeline_fields(self) -> None:
+        if not isinstance(self.use_end2end, bool):
+            raise ConfigError(f"dynshard: use_end2end must be True or False, got {self.use_end2end!r}")
+        if not self.is_pipeline:
+            return
+        from .policies.pipeline import PipelineOptions
+
+        options = PipelineOptions.from_pas_config(self.pas_config)
+        options.check(self)
+
+    @property
+    def is_pipeline(self) -> bool:
+        """Whether the policy cuts the model into pipeline stages."""
+        return isinstance(self.policy, str) and self.policy in PIPELINE_POLICIES
+
+    @property
+    def pipeline(self):
+        """The pipeline policies' typed ``pas_config`` (:class:`dynshard.policies.pipeline.PipelineOptions`)."""
+        from .policies.pipeline import PipelineOptions
+
+        return PipelineOptions.from_pas_config(self.pas_config)
 
     @property
     def zero(self) -> int:
@@ -297,7 +325,7 @@ def _read_environment(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 _INTS = ("plan_ngpus", "runtime_ngpus", "zero_ngroups")
-_BOOLS = ("inference_only", "constant_folding", "gather_outputs", "zero_use_reduce_scatter", "use_async_reducer")
+_BOOLS = ("inference_only", "use_end2end", "constant_folding", "gather_outputs", "zero_use_reduce_scatter", "use_async_reducer")
 _JSON = ("pas_config", "user_config", "mixed_precision")
 
 

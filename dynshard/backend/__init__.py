@@ -13,12 +13,14 @@ from ..config import Config
 from ..passes import PassContext, cast_to_compute_dtype, run_passes
 from ..passes.tag_recompute import tag_single_process
 from ..runtime.mesh import ensure_process_group, layout_for, world_size
+from ..runtime.pipeline.program import PipelineProgram
 from ..runtime.program import CompiledPlan, ShardedProgram
 from ..runtime.sharding import is_sharded, present_global_shapes, restore_local_shards, stored_shape
 from ..runtime.zero import zero_groups
 from .agreement import ensure_ranks_agree
 from .capture import describe_inputs
 from .compile import compile_program
+from .pipeline import plan_pipeline
 from .plan_cache import PlanCache, plan_key
 from .reshard import reshard_pass
 
@@ -47,6 +49,8 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
 
     key = plan_key(gm.code, inputs, config, layout)
     ensure_ranks_agree(key, gm.code, inputs, config, layout)
+    if config.is_pipeline:
+        return _pipeline_program(gm, example_inputs, config, layout, inputs, key, device_type)
     plan = PLANS.get(key)
     if plan is not None:
         plan.hits += 1
@@ -78,10 +82,25 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     return ShardedProgram(plan)
 
 
+def _pipeline_program(gm, example_inputs, config, layout, inputs, key, device_type) -> PipelineProgram:
+    plan = PLANS.get(key)
+    if plan is None:
+        plan = plan_pipeline(gm, example_inputs, config, layout, inputs, key, device_type)
+        PLANS.put(key, plan)
+        log.info("planned pipeline %s (passes: %s)", key, ", ".join(f"{n} {t:.2f}s" for n, t in plan.pass_timings))
+    else:
+        plan.hits += 1
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for inp in inputs:     # a rank holds only its stages' tensors: the others' shapes change in place
+        if inp.is_state:
+            compat.drop_guards_on(placeholders[inp.index])
+    return PipelineProgram(plan)
+
+
 def _plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str):
     """The passes, then the per-rank compile of their program."""
     config, layout = ctx.config, ctx.layout
-    lowered = run_passes(_copy(gm), ctx)     # passes may edit the graph they get; the variant reuses gm
+    lowered = run_passes(copy_graph(gm), ctx)     # passes may edit the graph they get; the variant reuses gm
     local_inputs = [_local_example(inp, ctx.placements[inp.index], ctx.zero_of(inp), layout) for inp in ctx.inputs]
     program = compile_program(lowered, local_inputs, config.compiler, layout, config.inference_only,
                               freeze=config.constant_folding, joint_pass=_reshard_pass(config, ctx),
@@ -99,7 +118,7 @@ def _bucket_cap_mb(config: Config) -> float | None:
     return ASYNC_BUCKET_CAP_MB if config.use_async_reducer else None
 
 
-def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
     return fx.GraphModule(gm, graph)

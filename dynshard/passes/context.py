@@ -39,6 +39,8 @@ class PassContext:
     constraints: dict[str, ActivationPlacement] = dataclasses.field(default_factory=dict)
     split_outputs: dict[int, tuple] = dataclasses.field(default_factory=dict)  # output -> DTensor spec
     timings: list[tuple[str, float]] = dataclasses.field(default_factory=list)
+    stage_info: dict[str, Any] = dataclasses.field(default_factory=dict)   # pipeline: how stages were cut
+    staged: Any = None               # pipeline: passes.cut_stages.StagedGraph
 
     def arrival(self, inp: GraphInput) -> tuple[Placement, ...]:
         """How a graph input arrives at the program on this rank.

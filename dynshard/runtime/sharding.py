@@ -43,6 +43,18 @@ def describe_placements(layout: Layout, placements: tuple[Placement, ...]) -> st
     return ", ".join(f"{dim}={p}" for dim, p in zip(layout.placement_dims, placements))
 
 
+@dataclasses.dataclass(frozen=True)
+class StageOwnership:
+    """Under a pipeline policy: the stages that read a tensor, and whether this rank runs one of them.
+    A rank that does not holds an empty tensor in its place (``collect_state_dict`` fetches it from
+    ``src``, the first owning rank of this plan unit, over ``group``, the unit's ranks)."""
+
+    stages: tuple[int, ...]
+    src: int
+    group: Any
+    held: bool
+
+
 @dataclasses.dataclass
 class ShardTag:
     fqn: str
@@ -51,6 +63,7 @@ class ShardTag:
     placements: tuple[Placement, ...]
     layout: Layout
     zero: ZeroSpec | None = None   # rows split over the zero group (data-parallel ranks)
+    owner: StageOwnership | None = None   # pipeline: the stages that hold it
     plans: list = dataclasses.field(default_factory=list)  # weakrefs to the CompiledPlans using it
 
     def add_plan(self, plan: Any) -> None:
@@ -60,7 +73,12 @@ class ShardTag:
     @property
     def is_split(self) -> bool:
         """Whether this rank holds less than the whole tensor (tp shards or ZeRO rows)."""
-        return is_sharded(self.placements) or self.zero is not None
+        return is_sharded(self.placements) or self.zero is not None or self.not_held
+
+    @property
+    def not_held(self) -> bool:
+        """Under a pipeline policy, this rank runs no stage that reads the tensor (it holds nothing)."""
+        return self.owner is not None and not self.owner.held
 
     @property
     def parallel_dim(self) -> int | None:
@@ -113,6 +131,8 @@ def stored_shape(shape: torch.Size, layout: Layout, placements: tuple[Placement,
 
 def stored_piece(full: torch.Tensor, tag: ShardTag) -> torch.Tensor:
     """What this rank holds at rest of the whole tensor ``full`` (no communication)."""
+    if tag.not_held:
+        return full.new_empty(0)
     piece = local_shard(full, tag.layout, tag.placements)
     if tag.zero is not None:
         piece = shard_rows(piece, tag.zero, zero_groups(tag.layout, tag.zero.ngroups).rank)
@@ -208,6 +228,11 @@ def restore_local_shards() -> None:
 def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The whole tensor behind a (possibly sharded) local tensor; a collective when it is sharded."""
     tag = get_tag(tensor)
+    if tag is not None and tag.owner is not None:
+        held = tensor.detach().clone() if tag.owner.held else torch.empty(
+            tag.global_shape, dtype=tensor.dtype, device=tensor.device)
+        dist.broadcast(held, src=tag.owner.src, group=tag.owner.group)
+        return held
     if tag is None or not tag.is_split:
         return tensor.detach()
     local = tensor.detach()

@@ -1,0 +1,72 @@
+"""Planning a pipeline: cut the captured graph into stages, pick the schedules, and build the plan whose
+stages each rank compiles (its own only) on first use, per micro-batch shape."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.fx as fx
+
+from .. import compat
+from ..config import Config
+from ..passes import PassContext, cast_to_compute_dtype, run_passes
+from ..passes.cut_stages import assign_stages, split_stages
+from ..runtime.mesh import Layout
+from ..runtime.pipeline.groups import PipelineGroups
+from ..runtime.pipeline.program import PipelinePlan, ValueMeta
+from ..runtime.pipeline.schedules import build_schedule
+from .compile import compile_program
+
+log = logging.getLogger("dynshard")
+
+PIPELINE_PASSES = [
+    cast_to_compute_dtype,  # mixed precision: parameters (and inputs) enter in param_dtype
+    assign_stages,          # every op gets a stage: pipe_split(), pivots, or the model's layers by FLOPs
+    split_stages,           # one graph per stage, with the values each boundary carries
+]
+
+
+def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: Layout, inputs, key: str,
+                  device_type: str) -> PipelinePlan:
+    from ..runtime.materialize import default_device
+
+    from . import copy_graph
+
+    ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode())
+    run_passes(copy_graph(gm), ctx, PIPELINE_PASSES)
+    options = config.pipeline
+    nstages, nranks, m = options.nstages(config), config.plan_ngpus, options.pipeline_nmicros
+    schedule = build_schedule(options.pipeline_scheduler, nstages, m, nranks)
+    forward_only = build_schedule("infer_pipe", nstages, m, nranks)
+    gpipe = None
+    if not config.inference_only:
+        gpipe = schedule if options.pipeline_nchunks > 1 else build_schedule("gpipe", nstages, m, nranks)
+    output_node = next(n for n in gm.graph.nodes if n.op == "output")
+    outputs = output_node.args[0] if isinstance(output_node.args[0], (tuple, list)) else [output_node.args[0]]
+    log.info("pipeline: %s\n%s", ctx.staged.describe(), schedule.format())
+    device = default_device(device_type)
+
+    def compile_stage(stage, examples):
+        program = compile_program(stage.module, examples, config.compiler, layout, config.inference_only)
+        return program.run
+
+    def combine():
+        from ..passes.microbatch_outputs import microbatch_combine
+
+        batch_inputs = [i.index for i in inputs if i.kind == "input"]
+        return microbatch_combine(gm, list(example_inputs), batch_inputs, m)
+
+    return PipelinePlan(
+        key=key, config=config, inputs=inputs, staged=ctx.staged, schedule=schedule, gpipe=gpipe,
+        forward_only=forward_only, groups=PipelineGroups(layout), layout=layout, device=device,
+        output_metas=[_meta(o) for o in outputs], compile_stage=compile_stage, combine_fn=combine,
+        pass_timings=ctx.timings)
+
+
+def _meta(node) -> ValueMeta | None:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    if not isinstance(value, torch.Tensor):
+        return None
+    return ValueMeta(value.shape, value.dtype, value.requires_grad)
+

@@ -1,0 +1,252 @@
+"""Cut the captured graph into pipeline stages (``policy="pp"``).
+
+Where the cuts go, in order of precedence:
+
+1. ``torch.distributed.pipelining.pipe_split()`` calls in the user's code (Dynamo keeps them as
+   ``pippy._pipe_split`` nodes): exactly ``nstages - 1`` of them, else an error;
+2. before instances of the ``pipeline_pivots`` module classes;
+3. before instances of the model's repeated layer (the module class with the most instances held in a
+   ``ModuleList``/``Sequential``: a transformer's blocks), else between any two ops;
+
+choosing among the candidates of 2 and 3 the ones that balance the forward FLOPs (measured with
+``FlopCounterMode`` on FakeTensors; ops without FLOPs count one each when the graph has no matmul).
+
+The result is one GraphModule per stage. A stage's placeholders are the captured graph's inputs it
+reads (parameters, buffers, the user's batch: every rank of a unit holds them) followed by the values
+it receives from earlier stages; it returns the values later stages (or the graph's outputs) need.
+Boundary ``s`` carries every value produced at a stage <= s and read at a stage > s, so a skip
+connection over several stages is relayed through the stages in between and every transfer is
+between neighbours. A parameter read by two stages (a tied embedding and LM head) is an input of both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections import Counter
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils.flop_counter import FlopCounterMode
+
+from .context import PassContext
+
+_PIPE_SPLIT = "pippy._pipe_split"
+_LIST_CHILD = re.compile(r"\.\d+$|\[\d+\]$")
+
+
+@dataclasses.dataclass
+class Stage:
+    index: int
+    module: fx.GraphModule
+    graph_inputs: tuple[int, ...]    # placeholder indices of the captured graph it reads (its first inputs)
+    received: tuple[str, ...]        # values of earlier stages it reads (its next inputs)
+    produced: tuple[str, ...]        # values it returns, in order
+
+
+@dataclasses.dataclass
+class StagedGraph:
+    stages: list[Stage]
+    boundaries: list[tuple[str, ...]]   # boundaries[s]: values stage s hands to stage s + 1
+    outputs: list[Any]                  # the graph's outputs: value names (str) or constants
+    flops: list[int]                    # forward FLOPs per stage (as measured for the cut)
+    how: str                            # how the cuts were chosen ("pipe_split", "pivots ...", ...)
+
+    def describe(self) -> str:
+        lines = [f"{len(self.stages)} stages, cut {self.how}"]
+        for stage in self.stages:
+            ops = sum(1 for n in stage.module.graph.nodes if n.op not in ("placeholder", "output"))
+            lines.append(f"  stage {stage.index}: {ops} ops, {self.flops[stage.index]} forward FLOPs, "
+                         f"{len(stage.graph_inputs)} graph inputs, sends {len(self.boundaries[stage.index]) if stage.index < len(self.boundaries) else 0}")
+        return "\n".join(lines)
+
+
+def _is_pipe_split(node: fx.Node) -> bool:
+    return node.op == "call_function" and str(node.target) == _PIPE_SPLIT
+
+
+def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+
+
+def _node_flops(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, int]:
+    flops: dict[fx.Node, int] = {}
+
+    class Counting(fx.Interpreter):
+        def run_node(self, node):
+            with FlopCounterMode(display=False) as counter:
+                value = super().run_node(node)
+            flops[node] = counter.get_total_flops()
+            return value
+
+    with ctx.fake_mode, torch.no_grad():
+        args = [torch.empty(i.shape, dtype=i.dtype, device=ctx.layout.device_type if i.device.type == "meta"
+                            else i.device) for i in ctx.inputs]
+        Counting(gm).run(*args)
+    return flops
+
+
+def _instance_starts(nodes: list[fx.Node], wanted) -> tuple[list[int], str | None]:
+    """Positions (in ``nodes``) of the first op of each instance of a module class ``wanted(cls)`` accepts."""
+    starts, seen, names = [], set(), set()
+    for position, node in enumerate(nodes):
+        for path, cls in node.meta.get("nn_module_stack", {}).values():
+            if wanted(path, cls):
+                if path not in seen:
+                    seen.add(path)
+                    starts.append(position)
+                    names.add(cls.__name__)
+                break
+    return starts, ", ".join(sorted(names)) or None
+
+
+def _repeated_layer(nodes: list[fx.Node]):
+    """The module class with the most instances held in a ModuleList or Sequential (a model's layers)."""
+    instances: Counter = Counter()
+    seen = set()
+    for node in nodes:
+        for path, cls in node.meta.get("nn_module_stack", {}).values():
+            if _LIST_CHILD.search(path) and path not in seen:
+                seen.add(path)
+                instances[cls] += 1
+    if not instances:
+        return None
+    return instances.most_common(1)[0][0]
+
+
+def _balanced_cuts(weights: list[int], candidates: list[int], nstages: int) -> list[int]:
+    """``nstages - 1`` increasing positions from ``candidates`` whose prefix sums come closest to equal parts."""
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    total = prefix[-1]
+    cuts: list[int] = []
+    for k in range(1, nstages):
+        usable = [c for c in candidates if c > (cuts[-1] if cuts else 0) and
+                  len([d for d in candidates if d > c]) >= nstages - 1 - k]
+        if not usable:
+            break
+        cuts.append(min(usable, key=lambda c: abs(prefix[c] - total * k / nstages)))
+    return cuts
+
+
+def assign_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """Give every op a stage (``node.meta["pipeline_stage"]``) and drop the ``pipe_split`` markers."""
+    options = ctx.config.pipeline
+    nstages = options.nstages(ctx.config)
+    nodes = _compute_nodes(gm)
+    markers = [i for i, n in enumerate(nodes) if _is_pipe_split(n)]
+    flops = _node_flops(gm, ctx)
+    weights = [flops.get(n, 0) for n in nodes]
+    if not any(weights):
+        weights = [1] * len(nodes)
+    if markers:
+        if len(markers) != nstages - 1:
+            raise ValueError(f"dynshard: the model calls pipe_split() {len(markers)} time(s), which cuts it into "
+                             f"{len(markers) + 1} stages, but pipeline_nstages is {nstages}; call it "
+                             f"{nstages - 1} time(s) or set pipeline_nstages={len(markers) + 1}")
+        cuts, how = markers, "at pipe_split()"
+    else:
+        if options.pivots:
+            candidates, names = _instance_starts(nodes, lambda path, cls: cls.__name__ in options.pivots)
+            how = f"before pivots ({names})"
+            if names is None:
+                raise ValueError(f"dynshard: no module of the classes in pipeline_pivots "
+                                 f"({options.pipeline_pivots}) runs in the compiled graph")
+        else:
+            layer = _repeated_layer(nodes)
+            candidates, names = _instance_starts(nodes, lambda path, cls: cls is layer) if layer else ([], None)
+            how = f"before layers ({names}), balanced by FLOPs" if names else "balanced by FLOPs"
+            if len(candidates) < nstages - 1:
+                candidates, how = list(range(1, len(nodes))), "balanced by FLOPs"
+        candidates = [c for c in candidates if c > 0]
+        if len(candidates) < nstages - 1:
+            raise ValueError(f"dynshard: only {len(candidates) + 1} stage(s) can be cut {how}, but "
+                             f"pipeline_nstages is {nstages}; lower pipeline_nstages or choose other pivots")
+        cuts = _balanced_cuts(weights, candidates, nstages)
+    stage = 0
+    stage_flops = [0] * nstages
+    for position, node in enumerate(nodes):
+        while stage < len(cuts) and position >= cuts[stage]:
+            stage += 1
+        node.meta["pipeline_stage"] = stage
+        stage_flops[stage] += flops.get(node, 0)
+    ctx.stage_info = {"flops": stage_flops, "how": how}
+    for node in [n for n in nodes if _is_pipe_split(n)]:
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
+
+
+def split_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """One GraphModule per stage (``ctx.staged``); the captured graph itself is returned unchanged."""
+    nstages = ctx.config.pipeline.nstages(ctx.config)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    index_of = {n: i for i, n in enumerate(placeholders)}
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    stage_of = {n: n.meta["pipeline_stage"] for n in _compute_nodes(gm)}
+    # a value is read at the stages of its users; the graph's outputs are read by the last stage
+    last_read: dict[fx.Node, int] = {}
+    for node in stage_of:
+        for user in node.users:
+            reader = nstages - 1 if user is output else stage_of[user]
+            if reader < stage_of[node]:
+                raise ValueError(f"dynshard: {user.name} (stage {reader}) reads {node.name} of a later stage "
+                                 f"{stage_of[node]}; the cut is not in graph order")
+            last_read[node] = max(last_read.get(node, -1), reader)
+    boundaries = [tuple(n.name for n in stage_of if stage_of[n] <= s < last_read.get(n, -1))
+                  for s in range(nstages - 1)]
+    by_name = {n.name: n for n in stage_of}
+    stages = []
+    for s in range(nstages):
+        own = [n for n in stage_of if stage_of[n] == s]
+        own_set = set(own)
+        read_inputs, read_values = [], []
+        for node in own:
+            for arg in node.all_input_nodes:
+                if arg in index_of and arg not in read_inputs:
+                    read_inputs.append(arg)
+                elif arg not in own_set and arg not in index_of and arg.name not in read_values:
+                    read_values.append(arg.name)
+        leaving = set(boundaries[s]) if s < nstages - 1 else set()
+        if s == nstages - 1:
+            for out in _flat_nodes(output.args):
+                if out in index_of and out not in read_inputs:
+                    read_inputs.append(out)
+        produced = [n.name for n in own if n.name in leaving or (s == nstages - 1 and n in _flat_nodes(output.args))]
+        read_inputs.sort(key=index_of.get)
+        received = [name for name in (boundaries[s - 1] if s else ()) if name in read_values]
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for node in read_inputs:
+            env[node] = graph.placeholder(node.name)
+            env[node].meta = dict(node.meta)
+        for name in received:
+            env[by_name[name]] = graph.placeholder(name)
+            env[by_name[name]].meta = dict(by_name[name].meta)
+        for node in own:
+            env[node] = graph.node_copy(node, lambda n: env[n])
+        graph.output(tuple(env[by_name[name]] for name in produced))
+        stages.append(Stage(s, fx.GraphModule(gm, graph), tuple(index_of[n] for n in read_inputs), tuple(received),
+                            tuple(produced)))
+    outputs = [_output_ref(v, index_of) for v in _flat_outputs(output.args[0])]
+    ctx.staged = StagedGraph(stages, boundaries, outputs, ctx.stage_info["flops"], ctx.stage_info["how"])
+    return gm
+
+
+def _flat_nodes(args) -> list[fx.Node]:
+    nodes: list[fx.Node] = []
+    fx.node.map_arg(args, lambda n: nodes.append(n))
+    return nodes
+
+
+def _flat_outputs(value) -> list[Any]:
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def _output_ref(value, index_of) -> Any:
+    """A graph output: ("value", name), ("input", placeholder index) or ("constant", value)."""
+    if isinstance(value, fx.Node):
+        return ("input", index_of[value]) if value in index_of else ("value", value.name)
+    return ("constant", value)

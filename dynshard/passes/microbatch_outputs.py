@@ -1,0 +1,378 @@
+"""How the outputs of m micro-batches combine into the outputs of the whole batch (pipeline parallelism).
+
+A pipeline runs the captured graph once per micro-batch: every batch input split along dim 0 into
+``nmicros`` equal parts. Each graph output must then be rebuilt exactly as the whole batch gives it:
+
+==========  ==========================================================  =====================
+kind        the whole-batch output is                                    gradient seed (each)
+==========  ==========================================================  =====================
+``"cat"``   the micro-batch outputs concatenated along dim 0 (logits)    its slice of the grad
+``"mean"``  their mean (a mean-reduced loss: ``F.cross_entropy``,         grad / m
+            ``F.mse_loss``, ``.mean()``)
+``"sum"``   their sum (``reduction="sum"``, ``.sum()``)                  grad
+``"same"``  any one of them: the output does not depend on the batch     grad / m
+==========  ==========================================================  =====================
+
+(:func:`seed_scale` gives the scale.) Anything else is refused with :class:`MicrobatchError`, which
+names the op, its source line and what to do: an op that needs the whole batch at once (BatchNorm's
+batch statistics, a max over the batch, indexing one row of the batch), a sum or mean over the batch
+used non-linearly (normalised by a count computed from the batch, squared, ...), an output split along
+another dimension, or a graph input updated in place (it would be updated once per micro-batch).
+
+How: DTensor's own sharding propagation. The split is Shard(0) of each batch input over a 1-D mesh of
+``nmicros`` "ranks" (the micro-batches), everything else Replicate; the Dynamo graph runs on DTensors
+whose local tensors are FakeTensors, with a dispatch mode that checks, before every ATen op, which
+redistribution DTensor's strategy asks for. A micro-batch program is the same program on every
+micro-batch, with no communication, so only redistributions that are local and value-preserving are
+allowed (Replicate -> Shard: the micro-batch's slice of a batch-independent value; Replicate ->
+Partial(avg): a constant added to a mean); any other (an all-gather of the batch, an all-reduce of a
+partial) is the point where the micro-batches stop combining, and is refused there. The outputs'
+placements then give the answer: Shard(0) -> cat, Partial(avg) -> mean, Partial(sum) -> sum,
+Replicate -> same. Mean-of-means is exact because the micro-batches have equal size (checked).
+
+The mesh has no process group behind it (:func:`dynshard.compat.abstract_device_mesh`) and nothing is
+ever communicated, so this runs the same with no process group, a fake one, or a real one of any size.
+
+Exactness notes:
+
+* DTensor treats a mean-reduced ``nll_loss`` (``F.cross_entropy``) as Partial(avg). That is exact only
+  when every micro-batch has the same number of counted targets: with class weights, or with targets
+  equal to ``ignore_index``, the loss is normalised by a weight or count that differs per micro-batch,
+  and the mean of the micro-batch means is not the mean over the batch. Class weights and a
+  non-default ``ignore_index`` are refused; the default ``-100`` (which ``F.cross_entropy`` always
+  passes) is taken to mean "no ignored targets" unless ``trust_default_ignore_index=False``.
+* The micro-batch program meant here is the whole-batch graph run on a slice, as DTensor runs it
+  locally: Python numbers Dynamo specialised in the graph keep their whole-batch values. A loss written
+  ``loss.sum() / x.shape[0]`` divides by the whole batch size in the graph, so it is a "sum" here; a
+  runtime that re-captures the model at the micro-batch shape divides by the micro-batch size instead
+  and must treat it as a "mean".
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .. import compat
+from .propagate_sharding import source_line
+
+KINDS = ("cat", "mean", "sum", "same")
+
+_aten = torch.ops.aten
+_NLL_LOSSES = (_aten.nll_loss_forward.default, _aten.nll_loss2d_forward.default)
+_MEAN = 1                      # torch's Reduction::Mean
+_DEFAULT_IGNORE_INDEX = -100
+
+
+class MicrobatchError(ValueError):
+    """An output of the graph cannot be rebuilt exactly from its micro-batch outputs."""
+
+
+def seed_scale(kind: str, nmicros: int) -> float:
+    """The factor on an output's gradient for each micro-batch's backward: 1/m for "mean" (and "same",
+    whose gradient would otherwise count m times), 1 for "sum"; for "cat" each micro-batch takes its
+    own slice of the gradient (factor 1)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown combine kind {kind!r}; expected one of {KINDS}")
+    return 1.0 / nmicros if kind in ("mean", "same") else 1.0
+
+
+def microbatch_combine(gm: fx.GraphModule, example_inputs: Sequence[Any], batch_inputs: Sequence[int],
+                       nmicros: int, *, trust_default_ignore_index: bool = True) -> list[str]:
+    """How each output of ``gm`` combines over ``nmicros`` micro-batches: "cat", "mean", "sum" or "same".
+
+    ``gm`` is a Dynamo-captured graph (parameters are placeholders too), ``example_inputs`` its example
+    inputs (real or fake tensors; only their metadata is read), ``batch_inputs`` the indices of the
+    placeholders split along dim 0. Raises :class:`MicrobatchError` for an output that no combination
+    of the micro-batch outputs gives exactly; ``ValueError`` for a batch that does not split evenly.
+    With one micro-batch every output is "same" (the micro-batch is the batch).
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(example_inputs):
+        raise ValueError(f"the graph has {len(placeholders)} inputs but {len(example_inputs)} example inputs were given")
+    if not isinstance(nmicros, int) or nmicros < 1:
+        raise ValueError(f"nmicros must be a positive int, got {nmicros!r}")
+    batch = sorted(set(batch_inputs))
+    for index in batch:
+        if not 0 <= index < len(example_inputs):
+            raise ValueError(f"batch input index {index} is out of range: the graph has {len(example_inputs)} inputs")
+        value = example_inputs[index]
+        if not isinstance(value, torch.Tensor) or value.dim() == 0:
+            raise ValueError(f"batch input {index} ({_input_name(placeholders[index])}) is not a tensor with a "
+                             f"batch dimension: {type(value).__name__}{list(getattr(value, 'shape', []))}")
+        if value.shape[0] % nmicros:
+            raise MicrobatchError(
+                f"dynshard: batch input {_input_name(placeholders[index])} has batch size {value.shape[0]}, which "
+                f"does not split into {nmicros} equal micro-batches (a mean over unequal micro-batches is not the "
+                f"mean over the batch); use a batch size divisible by the number of micro-batches")
+    outputs = _output_values(gm)
+    if nmicros == 1:
+        return ["same"] * len(outputs)
+    if not batch:
+        return ["same"] * len(outputs)
+
+    tensors = [v for v in example_inputs if isinstance(v, torch.Tensor)]
+    device_type = tensors[0].device.type if tensors else "cpu"
+    if device_type == "meta":
+        device_type = "cpu"
+    mesh = compat.abstract_device_mesh(device_type, nmicros)
+    fake_mode = compat.new_fake_mode()
+    with compat.isolated_tracing(fake_mode), torch.no_grad():
+        args, unsplit = [], {}
+        with fake_mode:
+            for index, value in enumerate(example_inputs):
+                if not isinstance(value, torch.Tensor):
+                    args.append(value)
+                    continue
+                split = index in batch
+                shape = (value.shape[0] // nmicros, *value.shape[1:]) if split else tuple(value.shape)
+                local = torch.empty(shape, dtype=value.dtype, device=value.device)
+                if not split:
+                    unsplit[StorageWeakRef(local.untyped_storage())] = placeholders[index]
+                args.append(DTensor.from_local(local, mesh, [Shard(0) if split else Replicate()], run_check=False,
+                                               shape=value.shape, stride=tuple(value.stride())))
+        mode = _MicrobatchMode(mesh, fake_mode, unsplit, {StorageWeakRef(a.to_local().untyped_storage()): p
+                                                            for a, p in zip(args, placeholders)
+                                                            if isinstance(a, DTensor)},
+                               trust_default_ignore_index)
+        interpreter = _Interpreter(gm, mode)
+        with mode:
+            result = interpreter.run(*args)
+    values = result if isinstance(result, (tuple, list)) else (result,)
+    return [_kind(i, node, value, nmicros) for i, (node, value) in enumerate(zip(outputs, values))]
+
+
+# -- the outputs ------------------------------------------------------------------------------------------
+def _output_values(gm: fx.GraphModule) -> list:
+    (output,) = [n for n in gm.graph.nodes if n.op == "output"]
+    value = output.args[0]
+    return list(value) if isinstance(value, (tuple, list)) else [value]
+
+
+def _kind(index: int, node, value, nmicros: int) -> str:
+    if not isinstance(value, DTensor):
+        return "same"
+    (placement,) = value.placements
+    if isinstance(placement, Replicate):
+        return "same"
+    if type(placement) is Shard and placement.dim == 0:
+        return "cat"
+    what = f"output {index} ({node.name if isinstance(node, fx.Node) else node}, shape {list(value.shape)})"
+    where = f" at {source_line(node)}" if isinstance(node, fx.Node) else ""
+    if isinstance(placement, Shard):
+        raise MicrobatchError(
+            f"dynshard: {what}{where} cannot be combined from micro-batches: it holds the batch along "
+            f"{'an interleaved layout of ' if type(placement) is not Shard else ''}dimension {placement.dim}, "
+            f"not dimension 0, so concatenating the micro-batch outputs along dim 0 does not give it. Return it "
+            f"with the batch first (e.g. transpose it back) and rearrange it outside the compiled model")
+    if isinstance(placement, Partial):
+        op = placement.reduce_op
+        raise MicrobatchError(
+            f"dynshard: {what}{where} is a {op} over the batch: the micro-batch outputs would have to be combined "
+            f"by {op!r}, and only concatenation, mean and sum are exact (a mean or sum also gives exact "
+            f"gradients). Return the per-sample values and reduce them outside the compiled model")
+    raise MicrobatchError(f"dynshard: {what}{where} has placement {placement}, which no micro-batch combination gives")
+
+
+# -- propagation ------------------------------------------------------------------------------------------
+class _Interpreter(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, mode: "_MicrobatchMode"):
+        super().__init__(gm)
+        self.mode = mode
+
+    def run_node(self, n: fx.Node):
+        self.mode.node = n
+        return super().run_node(n)
+
+    def get_attr(self, target, args, kwargs):
+        value = super().get_attr(target, args, kwargs)
+        if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+            return self.mode.replicate(value)
+        return value
+
+
+class _MicrobatchMode(TorchDispatchMode):
+    """Checks each ATen op's redistributions on the micro-batch mesh before DTensor runs it."""
+
+    def __init__(self, mesh, fake_mode, unsplit: dict, inputs: dict, trust_default_ignore_index: bool):
+        super().__init__()
+        self.mesh = mesh
+        self.nmicros = mesh.size()
+        self.fake_mode = fake_mode
+        self.unsplit = unsplit          # storage -> placeholder of each input that is not split
+        self.inputs = inputs            # storage -> placeholder of every tensor input
+        self.trust_default_ignore_index = trust_default_ignore_index
+        self.decompositions = compat.sharding_decompositions()
+        self.decomposing: list = []     # ops whose decomposition is running (outermost first)
+        self.node: fx.Node | None = None
+
+    def replicate(self, tensor: torch.Tensor) -> DTensor:
+        if not isinstance(tensor, torch._subclasses.FakeTensor):
+            tensor = self.fake_mode.from_tensor(tensor)
+        return DTensor.from_local(tensor, self.mesh, [Replicate()], run_check=False)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = pytree.arg_tree_leaves(*args, **kwargs)
+        if not any(isinstance(a, DTensor) for a in leaves):
+            # factories and ops on constants: the same value in every micro-batch
+            with self.fake_mode:
+                out = func(*args, **kwargs)
+            return pytree.tree_map_only(torch.Tensor, self.replicate, out)
+        if any(isinstance(a, torch.Tensor) and not isinstance(a, DTensor) for a in leaves):
+            args, kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: t if isinstance(t, DTensor) else self.replicate(t), (args, kwargs))
+        self._check_mutation(func, args)
+        if func in self.decompositions:     # ops DTensor cannot shard as they are (CPU flash attention)
+            self.decomposing.append(func)
+            try:
+                with self:
+                    return self.decompositions[func](*args, **kwargs)
+            finally:
+                self.decomposing.pop()
+        if func in _NLL_LOSSES:
+            self._check_nll_loss(func, args, kwargs)
+        try:
+            redistributions = compat.dtensor_redistributions(func, args, kwargs)
+        except NotImplementedError:
+            return self._without_strategy(func, args, kwargs)
+        except Exception as error:   # e.g. an uneven split DTensor refuses to average
+            raise self._refuse(func, f"DTensor cannot place it on the micro-batches: {str(error).splitlines()[0]}") \
+                from error
+        sources = [a for a in pytree.arg_tree_leaves(*args) if isinstance(a, DTensor)]
+        for source, (current, needed) in zip(sources, redistributions):
+            self._check_transition(func, source, current.placements[0], needed.placements[0])
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            return self._random(func, args, kwargs, redistributions)
+        return func(*args, **kwargs)
+
+    # -- checks -------------------------------------------------------------------------------------
+    def _check_transition(self, func, source: DTensor, src, dst) -> None:
+        if src == dst:
+            return
+        if isinstance(src, Replicate) and isinstance(dst, Shard):
+            placeholder = self.unsplit.get(StorageWeakRef(source.to_local().untyped_storage()))
+            if placeholder is not None:
+                raise self._refuse(
+                    func, f"it slices graph input {_input_name(placeholder)} (shape {list(source.shape)}) along "
+                          f"dimension {dst.dim} as if it were batch-split, but that input is not split into "
+                          f"micro-batches; list it among the batch inputs if it holds one row per sample")
+            return      # the micro-batch's slice of a value that does not depend on the batch: local
+        if isinstance(src, Replicate) and isinstance(dst, Partial) and dst.reduce_op == "avg":
+            return      # c + mean: the mean over micro-batches of (c + their mean) is c + the mean
+        if isinstance(src, Shard):
+            reason = (f"it needs the whole batch at once (DTensor would gather the micro-batches: {src} -> {dst}); "
+                      f"on one micro-batch it computes something else")
+        elif isinstance(src, Partial):
+            total = "mean" if src.reduce_op == "avg" else src.reduce_op
+            reason = (f"it uses the {total} over the whole batch as one value (DTensor would all-reduce it: "
+                      f"{src} -> {dst}), e.g. normalises by it or applies a non-linear function to it; each "
+                      f"micro-batch only has its own part of that {total}")
+        else:
+            reason = (f"it adds a value that does not depend on the batch to a sum over the batch ({src} -> {dst}): "
+                      f"summed over the micro-batches it would count {self.nmicros} times")
+        raise self._refuse(func, reason)
+
+    def _check_nll_loss(self, func, args, kwargs) -> None:
+        values = list(args) + [kwargs.get(k) for k in ("weight", "reduction", "ignore_index")[len(args) - 2:]]
+        logits, target, weight, reduction, ignore_index = values[:5]
+        if reduction != _MEAN or all(isinstance(t, DTensor) and t.placements == (Replicate(),)
+                                     for t in (logits, target)):
+            return
+        if weight is not None:
+            raise self._refuse(
+                func, "it is a class-weighted mean (cross_entropy / nll_loss with weight=...): it is normalised by "
+                      "the total weight of the targets, which differs per micro-batch, so the mean of the "
+                      "micro-batch losses is not the loss of the batch. Use reduction='sum' and divide by the "
+                      "whole batch's total weight computed outside the compiled model (passed in as an input)")
+        if ignore_index != _DEFAULT_IGNORE_INDEX or not self.trust_default_ignore_index:
+            raise self._refuse(
+                func, f"it is a mean over the targets not equal to ignore_index={ignore_index}: it is normalised by "
+                      f"the number of counted targets, which differs per micro-batch, so the mean of the micro-batch "
+                      f"means is not the mean over the batch. Use reduction='sum' and divide by the whole batch's "
+                      f"count of counted targets, computed outside the compiled model (passed in as an input)")
+
+    def _check_mutation(self, func, args) -> None:
+        schema = func._schema
+        for argument, value in zip(schema.arguments, args):
+            if argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            for leaf in pytree.tree_leaves(value):
+                if not isinstance(leaf, DTensor):
+                    continue
+                placeholder = self.inputs.get(StorageWeakRef(leaf.to_local().untyped_storage()))
+                if placeholder is not None:
+                    raise self._refuse(
+                        func, f"it updates graph input {_input_name(placeholder)} in place: run once per micro-batch, "
+                              f"the update would happen {self.nmicros} times, each from one micro-batch. Keep state "
+                              f"updates out of the compiled model (or use eval mode for modules that track statistics)")
+
+    def _without_strategy(self, func, args, kwargs):
+        if all(a.placements == (Replicate(),) for a in pytree.arg_tree_leaves(*args, **kwargs) if isinstance(a, DTensor)):
+            local_args, local_kwargs = pytree.tree_map_only(DTensor, lambda t: t.to_local(), (args, kwargs))
+            out = func(*local_args, **local_kwargs)
+            return pytree.tree_map_only(torch.Tensor, self.replicate, out)
+        raise self._refuse(func, "DTensor has no sharding rule for it, so how its result combines over micro-batches "
+                                 "is unknown")
+
+    def _random(self, func, args, kwargs, redistributions):
+        """Random ops run here, not in DTensor (whose RNG tracker is global state): the output takes the
+        placement of the first input, as DTensor's strategies for dropout and ``*_like`` give it."""
+        placements = {a.placements for a in pytree.arg_tree_leaves(*args, **kwargs) if isinstance(a, DTensor)}
+        if len(placements) != 1 or any(c.placements != n.placements for c, n in redistributions):
+            raise self._refuse(func, "a random op on inputs with different placements")
+        local_args, local_kwargs = pytree.tree_map_only(DTensor, lambda t: t.to_local(), (args, kwargs))
+        out = func(*local_args, **local_kwargs)
+        (placement,) = placements
+        return pytree.tree_map_only(torch.Tensor, lambda t: DTensor.from_local(t, self.mesh, placement,
+                                                                                run_check=False), out)
+
+    # -- errors -------------------------------------------------------------------------------------
+    def _refuse(self, func, reason: str) -> MicrobatchError:
+        op = self.decomposing[0] if self.decomposing else func
+        inner = f" (in its decomposition: {func})" if self.decomposing else ""
+        node = self.node
+        where = f"{node.name} at {source_line(node)}" if node is not None else "?"
+        module = _module_path(node)
+        message = (f"dynshard: the batch cannot be split into {self.nmicros} micro-batches: {op}{inner} "
+                   f"(graph node {where}{', in ' + module if module else ''}): {reason}.")
+        if _is_batch_norm(node, op):
+            message += (" BatchNorm in training mode normalises by the mean and variance of the batch it sees: "
+                        "over one micro-batch those statistics differ from the whole batch's, so the outputs (and "
+                        "the running statistics, updated once per micro-batch) would differ. Use eval mode, "
+                        "LayerNorm/GroupNorm, or one micro-batch.")
+        return MicrobatchError(message)
+
+
+def _input_name(node: fx.Node) -> str:
+    source = compat.grapharg_source_name(node)
+    return f"{node.name} ({source})" if source else node.name
+
+
+def _module_path(node: fx.Node | None) -> str:
+    stack = (node.meta.get("nn_module_stack") or {}) if node is not None else {}
+    if not stack:
+        return ""
+    path, cls = list(stack.values())[-1]
+    name = getattr(cls, "__name__", None) or str(cls).rsplit(".", 1)[-1].rstrip("'>")
+    return f"{path} ({name})"
+
+
+def _is_batch_norm(node: fx.Node | None, op) -> bool:
+    if "batch_norm" in str(op):
+        return True
+    if node is None:
+        return False
+    if "batch_norm" in str(getattr(node.target, "__name__", node.target)):
+        return True
+    for _, cls in (node.meta.get("nn_module_stack") or {}).values():
+        if "BatchNorm" in (getattr(cls, "__name__", None) or str(cls)):
+            return True
+    return False

@@ -1,0 +1,102 @@
+"""The pipeline policy's options: ``pas_config`` keys with nnScaler's names, typed and validated.
+
+``policy="pp"`` cuts the captured graph into ``pipeline_nstages`` stages (:mod:`dynshard.passes.cut_stages`)
+run by the ranks of a plan unit (``plan_ngpus`` ranks, ``pipeline_nchunks`` stages each, loop
+placement); units are data-parallel replicas, as with every other policy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+from ..config import Config, ConfigError
+
+TRAINING_SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved", "zb1p")
+INFERENCE_SCHEDULES = ("infer_pipe",)
+NOT_YET = {
+    "1f1b_plus": "needs segments that span every rank of the unit (tensor parallel inside a pipeline, "
+                 "the 'hybrid' policy), which dynshard does not build yet",
+    "chimera_direct": "runs every stage on two ranks in two directions, which dynshard does not build yet",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineOptions:
+    """``pas_config`` of ``policy="pp"``.
+
+    pipeline_nmicros: micro-batches per step (required); ``train_step`` takes exactly this many samples,
+        a plain call splits its batch into this many along dim 0.
+    pipeline_nstages: stages in all (default: plan_ngpus x pipeline_nchunks).
+    pipeline_scheduler: gpipe, 1f1b (default), 1f1b_interleaved, zb1p, or infer_pipe (inference_only).
+    pipeline_nchunks: stages each rank runs (the interleaved schedule); stage s runs on rank s % plan_ngpus.
+    pipeline_pivots: comma-separated module class names a stage may start at (cut before an instance).
+    """
+
+    pipeline_nmicros: int = 0
+    pipeline_nstages: int | None = None
+    pipeline_scheduler: str = "1f1b"
+    pipeline_nchunks: int = 1
+    pipeline_pivots: str = ""
+
+    @classmethod
+    def from_pas_config(cls, pas_config: Mapping[str, Any]) -> "PipelineOptions":
+        fields = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(pas_config) - set(fields))
+        if unknown:
+            raise ConfigError(f"dynshard: the pp policy has no option {', '.join(map(repr, unknown))} in pas_config; "
+                              f"it takes {', '.join(fields)}")
+        if "pipeline_nmicros" not in pas_config:
+            raise ConfigError("dynshard: policy 'pp' needs pas_config['pipeline_nmicros'], the number of "
+                              "micro-batches per step (e.g. {'pipeline_nmicros': 8})")
+        options = cls(**pas_config)
+        for name in ("pipeline_nmicros", "pipeline_nchunks") + (
+                ("pipeline_nstages",) if options.pipeline_nstages is not None else ()):
+            value = getattr(options, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"dynshard: pas_config[{name!r}] must be a positive integer, got {value!r}")
+        if not isinstance(options.pipeline_pivots, str):
+            raise ConfigError("dynshard: pas_config['pipeline_pivots'] is a comma-separated string of module "
+                              f"class names, got {options.pipeline_pivots!r}")
+        return options
+
+    @property
+    def pivots(self) -> tuple[str, ...]:
+        return tuple(n.strip() for n in self.pipeline_pivots.split(",") if n.strip())
+
+    def nstages(self, config: Config) -> int:
+        return self.pipeline_nstages if self.pipeline_nstages is not None else config.plan_ngpus * self.pipeline_nchunks
+
+    def check(self, config: Config) -> None:
+        """nnScaler's rules, and what dynshard does not build yet, as errors that say what to change."""
+        name = self.pipeline_scheduler
+        if name in NOT_YET:
+            raise ConfigError(f"dynshard: pipeline_scheduler {name!r} {NOT_YET[name]}; use one of "
+                              f"{', '.join(TRAINING_SCHEDULES + INFERENCE_SCHEDULES)}")
+        if name not in TRAINING_SCHEDULES + INFERENCE_SCHEDULES:
+            raise ConfigError(f"dynshard: unknown pipeline_scheduler {name!r}; use one of "
+                              f"{', '.join(TRAINING_SCHEDULES + INFERENCE_SCHEDULES)}")
+        if config.inference_only and name not in INFERENCE_SCHEDULES:
+            raise ConfigError(f"dynshard: pipeline_scheduler {name!r} trains; with inference_only=True use "
+                              "'infer_pipe'")
+        if not config.inference_only and name in INFERENCE_SCHEDULES:
+            raise ConfigError(f"dynshard: pipeline_scheduler {name!r} runs forward only; set inference_only=True "
+                              f"or use a training schedule ({', '.join(TRAINING_SCHEDULES)})")
+        if not config.use_end2end:
+            raise ConfigError("dynshard: policy 'pp' needs use_end2end=True (nnScaler's end-to-end module: "
+                              "forward takes the sample and returns the loss first)")
+        nstages = self.nstages(config)
+        if nstages != config.plan_ngpus * self.pipeline_nchunks:
+            raise ConfigError(
+                f"dynshard: pipeline_nstages={nstages} does not fit plan_ngpus={config.plan_ngpus} x "
+                f"pipeline_nchunks={self.pipeline_nchunks} (policy 'pp' runs pipeline_nchunks stages on each "
+                f"rank of a unit); set pipeline_nstages={config.plan_ngpus * self.pipeline_nchunks} or change "
+                "plan_ngpus / pipeline_nchunks")
+        if self.pipeline_nchunks > 1 and name != "1f1b_interleaved":
+            raise ConfigError(f"dynshard: pipeline_nchunks={self.pipeline_nchunks} needs pipeline_scheduler "
+                              f"'1f1b_interleaved' ({name!r} runs one stage per rank)")
+        if config.use_zero:
+            raise ConfigError("dynshard: use_zero with policy 'pp' is not built yet; train the pipeline with "
+                              "use_zero=0 (each rank already holds only its stages' parameters)")
+        if config.recompute_modules:
+            raise ConfigError("dynshard: recompute_modules with policy 'pp' is not built yet")

@@ -1,0 +1,160 @@
+"""Run one rank's part of a pipeline schedule: its stages' compiled programs and the transfers between them.
+
+Every action of the rank's list (:mod:`.schedules`) is executed in order:
+
+- ``RECV_F`` / ``RECV_B`` post a non-blocking ``irecv`` into a fresh buffer per boundary tensor (shapes are
+  static, known from the plan: no metadata is ever exchanged);
+- ``F`` waits for its inputs (or takes them from a stage of the same rank), runs the stage's compiled
+  forward with autograd recording, and keeps what its backward needs;
+- ``B`` waits for the gradients of the stage's outputs and runs ``torch.autograd.backward`` through the
+  compiled program; parameter gradients accumulate in ``.grad`` (summed over micro-batches), the
+  gradients of the received tensors are what the previous stage gets;
+- ``SEND_F`` / ``SEND_B`` post a non-blocking ``isend``; sends are waited for at the end of the step.
+
+Transfers stay outside the compiled graphs (Inductor may reorder a compiled recv before a send, and a
+gloo send completes only when its receiver has posted the recv). Each message has its own tag
+(direction, receiving stage, micro-batch, tensor), so the order in which messages meet does not matter;
+the schedule was checked deadlock-free under exactly these rules before anything ran.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+
+class StepRun:
+    """The state of one pipeline step on this rank: what each micro-batch's stages keep between actions."""
+
+    def __init__(self, plan, programs: dict[int, Callable], metas: dict[str, Any], args: list[list[Any]],
+                 train: bool, seed_fn: Callable | None = None):
+        self.plan, self.staged, self.programs, self.metas = plan, plan.staged, programs, metas
+        self.args, self.train, self.seed_fn = args, train, seed_fn
+        self.nstages = len(self.staged.stages)
+        self.width = 1 + max([len(b) for b in self.staged.boundaries] + [0])
+        self.recv_f: dict[tuple[int, int], list] = {}
+        self.recv_b: dict[tuple[int, int], list] = {}
+        self.outgoing: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.leaves: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
+        self.grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.outputs: dict[int, list[Any]] = {}
+        self.sends: list = []
+
+    # -- helpers -------------------------------------------------------------------------------------
+    def _tag(self, backward: bool, stage: int, mb: int, i: int) -> int:
+        return ((int(backward) * self.nstages + stage) * len(self.args) + mb) * self.width + i
+
+    def _peer(self, pp_rank: int) -> int:
+        return self.plan.groups.global_rank(pp_rank)
+
+    def _local(self, stage: int) -> bool:
+        return self.plan.schedule.stage_to_rank[stage] == self.plan.groups.pp_rank
+
+    def _grad_names(self, boundary: int) -> list[str]:
+        return [n for n in self.staged.boundaries[boundary] if self.metas[n].requires_grad]
+
+    def _empty(self, name: str) -> torch.Tensor:
+        meta = self.metas[name]
+        return torch.empty(meta.shape, dtype=meta.dtype, device=self.plan.device)
+
+    # -- actions -------------------------------------------------------------------------------------
+    def run(self, actions) -> None:
+        for action in actions:
+            getattr(self, "_" + action.kind.lower())(action)
+
+    def _recv_f(self, action) -> None:
+        names = self.staged.boundaries[action.stage - 1]
+        buffers = [self._empty(n) for n in names]
+        works = [dist.irecv(b, src=self._peer(action.peer), tag=self._tag(False, action.stage, action.mb, i))
+                 for i, b in enumerate(buffers)]
+        self.recv_f[(action.stage, action.mb)] = [works, buffers]
+
+    def _send_f(self, action) -> None:
+        key = (action.stage, action.mb)
+        for i, tensor in enumerate(self.outgoing[key] if self.train else self.outgoing.pop(key)):
+            buffer = tensor.detach().contiguous()
+            self.sends.append((dist.isend(buffer, dst=self._peer(action.peer),
+                                          tag=self._tag(False, action.stage + 1, action.mb, i)), buffer))
+
+    def _recv_b(self, action) -> None:
+        names = self._grad_names(action.stage)
+        buffers = [self._empty(n) for n in names]
+        works = [dist.irecv(b, src=self._peer(action.peer), tag=self._tag(True, action.stage, action.mb, i))
+                 for i, b in enumerate(buffers)]
+        self.recv_b[(action.stage, action.mb)] = [works, buffers]
+
+    def _send_b(self, action) -> None:
+        for i, grad in enumerate(self.grads_out.pop((action.stage, action.mb))):
+            buffer = grad.contiguous()
+            self.sends.append((dist.isend(buffer, dst=self._peer(action.peer),
+                                          tag=self._tag(True, action.stage - 1, action.mb, i)), buffer))
+
+    def _incoming(self, stage: int, mb: int) -> dict[str, torch.Tensor]:
+        if stage == 0:
+            return {}
+        names = self.staged.boundaries[stage - 1]
+        if self._local(stage - 1):
+            key = (stage - 1, mb)
+            values = self.outgoing[key] if self.train else self.outgoing.pop(key)
+        else:
+            works, values = self.recv_f.pop((stage, mb))
+            for work in works:
+                work.wait()
+        return {n: v.detach().requires_grad_(self.train and self.metas[n].requires_grad)
+                for n, v in zip(names, values)}
+
+    def _f(self, action) -> None:
+        s, mb = action.stage, action.mb
+        stage = self.staged.stages[s]
+        incoming = self._incoming(s, mb)
+        inputs = [self.args[mb][i] for i in stage.graph_inputs] + [incoming[n] for n in stage.received]
+        with torch.set_grad_enabled(self.train):
+            produced = self.programs[s](*inputs)
+        env = {**incoming, **dict(zip(stage.produced, produced))}
+        if s < self.nstages - 1:
+            self.outgoing[(s, mb)] = [env[n] for n in self.staged.boundaries[s]]
+        else:
+            self.outputs[mb] = [_resolve(ref, env, self.args[mb]) for ref in self.staged.outputs]
+        if self.train:
+            self.leaves[(s, mb)] = incoming
+
+    def _output_grads(self, stage: int, mb: int) -> list[torch.Tensor]:
+        if self._local(stage + 1):
+            return self.grads_out.pop((stage + 1, mb))
+        works, grads = self.recv_b.pop((stage, mb))
+        for work in works:
+            work.wait()
+        return grads
+
+    def _b(self, action) -> None:
+        s, mb = action.stage, action.mb
+        if s == self.nstages - 1:
+            tensors, grads = self.seed_fn(mb, self.outputs[mb])
+        else:
+            values = dict(zip(self.staged.boundaries[s], self.outgoing.pop((s, mb))))
+            names = self._grad_names(s)
+            pairs = [(values[n], g) for n, g in zip(names, self._output_grads(s, mb)) if values[n].requires_grad]
+            tensors, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+        leaves = self.leaves.pop((s, mb))
+        if s > 0:
+            self.grads_out[(s, mb)] = [leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])
+                                       for n in self._grad_names(s - 1)]
+
+    def finish(self) -> None:
+        """Wait for this rank's sends (their receivers have posted, or will post, the matching recvs)."""
+        for work, _ in self.sends:
+            work.wait()
+        self.sends.clear()
+
+
+def _resolve(ref, env: dict[str, Any], args: list[Any]) -> Any:
+    kind, value = ref
+    if kind == "value":
+        return env[value]
+    if kind == "input":
+        return args[value]
+    return value

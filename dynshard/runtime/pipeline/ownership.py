@@ -1,0 +1,128 @@
+"""Which rank holds what under a pipeline policy, and the once-per-step gradient reduction.
+
+A rank holds the parameters and buffers of its own stages only: the others become empty tensors in
+place (the same ``nn.Parameter`` objects, tagged with :class:`~dynshard.runtime.sharding.StageOwnership`
+and shown with their global shape while Dynamo traces, as tp shards are). Their ``.grad`` stays None, so
+a plain optimizer over ``model.parameters()`` updates exactly this rank's stages.
+
+A tensor read by two stages on different ranks (a tied embedding and LM head) is held by both; after
+the backward its gradient is summed over the ranks holding it (one process group per such set, as
+Megatron's embedding group), then averaged over the data-parallel units.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+
+from ..sharding import _SHARDED, ALIKE_ATTR, TAG_ATTR, ShardTag, StageOwnership, get_tag, placements_for
+from .groups import PipelineGroups
+
+
+@dataclasses.dataclass
+class Ownership:
+    """This rank's stage tensors (by graph input index) and the groups that sum shared gradients."""
+
+    held: dict[int, torch.Tensor]                 # graph input index -> tensor this rank holds
+    shared: list[tuple[dist.ProcessGroup, list[int]]]   # (owners' group, graph input indices) for ties
+
+
+def take_ownership(args, plan) -> Ownership:
+    """First call: every rank agrees on rank 0's values (one broadcast per tensor, unless a meta-built
+    model initialised them alike), then frees what its stages do not read and tags everything."""
+    groups: PipelineGroups = plan.groups
+    readers: dict[int, list[int]] = {}
+    for stage in plan.staged.stages:
+        for index in stage.graph_inputs:
+            readers.setdefault(index, []).append(stage.index)
+    mine = set(plan.schedule.stages_of(groups.pp_rank))
+    held, tie_sets = {}, {}
+    for inp in plan.inputs:
+        if not inp.is_state or inp.index not in readers:
+            continue
+        tensor = args[inp.index]
+        if get_tag(tensor) is not None:
+            if not get_tag(tensor).not_held:
+                held[inp.index] = tensor
+            continue
+        if dist.is_initialized() and not tensor.is_meta and not getattr(tensor, ALIKE_ATTR, False):
+            with torch.no_grad():
+                dist.broadcast(tensor.data, src=0)
+        stages = tuple(readers[inp.index])
+        owner_ranks = sorted({plan.schedule.stage_to_rank[s] for s in stages})
+        owns = bool(mine & set(stages))
+        owner = None if groups.pp_size == 1 else StageOwnership(
+            stages=stages, src=groups.global_rank(owner_ranks[0]), group=groups.pp_group, held=owns)
+        tag = ShardTag(fqn=inp.name, global_shape=tensor.shape, global_stride=tuple(tensor.stride()),
+                       placements=placements_for(plan.layout, {}), layout=plan.layout, owner=owner)
+        if owner is not None and not owns:
+            with torch.no_grad():
+                tensor.data = tensor.data.new_empty(0)
+            _SHARDED.add(tensor)
+        else:
+            held[inp.index] = tensor
+        setattr(tensor, TAG_ATTR, tag)
+        if len(owner_ranks) > 1:
+            tie_sets.setdefault(tuple(owner_ranks), []).append(inp.index)
+    shared = []
+    for owner_ranks, indices in sorted(tie_sets.items()):
+        for unit in range(groups.dp_size):   # every rank creates every group, in the same order
+            group = dist.new_group([groups.global_rank(r, unit) for r in owner_ranks])
+            if unit == groups.dp_rank and groups.pp_rank in owner_ranks:
+                shared.append((group, [i for i in indices if i in held]))
+    return Ownership(held, shared)
+
+
+def _flat_all_reduce(grads: list[torch.Tensor], group, op) -> None:
+    """One collective per dtype for a list of gradients (a bucket), written back in place."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    for same in by_dtype.values():
+        flat = torch.cat([g.reshape(-1) for g in same])
+        dist.all_reduce(flat, op=op, group=group)
+        offset = 0
+        for grad in same:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+
+def reduce_gradients(ownership: Ownership, groups: PipelineGroups) -> None:
+    """After the step's last backward: sum shared parameters' gradients over their owners, then average
+    every gradient over the data-parallel units."""
+    with torch.no_grad():
+        for group, indices in ownership.shared:
+            grads = [ownership.held[i].grad for i in indices if ownership.held[i].grad is not None]
+            if grads:
+                _flat_all_reduce(grads, group, dist.ReduceOp.SUM)
+        if groups.dp_group is not None:
+            grads = [t.grad for t in ownership.held.values() if t.grad is not None]
+            for grad in grads:
+                grad.div_(groups.dp_size)
+            _flat_all_reduce(grads, groups.dp_group, dist.ReduceOp.SUM)
+
+
+class FreshGradients:
+    """Gradients of one step's backward, apart from what ``.grad`` held before it (a user accumulating
+    over several calls): the reduction must see only the new part, then the old part is added back."""
+
+    def __init__(self, ownership: Ownership):
+        self.ownership = ownership
+        self.stashed: dict[int, torch.Tensor] = {}
+
+    def __enter__(self):
+        for index, tensor in self.ownership.held.items():
+            if tensor.grad is not None:
+                self.stashed[index] = tensor.grad
+                tensor.grad = None
+        return self
+
+    def __exit__(self, *exc):
+        for index, old in self.stashed.items():
+            tensor = self.ownership.held[index]
+            if tensor.grad is not None:
+                old.add_(tensor.grad)
+            tensor.grad = old
+        return False

@@ -1,0 +1,260 @@
+"""The callable a pipeline plan hands back to Dynamo, and the plan it runs.
+
+A call ``model(batch)`` reaches :class:`PipelineProgram` with the captured graph's inputs (parameters and
+the batch). It runs in one of three ways:
+
+- inside :func:`dynshard.train_step` / :func:`dynshard.infer_step` (a recorder is active): the call only
+  records its inputs, one micro-batch per call, and returns empty outputs that the step fills in place
+  once its schedule has run;
+- with autograd (``loss = model(batch); loss.backward()``): GPipe over ``pipeline_nmicros`` micro-batches
+  of the batch (every tensor input split along dim 0), through one autograd function whose forward runs
+  every micro-batch's forward and whose backward runs every micro-batch's backward. GPipe because it is
+  the only order in which all forwards come before any backward, as autograd's calls do;
+- without autograd (``torch.no_grad()``, ``inference_only``): the forward-only order.
+
+The outputs of the micro-batches are combined into the whole batch's (concatenated, averaged or summed, as
+:mod:`dynshard.passes.microbatch_outputs` finds from the graph) and sent from the last stage to every
+rank of the unit. Each rank compiles only its own stages, once per micro-batch shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .executor import StepRun
+from .ownership import FreshGradients, Ownership, reduce_gradients, take_ownership
+from .recorder import active_recorder
+
+
+@dataclasses.dataclass(frozen=True)
+class ValueMeta:
+    shape: torch.Size
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+@dataclasses.dataclass(eq=False)
+class PipelinePlan:
+    key: str
+    config: Any
+    inputs: list                    # backend.capture.GraphInput
+    staged: Any                     # passes.cut_stages.StagedGraph
+    schedule: Any                   # the configured schedule (train_step)
+    gpipe: Any                      # GPipe's order (plain calls with autograd); None for inference_only
+    forward_only: Any               # infer_pipe's order (no-grad calls, infer_step)
+    groups: Any                     # runtime.pipeline.groups.PipelineGroups
+    layout: Any
+    device: torch.device
+    output_metas: list              # the captured graph's outputs (ValueMeta, or None for non-tensors)
+    compile_stage: Callable         # (stage, example inputs) -> compiled callable
+    combine_fn: Callable            # () -> per output "cat" / "mean" / "sum" / "same"
+    pass_timings: list
+    seconds: float = 0.0
+    hits: int = 0
+    ownership: Ownership | None = None
+    _combine: list | None = None
+    _programs: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def nmicros(self) -> int:
+        return self.config.pipeline.pipeline_nmicros
+
+    @property
+    def combine(self) -> list[str]:
+        if self._combine is None:
+            self._combine = self.combine_fn()
+        return self._combine
+
+    def programs_for(self, mb_args: list[list[Any]]) -> tuple[dict[int, Callable], dict[str, ValueMeta]]:
+        """This rank's compiled stages and the boundary metadata for micro-batches shaped like ``mb_args[0]``."""
+        shapes = tuple(tuple(mb_args[0][i.index].shape) for i in self.inputs if i.kind == "input")
+        if shapes not in self._programs:
+            start = time.perf_counter()
+            metas = _boundary_metas(self, mb_args[0])
+            programs = {}
+            for s in self.schedule.stages_of(self.groups.pp_rank):
+                stage = self.staged.stages[s]
+                examples = [_example(self.inputs[i], mb_args[0][i], self.device) for i in stage.graph_inputs]
+                examples += [torch.empty(metas[n].shape, dtype=metas[n].dtype, device=self.device)
+                             .requires_grad_(metas[n].requires_grad) for n in stage.received]
+                programs[s] = self.compile_stage(stage, examples)
+            self.seconds += time.perf_counter() - start
+            self._programs[shapes] = (programs, metas)
+        return self._programs[shapes]
+
+
+def _example(inp, value, device) -> torch.Tensor:
+    shape = inp.shape if inp.is_state else value.shape
+    return torch.empty(shape, dtype=inp.dtype, device=device).requires_grad_(inp.requires_grad)
+
+
+def _boundary_metas(plan: PipelinePlan, args: list[Any]) -> dict[str, ValueMeta]:
+    """Shapes, dtypes and whether they need gradients, of every value a stage returns, for one
+    micro-batch: the stages run on FakeTensors in order."""
+    from ... import compat
+
+    metas: dict[str, ValueMeta] = {}
+    fake_mode = compat.new_fake_mode()
+    with fake_mode, torch.enable_grad():
+        env: dict[str, torch.Tensor] = {}
+        fakes = [_example(inp, value, plan.device) for inp, value in zip(plan.inputs, args)]
+        for stage in plan.staged.stages:
+            outputs = stage.module(*[fakes[i] for i in stage.graph_inputs], *[env[n] for n in stage.received])
+            for name, value in zip(stage.produced, outputs):
+                env[name] = value
+                metas[name] = ValueMeta(value.shape, value.dtype, value.requires_grad)
+    return metas
+
+
+def _first_backward(actions) -> int:
+    return next((i for i, a in enumerate(actions) if a.kind in ("B", "I", "W", "RECV_B")), len(actions))
+
+
+class PipelineProgram:
+    """What Dynamo calls for a graph planned with a pipeline policy (see the module docstring)."""
+
+    def __init__(self, plan: PipelinePlan):
+        self.plan = plan
+
+    def __call__(self, *args: Any):
+        plan = self.plan
+        if plan.ownership is None:
+            plan.ownership = take_ownership(args, plan)
+        recorder = active_recorder()
+        if recorder is not None:
+            return recorder.record(self, args)
+        if plan.config.inference_only or not torch.is_grad_enabled():
+            mb_args = self.split(args)
+            run = self.run(plan.forward_only, mb_args, train=False)
+            return self.whole_outputs(run, args)
+        trainable = [t for t in plan.ownership.held.values() if t.requires_grad]
+        return _GPipe.apply(self, args, *trainable)
+
+    # -- pieces the steps share ----------------------------------------------------------------------
+    def split(self, args) -> list[list[Any]]:
+        """The micro-batches of a call: every tensor input split along dim 0 into pipeline_nmicros."""
+        m = self.plan.nmicros
+        mb_args = [list(args) for _ in range(m)]
+        for inp in self.plan.inputs:
+            value = args[inp.index]
+            if inp.kind != "input" or value.dim() == 0:
+                continue
+            if value.shape[0] % m:
+                raise ValueError(f"dynshard: the pipeline splits input {inp.name} (batch {value.shape[0]}) into "
+                                 f"pipeline_nmicros={m} micro-batches along dim 0; use a batch divisible by {m}")
+            for mb, piece in enumerate(value.chunk(m)):
+                mb_args[mb][inp.index] = piece
+        return mb_args
+
+    def run(self, schedule, mb_args, train: bool, seed_fn=None, actions=None) -> StepRun:
+        programs, metas = self.plan.programs_for(mb_args)
+        run = StepRun(self.plan, programs, metas, mb_args, train, seed_fn)
+        with torch.set_grad_enabled(train):
+            run.run(schedule.actions[self.plan.groups.pp_rank] if actions is None else actions)
+        run.finish()
+        return run
+
+    def last_stage_rank(self) -> int:
+        plan = self.plan
+        return plan.groups.global_rank(plan.schedule.stage_to_rank[len(plan.staged.stages) - 1])
+
+    def broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """From the rank of the last stage to every rank of the unit, in place."""
+        group = self.plan.groups.pp_group
+        if group is None:
+            return
+        for tensor in tensors:
+            dist.broadcast(tensor, src=self.last_stage_rank(), group=group)
+
+    def whole_outputs(self, run: StepRun, args) -> list[Any]:
+        """The whole batch's outputs on every rank, from the micro-batches' on the last stage's rank."""
+        plan = self.plan
+        outputs, tensors = [], []
+        for position, (ref, meta) in enumerate(zip(plan.staged.outputs, plan.output_metas)):
+            if ref[0] == "constant":
+                outputs.append(ref[1])
+                continue
+            if ref[0] == "input":
+                outputs.append(args[ref[1]])
+                continue
+            if run.outputs:
+                pieces = [run.outputs[mb][position].detach() for mb in range(len(run.outputs))]
+                value = _combine(plan.combine[position], pieces)
+            else:
+                value = torch.empty(meta.shape, dtype=meta.dtype, device=plan.device)
+            outputs.append(value)
+            tensors.append(value)
+        self.broadcast(tensors)
+        return outputs
+
+
+def _combine(rule: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+    if rule == "cat":
+        return torch.cat(pieces)
+    if rule == "mean":
+        return torch.stack(pieces).mean(0)
+    if rule == "sum":
+        return torch.stack(pieces).sum(0)
+    return pieces[0].clone()
+
+
+def _seed(rule: str, grad: torch.Tensor, mb: int, m: int) -> torch.Tensor | None:
+    """The gradient of micro-batch ``mb``'s output from the gradient of the whole batch's."""
+    if rule == "cat":
+        return grad.chunk(m)[mb]
+    if rule == "mean":
+        return grad / m
+    if rule == "sum":
+        return grad
+    return grad if mb == 0 else None
+
+
+class _GPipe(torch.autograd.Function):
+    """``loss = model(batch); loss.backward()`` as GPipe: forwards here, backwards in :meth:`backward`."""
+
+    @staticmethod
+    def forward(ctx, program: PipelineProgram, args, *trainable):
+        plan = program.plan
+        if plan.gpipe is None:
+            raise RuntimeError("dynshard: this pipeline plan has no training schedule (inference_only)")
+        actions = plan.gpipe.actions[plan.groups.pp_rank]
+        cut = _first_backward(actions)
+        mb_args = program.split(args)
+        run = program.run(plan.gpipe, mb_args, train=True, actions=actions[:cut])
+        ctx.program, ctx.run, ctx.rest = program, run, actions[cut:]
+        outputs = program.whole_outputs(run, args)
+        ctx.mark_non_differentiable(*[o for o, meta in zip(outputs, plan.output_metas)
+                                      if isinstance(o, torch.Tensor) and (meta is None or not meta.requires_grad)])
+        return tuple(outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        program, run = ctx.program, ctx.run
+        plan = program.plan
+        m = len(run.args)
+
+        def seed(mb, outputs):
+            tensors, seeds = [], []
+            for position, (out, grad) in enumerate(zip(outputs, grads)):
+                if grad is None or not isinstance(out, torch.Tensor) or not out.requires_grad:
+                    continue
+                piece = _seed(plan.combine[position], grad, mb, m)
+                if piece is not None:
+                    tensors.append(out)
+                    seeds.append(piece)
+            return tensors, seeds
+
+        run.seed_fn = seed
+        with FreshGradients(plan.ownership):
+            with torch.enable_grad():
+                run.run(ctx.rest)
+            run.finish()
+            reduce_gradients(plan.ownership, plan.groups)
+        ctx.run = None
+        return (None, None) + (None,) * (len(ctx.needs_input_grad) - 2)
+

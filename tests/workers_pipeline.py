@@ -1,0 +1,119 @@
+"""What each rank runs in the pipeline tests (module level, so spawned processes can import it)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.pipelining import pipe_split
+
+import dynshard
+from models import GPT, MLP, GPTConfig, gpt_batch, mlp_batch
+
+LR = 0.05
+
+
+class EndToEndMLP(MLP):
+    """nnScaler's end-to-end module: a sample (dict) in, the loss out."""
+
+    def __init__(self, layers: int = 4, split: bool = False):
+        super().__init__(layers=layers)
+        self.split = split
+
+    def forward(self, batch):
+        x = batch["x"]
+        for i, block in enumerate(self.blocks):
+            if self.split and i == len(self.blocks) // 2:
+                pipe_split()
+            x = x + block(x)
+        return F.mse_loss(self.head(x).squeeze(-1), batch["y"])
+
+
+class EndToEndGPT(GPT):
+    """The test GPT (tied embedding and LM head: the first and the last stage share a parameter)."""
+
+    def forward(self, batch):
+        return super().forward(batch["idx"], batch["tgt"])
+
+
+class SkipMLP(nn.Module):
+    """A skip connection from the first layer to the last crosses every stage boundary."""
+
+    def __init__(self, dim: int = 16, layers: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.layers = nn.ModuleList(nn.Linear(dim, dim) for _ in range(layers))
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, batch):
+        h = skip = torch.tanh(self.inp(batch["x"]))
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return F.mse_loss(self.out(h + skip).squeeze(-1), batch["y"])
+
+
+def build(name: str):
+    torch.manual_seed(0)
+    if name in ("mlp", "mlp_split"):
+        model = EndToEndMLP(split=name == "mlp_split")
+        return model, lambda n, seed: dict(zip(("x", "y"), mlp_batch(n, seed)))
+    if name == "skip":
+        return SkipMLP(), lambda n, seed: dict(zip(("x", "y"), mlp_batch(n, seed)))
+    cfg = GPTConfig(layers=4)
+    return EndToEndGPT(cfg), lambda n, seed: dict(zip(("idx", "tgt"), gpt_batch(cfg, n, seed)))
+
+
+def _rows(batch: dict, start: int, size: int) -> dict:
+    return {k: v[start:start + size] for k, v in batch.items()}
+
+
+def pipeline_parity(rank: int, world: int, model_name: str, plan_ngpus: int, pas_config: dict, entry: str,
+                    steps: int = 3, batch: int = 8) -> dict:
+    """Train with the pipeline and, on the same data, a single-process eager model; report both.
+
+    entry "train_step": nnScaler's semantics, gradient = sum over the micro-batches (averaged over the
+    data-parallel units); "plain": ``loss = model(batch); loss.backward()`` (the whole batch's mean)."""
+    model, make = build(model_name)
+    reference = copy.deepcopy(model)
+    config = dynshard.Config(policy="pp", plan_ngpus=plan_ngpus, use_end2end=True, compiler="aot_eager",
+                             pas_config=pas_config)
+    compiled = torch.compile(model, backend="dynshard", options=config)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
+    dp_rank, dp_size = dynshard.data_parallel_rank(plan_ngpus)
+    m = pas_config["pipeline_nmicros"]
+    losses, ref_losses = [], []
+    for step in range(steps):
+        whole = make(batch * dp_size, step)
+        mine = _rows(whole, dp_rank * batch, batch)
+        if entry == "train_step":
+            samples = [_rows(mine, i * (batch // m), batch // m) for i in range(m)]
+            out = dynshard.train_step(compiled, samples)
+            losses.append([float(v) for v in out])
+            ref_out = []
+            for unit in range(dp_size):
+                unit_rows = _rows(whole, unit * batch, batch)
+                for i in range(m):
+                    loss = reference(_rows(unit_rows, i * (batch // m), batch // m))
+                    (loss / dp_size).backward()
+                    if unit == dp_rank:
+                        ref_out.append(float(loss))
+            ref_losses.append(ref_out)
+        else:
+            loss = compiled(mine)
+            loss.backward()
+            losses.append(float(loss))
+            ref_loss = sum(reference(_rows(whole, u * batch, batch)) for u in range(dp_size)) / dp_size
+            ref_loss.backward()
+            ref_losses.append(float(reference(mine).detach()) if dp_size > 1 else float(ref_loss))
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    held = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    full = dynshard.collect_state_dict(compiled)
+    return {"losses": losses, "ref_losses": ref_losses, "params": full,
+            "ref_params": {k: v.detach() for k, v in reference.state_dict().items()}, "held": held}
