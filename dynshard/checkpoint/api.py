@@ -11,6 +11,7 @@ Layout of a checkpoint (DCP keys, flattened with dots):
 
 from __future__ import annotations
 
+import os
 import pickle
 from typing import Any
 
@@ -29,7 +30,11 @@ _PRE_HOOK_ATTR = "_dynshard_checkpoint_cut_hook"
 
 
 def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    # a load before the first compiled step, where dynshard has not created the process group yet: this
+    # rank's RNG state is still its own (torchrun's RANK), not rank 0's
+    return int(os.environ.get("RANK", "0"))
 
 
 def _model_state(model: torch.nn.Module) -> dict[str, Any]:

@@ -74,6 +74,10 @@ _DEFAULT_IGNORE_INDEX = -100
 class MicrobatchError(ValueError):
     """An output of the graph cannot be rebuilt exactly from its micro-batch outputs."""
 
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message   # fx.Interpreter appends the node to args[0]; this stays as written
+
 
 def seed_scale(kind: str, nmicros: int) -> float:
     """The factor on an output's gradient for each micro-batch's backward: 1/m for "mean" (and "same",
@@ -91,7 +95,8 @@ def microbatch_combine(gm: fx.GraphModule, example_inputs: Sequence[Any], batch_
     ``gm`` is a Dynamo-captured graph (parameters are placeholders too), ``example_inputs`` its example
     inputs (real or fake tensors; only their metadata is read), ``batch_inputs`` the indices of the
     placeholders split along dim 0. Raises :class:`MicrobatchError` for an output that no combination
-    of the micro-batch outputs gives exactly; ``ValueError`` for a batch that does not split evenly.
+    of the micro-batch outputs gives exactly, or when a batch input does not split into ``nmicros``
+    equal parts.
     With one micro-batch every output is "same" (the micro-batch is the batch).
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -119,32 +124,31 @@ def microbatch_combine(gm: fx.GraphModule, example_inputs: Sequence[Any], batch_
         return ["same"] * len(outputs)
 
     tensors = [v for v in example_inputs if isinstance(v, torch.Tensor)]
-    device_type = tensors[0].device.type if tensors else "cpu"
-    if device_type == "meta":
-        device_type = "cpu"
+    device_type = next((t.device.type for t in tensors if t.device.type != "meta"), "cpu")
     mesh = compat.abstract_device_mesh(device_type, nmicros)
-    fake_mode = compat.new_fake_mode()
-    with compat.isolated_tracing(fake_mode), torch.no_grad():
-        args, unsplit = [], {}
-        with fake_mode:
-            for index, value in enumerate(example_inputs):
-                if not isinstance(value, torch.Tensor):
-                    args.append(value)
-                    continue
-                split = index in batch
-                shape = (value.shape[0] // nmicros, *value.shape[1:]) if split else tuple(value.shape)
-                local = torch.empty(shape, dtype=value.dtype, device=value.device)
-                if not split:
-                    unsplit[StorageWeakRef(local.untyped_storage())] = placeholders[index]
-                args.append(DTensor.from_local(local, mesh, [Shard(0) if split else Replicate()], run_check=False,
-                                               shape=value.shape, stride=tuple(value.stride())))
-        mode = _MicrobatchMode(mesh, fake_mode, unsplit, {StorageWeakRef(a.to_local().untyped_storage()): p
-                                                            for a, p in zip(args, placeholders)
-                                                            if isinstance(a, DTensor)},
-                               trust_default_ignore_index)
-        interpreter = _Interpreter(gm, mode)
-        with mode:
-            result = interpreter.run(*args)
+    # Local tensors on the meta device: only shapes matter, and meta kernels are the cheapest way to them
+    # (FakeTensors cost 2x here). Replicated inputs keep their strides; a micro-batch is a dim-0 slice, so
+    # it keeps them too.
+    args, unsplit, inputs = [], {}, {}
+    for index, value in enumerate(example_inputs):
+        if not isinstance(value, torch.Tensor):
+            args.append(value)
+            continue
+        split = index in batch
+        shape = (value.shape[0] // nmicros, *value.shape[1:]) if split else tuple(value.shape)
+        local = torch.empty_strided(shape, tuple(value.stride()), dtype=value.dtype, device="meta")
+        storage = StorageWeakRef(local.untyped_storage())
+        inputs[storage] = placeholders[index]
+        if not split:
+            unsplit[storage] = placeholders[index]
+        args.append(DTensor.from_local(local, mesh, [Shard(0) if split else Replicate()], run_check=False,
+                                       shape=value.shape, stride=tuple(value.stride())))
+    mode = _MicrobatchMode(mesh, unsplit, inputs, trust_default_ignore_index)
+    try:
+        with torch.no_grad(), mode:
+            result = _Interpreter(gm, mode).run(*args)
+    except MicrobatchError as error:      # without the node fx.Interpreter appended: the message names it
+        raise MicrobatchError(error.message) from None
     values = result if isinstance(result, (tuple, list)) else (result,)
     return [_kind(i, node, value, nmicros) for i, (node, value) in enumerate(zip(outputs, values))]
 
@@ -172,6 +176,8 @@ def _kind(index: int, node, value, nmicros: int) -> str:
             f"{'an interleaved layout of ' if type(placement) is not Shard else ''}dimension {placement.dim}, "
             f"not dimension 0, so concatenating the micro-batch outputs along dim 0 does not give it. Return it "
             f"with the batch first (e.g. transpose it back) and rearrange it outside the compiled model")
+    if isinstance(placement, Partial) and placement.reduce_op in ("avg", "sum"):
+        return "mean" if placement.reduce_op == "avg" else "sum"
     if isinstance(placement, Partial):
         op = placement.reduce_op
         raise MicrobatchError(
@@ -201,21 +207,18 @@ class _Interpreter(fx.Interpreter):
 class _MicrobatchMode(TorchDispatchMode):
     """Checks each ATen op's redistributions on the micro-batch mesh before DTensor runs it."""
 
-    def __init__(self, mesh, fake_mode, unsplit: dict, inputs: dict, trust_default_ignore_index: bool):
+    def __init__(self, mesh, unsplit: dict, inputs: dict, trust_default_ignore_index: bool):
         super().__init__()
         self.mesh = mesh
         self.nmicros = mesh.size()
-        self.fake_mode = fake_mode
         self.unsplit = unsplit          # storage -> placeholder of each input that is not split
         self.inputs = inputs            # storage -> placeholder of every tensor input
         self.trust_default_ignore_index = trust_default_ignore_index
-        self.decompositions = compat.sharding_decompositions()
         self.decomposing: list = []     # ops whose decomposition is running (outermost first)
         self.node: fx.Node | None = None
 
     def replicate(self, tensor: torch.Tensor) -> DTensor:
-        if not isinstance(tensor, torch._subclasses.FakeTensor):
-            tensor = self.fake_mode.from_tensor(tensor)
+        tensor = tensor.to("meta")
         return DTensor.from_local(tensor, self.mesh, [Replicate()], run_check=False)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -223,26 +226,29 @@ class _MicrobatchMode(TorchDispatchMode):
         leaves = pytree.arg_tree_leaves(*args, **kwargs)
         if not any(isinstance(a, DTensor) for a in leaves):
             # factories and ops on constants: the same value in every micro-batch
-            with self.fake_mode:
-                out = func(*args, **kwargs)
+            if "device" in kwargs:
+                kwargs = {**kwargs, "device": torch.device("meta")}
+            args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+            out = func(*args, **kwargs)
             return pytree.tree_map_only(torch.Tensor, self.replicate, out)
         if any(isinstance(a, torch.Tensor) and not isinstance(a, DTensor) for a in leaves):
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t if isinstance(t, DTensor) else self.replicate(t), (args, kwargs))
         self._check_mutation(func, args)
-        if func in self.decompositions:     # ops DTensor cannot shard as they are (CPU flash attention)
-            self.decomposing.append(func)
-            try:
-                with self:
-                    return self.decompositions[func](*args, **kwargs)
-            finally:
-                self.decomposing.pop()
         if func in _NLL_LOSSES:
             self._check_nll_loss(func, args, kwargs)
         try:
             redistributions = compat.dtensor_redistributions(func, args, kwargs)
-        except NotImplementedError:
-            return self._without_strategy(func, args, kwargs)
+        except NotImplementedError:     # no strategy: run its decomposition, if it has one, op by op
+            decomposition = compat.sharding_decompositions().get(func)
+            if decomposition is None:
+                return self._without_strategy(func, args, kwargs)
+            self.decomposing.append(func)
+            try:
+                with self:
+                    return decomposition(*args, **kwargs)
+            finally:
+                self.decomposing.pop()
         except Exception as error:   # e.g. an uneven split DTensor refuses to average
             raise self._refuse(func, f"DTensor cannot place it on the micro-batches: {str(error).splitlines()[0]}") \
                 from error

@@ -55,6 +55,8 @@ class ShardedProgram:
         # built while Dynamo compiles a frame: the meta-built models of that frame, initialised on the first run
         self._meta_models = materialize.frame_models()
         materialize.install()      # the trace hook, again after a torch._dynamo.reset()
+        from ..checkpoint.rank_state import hook_frame_modules
+        hook_frame_modules()       # the frame's modules: their state_dict() says where each shard sits
 
     def __call__(self, *args: Any):
         if not self._prepared:

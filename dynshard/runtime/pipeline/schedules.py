@@ -47,7 +47,7 @@ from collections import defaultdict
 
 __all__ = ["Action", "Schedule", "SCHEDULES", "COMPUTE_KINDS", "COMM_KINDS", "build_schedule"]
 
-SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved", "infer_pipe", "zb1p")
+SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved", "infer_pipe", "zb1p")   # infer_pipe: forward only
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 # schedules that need exactly one stage per rank
@@ -156,8 +156,13 @@ def _gpipe(rank: int, p: int, k: int, m: int) -> list[tuple[str, int, int]]:
 
 
 def _infer_pipe(rank: int, p: int, k: int, m: int) -> list[tuple[str, int, int]]:
-    """Forwards only (nnScaler's infer_pipe, torch's _ScheduleForwardOnly)."""
-    return [("F", rank, mb) for mb in range(m)]
+    """Forwards only (nnScaler's infer_pipe, torch's _ScheduleForwardOnly).
+
+    With k stages per rank (a model placed for 1f1b_interleaved, evaluated without grad), the rank runs
+    its first stage for every micro-batch, then its second, and so on (breadth first, as torch's
+    LoopedBFS): any m works, and with m >= p no rank waits after the fill.
+    """
+    return [("F", chunk * p + rank, mb) for chunk in range(k) for mb in range(m)]
 
 
 def _one_f_one_b(rank: int, p: int, k: int, m: int) -> list[tuple[str, int, int]]:

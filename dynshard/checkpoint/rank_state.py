@@ -1,0 +1,312 @@
+"""Where each tensor of a rank's own state dicts sits, carried in those state dicts (for offline merging).
+
+A rank's ``model.state_dict()`` and ``optimizer.state_dict()`` hold its shards (tp pieces, ZeRO rows with
+their padding). To merge them later without the job, each says where its tensors sit, as nnScaler's
+per-rank state dicts do:
+
+- **Model.** A state-dict post-hook on the compiled module adds one entry, under torch's extra-state key
+  (``<prefix>_extra_state``, e.g. ``_orig_mod._extra_state`` for ``compiled.state_dict()``):
+  ``{"dynshard_rank_state": {"format", "rank", "world_size", "tensors": {name: info}}}`` where ``info``
+  gives the global shape, the placements on the plan unit, the unit size and the ZeRO rows of each tagged
+  tensor (names relative to the module; untagged tensors are whole on every rank). Plain types only, so
+  ``torch.load(weights_only=True)`` reads it. A ``load_state_dict`` pre-hook on the same module takes
+  the entry out again, so loading a rank's own state dict back on that rank works with ``strict=True``
+  (and torch never reports an ``_extra_state`` key as unexpected, so other modules tolerate it too). A
+  module whose class has its own ``get_extra_state`` keeps it: its value is wrapped
+  (``"module_extra_state"``) and unwrapped again on load and by the merge.
+- The entry is added to ``state_dict()`` (``keep_vars=False``: detached tensors, which lose their tags)
+  and not to ``state_dict(keep_vars=True)``, whose tensors are the live parameters carrying their tags:
+  DCP checkpoints (:mod:`dynshard.checkpoint.api`) and ``collect_state_dict`` read the module that way
+  and see exactly the original module's keys.
+- **Optimizer.** A state-dict post-hook adds ``"dynshard_rank_state": {"format", "rank",
+  "world_size", "params": {index: info}}`` beside ``state`` and ``param_groups`` (torch's load ignores
+  other keys; a load pre-hook removes it anyway).
+- **Installation.** The module hooks go on the modules of the frame that dynshard compiles (the module
+  given to ``torch.compile``, found as :mod:`..runtime.materialize` finds it), when its program is built;
+  the optimizer hooks go on any optimizer that steps with dynshard's tagged parameters (a global step
+  pre-hook registered when this module is imported). The helpers of :mod:`.merged` also install them on
+  the model and optimizer they are given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import Replicate
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from ..runtime.sharding import SHARDS, ShardTag, get_tag
+
+KEY = "_extra_state"                # torch's extra-state suffix: never an unexpected key on load
+MARK = "dynshard_rank_state"        # our entry: {MARK: {...}} (+ "module_extra_state": the module's own)
+USER = "module_extra_state"
+OPTIM_KEY = MARK                    # beside "state" and "param_groups" in an optimizer state dict
+FORMAT = 1
+_HOOKED = "_dynshard_rank_state_hooks"
+
+
+def rank_and_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+# -- where one tensor sits ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """A tagged tensor's storage over the ranks, in plain values (no process group needed).
+
+    ``placements``: per mesh dimension of the plan unit (``"tp"``: ranks ``k * plan_ngpus + c`` have
+    coordinate ``c``), ``("tp", "shard", dim, blocks)`` (``blocks`` > 1: a ``_StridedShard``) or
+    ``("tp", "replicate")``. ``zero``: ``(level, group_size, ngroups, rows)`` of
+    the ZeRO rows of the tp-local tensor, or None.
+    """
+
+    shape: tuple[int, ...]
+    world_size: int
+    plan_ngpus: int
+    placements: tuple[tuple, ...]
+    zero: tuple[int, int, int, int] | None
+
+    @classmethod
+    def of(cls, tag: ShardTag) -> "TensorInfo":
+        placements = []
+        for dim_name, placement in zip(tag.layout.placement_dims, tag.placements):
+            if dim_name != "tp":
+                raise NotImplementedError(f"dynshard: {tag.fqn} is placed on mesh dimension {dim_name!r}")
+            if isinstance(placement, SHARDS):
+                placements.append((dim_name, "shard", placement.dim, getattr(placement, "split_factor", 1)))
+            elif isinstance(placement, Replicate):
+                placements.append((dim_name, "replicate"))
+            else:
+                raise NotImplementedError(f"dynshard: {tag.fqn} is stored as {placement}")
+        zero = None
+        if tag.zero is not None:
+            zero = (tag.zero.level, tag.zero.group_size, tag.zero.ngroups, tag.zero.rows)
+        return cls(shape=tuple(tag.global_shape), world_size=tag.layout.world_size,
+                   plan_ngpus=tag.layout.plan_ngpus, placements=tuple(placements), zero=zero)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "world_size": self.world_size, "plan_ngpus": self.plan_ngpus,
+                "placements": [list(p) for p in self.placements],
+                "zero": list(self.zero) if self.zero is not None else None}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "TensorInfo":
+        return cls(shape=tuple(d["shape"]), world_size=int(d["world_size"]), plan_ngpus=int(d["plan_ngpus"]),
+                   placements=tuple(tuple(p) for p in d["placements"]),
+                   zero=tuple(d["zero"]) if d["zero"] is not None else None)
+
+    @property
+    def shards(self) -> list[tuple[int, int, int]]:
+        """(tensor dim, blocks, parts) of each split placement (on the unit's "tp" mesh), in order."""
+        return [(p[2], p[3], self.plan_ngpus) for p in self.placements if p[1] == "shard"]
+
+    @property
+    def is_split(self) -> bool:
+        return bool(self.shards) or self.zero is not None
+
+    def piece(self, rank: int) -> tuple[tuple[int, ...], int]:
+        """Which piece ``rank`` stores: its coordinates along the split placements and its ZeRO rank."""
+        coords = tuple(rank % self.plan_ngpus for _ in self.shards)
+        zero_rank = (rank // self.plan_ngpus) % self.zero[1] if self.zero is not None else 0
+        return coords, zero_rank
+
+    def owner(self, piece: tuple[tuple[int, ...], int]) -> int:
+        """The lowest rank storing ``piece`` (coordinate 0 on every replicated mesh dimension)."""
+        coords, zero_rank = piece
+        return zero_rank * self.plan_ngpus + (coords[0] if coords else 0)
+
+    def pieces(self) -> list[tuple[tuple[int, ...], int]]:
+        """Every distinct piece, in order (tp coordinates major, ZeRO rank minor)."""
+        coords = itertools.product(*(range(parts) for *_, parts in self.shards))
+        zero_ranks = range(self.zero[1]) if self.zero is not None else (0,)
+        return [(c, z) for c in coords for z in zero_ranks]
+
+    def replica_classes(self) -> list[list[int]]:
+        """The ranks partitioned by the piece they store (each class sorted, its owner first)."""
+        classes: dict[tuple, list[int]] = {}
+        for rank in range(self.world_size):
+            classes.setdefault(self.piece(rank), []).append(rank)
+        return sorted(classes.values())
+
+    def stored_shape(self) -> tuple[int, ...]:
+        dims = list(self.shape)
+        for dim, _, parts in self.shards:
+            dims[dim] //= parts
+        if self.zero is not None:
+            dims[0] = -(-self.zero[3] // self.zero[1])
+        return tuple(dims)
+
+    def assemble(self, stored: Mapping[tuple[tuple[int, ...], int], torch.Tensor]) -> torch.Tensor:
+        """The global tensor from one stored tensor per piece (what :func:`..runtime.sharding.stored_piece`
+        cut, inverted: ZeRO rows concatenated and unpadded, then the tp shards put back in order)."""
+        tp_local: dict[tuple[int, ...], torch.Tensor] = {}
+        for coords in itertools.product(*(range(parts) for *_, parts in self.shards)):
+            if self.zero is None:
+                tp_local[coords] = stored[(coords, 0)]
+            else:
+                rows = torch.cat([stored[(coords, z)] for z in range(self.zero[1])])
+                tp_local[coords] = rows.narrow(0, 0, self.zero[3])
+        return _unshard(tp_local, self.shards)
+
+
+def _unshard(pieces: dict[tuple[int, ...], torch.Tensor], shards: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Invert ``local_shard``: the last split placement first, each block of a strided shard in turn."""
+    if not shards:
+        return pieces[()]
+    *rest, (dim, blocks, parts) = shards
+    joined = {}
+    for prefix in itertools.product(*(range(p) for *_, p in rest)):
+        mine = [pieces[prefix + (c,)] for c in range(parts)]
+        joined[prefix] = torch.cat([part.chunk(blocks, dim)[b] for b in range(blocks) for part in mine], dim)
+    return _unshard(joined, rest)
+
+
+def info_of(tensor: torch.Tensor) -> TensorInfo | None:
+    tag = get_tag(tensor)
+    return TensorInfo.of(tag) if tag is not None else None
+
+
+# -- the model's entry ---------------------------------------------------------------------------------
+
+def is_entry(value: Any) -> bool:
+    return isinstance(value, Mapping) and MARK in value
+
+
+def user_extra_state(value: Mapping[str, Any]) -> tuple[bool, Any]:
+    """(whether the module had extra state of its own, that state) of one of our entries."""
+    return (USER in value), value.get(USER)
+
+
+def _named_tensors(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    return itertools.chain(module.named_parameters(remove_duplicate=False),
+                           module.named_buffers(remove_duplicate=False))
+
+
+def _keeps_vars(module: torch.nn.Module, state_dict: Mapping[str, Any], prefix: str) -> bool:
+    """Whether this state dict holds the live tensors (``state_dict(keep_vars=True)``)."""
+    for name, tensor in _named_tensors(module):
+        key = prefix + name
+        if key in state_dict:
+            return state_dict[key] is tensor
+    return False
+
+
+def module_entry(module: torch.nn.Module) -> dict[str, Any] | None:
+    """Where ``module``'s tagged tensors sit (names relative to it), or None when none is tagged."""
+    tensors = {}
+    for name, tensor in _named_tensors(module):
+        info = info_of(tensor)
+        if info is not None:
+            tensors[name] = info.to_dict()
+    if not tensors:
+        return None
+    rank, world = rank_and_world()
+    return {"format": FORMAT, "rank": rank, "world_size": world, "tensors": tensors}
+
+
+def _unwrap_in_place(state_dict: dict[str, Any], key: str) -> None:
+    had, value = user_extra_state(state_dict[key])
+    if had:
+        state_dict[key] = value
+    else:
+        del state_dict[key]
+
+
+def _add_entry(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+    if _keeps_vars(module, state_dict, prefix):
+        return
+    entry = module_entry(module)
+    if entry is None:
+        return
+    own_key = prefix + KEY
+    for key in [k for k in state_dict if k.startswith(prefix) and k.endswith("." + KEY) and k != own_key]:
+        if is_entry(state_dict[key]):      # a hooked submodule's entry: this one covers its tensors
+            _unwrap_in_place(state_dict, key)
+    value: dict[str, Any] = {MARK: entry}
+    if own_key in state_dict:
+        value[USER] = state_dict[own_key]
+    state_dict[own_key] = value
+
+
+def _take_entry(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+    for key in [k for k in state_dict if k.startswith(prefix) and k.endswith(KEY)]:
+        if is_entry(state_dict[key]):
+            _unwrap_in_place(state_dict, key)
+
+
+def hook_module(module: torch.nn.Module) -> None:
+    """Make ``module.state_dict()`` carry the entry (and ``load_state_dict`` accept it); idempotent."""
+    if getattr(module, _HOOKED, False):
+        return
+    module.register_state_dict_post_hook(_add_entry)
+    module.register_load_state_dict_pre_hook(_take_entry)
+    setattr(module, _HOOKED, True)
+
+
+def hook_frame_modules() -> None:
+    """While Dynamo compiles a frame for dynshard: hook the outermost modules that frame reaches."""
+    from .. import compat
+    from ..runtime import materialize
+    from ..runtime.state_dict import unwrap_compiled
+
+    frame = compat.compiling_frame()
+    if frame is None:
+        return
+    for module in materialize._outermost([unwrap_compiled(m) for m in materialize._modules_of(frame)]):
+        hook_module(module)
+
+
+# -- the optimizer's entry -----------------------------------------------------------------------------
+
+def indexed_params(optimizer: torch.optim.Optimizer,
+                   packed_groups: list[Mapping[str, Any]]) -> list[tuple[int, torch.Tensor]]:
+    """(index in a state dict's ``param_groups``, parameter) pairs, as ``Optimizer.load_state_dict`` pairs them."""
+    if len(packed_groups) != len(optimizer.param_groups):
+        raise ValueError("dynshard: the optimizer state dict has a different number of parameter groups")
+    pairs = []
+    for group, packed in zip(optimizer.param_groups, packed_groups):
+        if len(group["params"]) != len(packed["params"]):
+            raise ValueError("dynshard: a parameter group of the optimizer state dict has another size")
+        pairs += list(zip(packed["params"], group["params"]))
+    return pairs
+
+
+def _add_optimizer_entry(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    params = {}
+    for index, param in indexed_params(optimizer, state_dict["param_groups"]):
+        info = info_of(param)
+        if info is not None:
+            params[index] = info.to_dict()
+    if params:
+        rank, world = rank_and_world()
+        state_dict[OPTIM_KEY] = {"format": FORMAT, "rank": rank, "world_size": world, "params": params}
+
+
+def _take_optimizer_entry(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in state_dict.items() if k != OPTIM_KEY}
+
+
+def hook_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer.state_dict()`` carry the entry; idempotent."""
+    if getattr(optimizer, _HOOKED, False):
+        return
+    optimizer.register_state_dict_post_hook(_add_optimizer_entry)
+    optimizer.register_load_state_dict_pre_hook(_take_optimizer_entry)
+    setattr(optimizer, _HOOKED, True)
+
+
+def _watch_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if getattr(optimizer, _HOOKED, False):
+        return
+    if any(get_tag(p) is not None for group in optimizer.param_groups for p in group["params"]):
+        hook_optimizer(optimizer)
+
+
+_STEP_HOOK = register_optimizer_step_pre_hook(_watch_optimizer)
