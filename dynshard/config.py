@@ -54,6 +54,8 @@ class Config:
     trace_strategy: "fake" plans with FakeTensors on the model's device, "meta" on the meta device.
     compiler: "inductor" (C++ on CPU, Triton on GPU) or "aot_eager" (no code generation, for debugging).
     cache_dir: where plans are stored so that a restart skips planning; None keeps them in memory only.
+    trace_dir: pipeline policies: each rank writes a Chrome trace of its steps there
+        (``dynshard_trace_rank<r>.json``: forward, backward, send and receive waits; Perfetto opens it).
 
     Memory (nnScaler's names; see docs/design.md for what each level holds and sends):
     use_zero: 0 (or False) replicates parameters over the data-parallel units; 1 (or True), 2 and 3 shard
@@ -93,6 +95,7 @@ class Config:
     trace_strategy: str = "fake"
     compiler: str = "inductor"
     cache_dir: str | None = None
+    trace_dir: str | None = None
     use_zero: int = 0
     zero_ngroups: int = 1
     zero_use_reduce_scatter: bool = False
@@ -252,7 +255,7 @@ class Config:
 
     def cache_token(self) -> str:
         """The part of the plan-cache key that comes from the configuration."""
-        parts = {f: getattr(self, f) for f in self.fields() if f not in ("cache_dir", "policy", "param_init_fn")}
+        parts = {f: getattr(self, f) for f in self.fields() if f not in ("cache_dir", "trace_dir", "policy", "param_init_fn")}
         parts["policy"] = self.policy if isinstance(self.policy, str) else _qualified_name(self.policy)
         parts["param_init_fn"] = None if self.param_init_fn is None else _qualified_name(self.param_init_fn)
         parts["pas_config"] = dict(self.pas_config)

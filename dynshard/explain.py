@@ -32,9 +32,44 @@ class ProgramReport:
 
 
 @dataclasses.dataclass(frozen=True)
+class StageReport:
+    index: int
+    rank: int                 # pipeline rank (in the plan unit) that runs it
+    modules: tuple[str, ...]
+    flops: int                # forward FLOPs of one whole batch, as measured for the cut
+    receives: int             # tensors it receives per micro-batch
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineReport:
+    key: str
+    schedule: str             # the configured schedule's name
+    nmicros: int
+    stages: tuple[StageReport, ...]
+    grid: str                 # the schedule, a row per step and a column per rank
+    p2p_bytes: int            # bytes all ranks of a unit send per step (forward + backward), the minimum
+    sent_bytes: int           # bytes this rank sent in its latest step
+    idle_fraction: float      # of this rank's latest step
+    compile_seconds: float
+    cache_hits: int
+
+    def __str__(self) -> str:
+        lines = [f"pipeline {self.key}: {len(self.stages)} stages, schedule {self.schedule}, "
+                 f"{self.nmicros} micro-batches, compiled in {self.compile_seconds:.1f}s, cache hits {self.cache_hits}"]
+        rows = [("stage", "rank", "forward FLOPs", "receives", "modules")] + [
+            (str(s.index), str(s.rank), str(s.flops), str(s.receives), ", ".join(s.modules)) for s in self.stages]
+        lines += _table(rows)
+        lines.append(f"  p2p per step (all ranks of a unit, forward + backward): {self.p2p_bytes} bytes; "
+                     f"this rank sent {self.sent_bytes} bytes, idle {self.idle_fraction:.1%} of its latest step")
+        lines += ["  " + line for line in self.grid.splitlines()]
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
 class Explanation:
     parameters: tuple[ParameterPlacement, ...]
     programs: tuple[ProgramReport, ...]
+    pipelines: tuple[PipelineReport, ...] = ()
 
     def collectives(self, kind: str | None = None, phase: str | None = None,
                     group: str | None = None) -> list[CollectiveRecord]:
@@ -66,6 +101,8 @@ class Explanation:
             lines += _table(rows) if program.collectives else ["  no collectives"]
             for fallback in program.fallbacks:
                 lines.append(f"  replicated fallback: {fallback}")
+        for pipeline in self.pipelines:
+            lines += ["", str(pipeline)]
         return "\n".join(lines)
 
 
@@ -109,7 +146,7 @@ def explain(model: torch.nn.Module) -> Explanation:
         if tag is None:
             parameters.append(ParameterPlacement(name, tuple(tensor.shape), tuple(tensor.shape), "not compiled"))
             continue
-        placement = describe_placements(tag.layout, tag.placements)
+        placement = describe_placements(tag.layout, tag.placements) if tag.owner is None else tag.owner.describe()
         if tag.zero is not None:
             placement += ", " + tag.zero.describe()
         parameters.append(ParameterPlacement(name, tuple(tag.global_shape), tuple(tensor.shape), placement))
@@ -117,9 +154,21 @@ def explain(model: torch.nn.Module) -> Explanation:
             plan = ref()
             if plan is not None and all(plan is not p for p in plans):
                 plans.append(plan)
+    pipelines = tuple(_pipeline_report(plan) for plan in plans if hasattr(plan, "staged"))
+    plans = [plan for plan in plans if not hasattr(plan, "staged")]
     programs = tuple(ProgramReport(
         key=plan.key, inputs=len(plan.inputs), collectives=tuple(plan.program.collectives),
         fallbacks=tuple(plan.propagation.fallbacks.values()) if plan.propagation else (),
         compile_seconds=plan.program.seconds, cache_hits=plan.hits, saved_bytes=plan.program.saved_bytes,
         saved_count=plan.program.saved_count) for plan in plans)
-    return Explanation(tuple(parameters), programs)
+    return Explanation(tuple(parameters), programs, pipelines)
+
+
+def _pipeline_report(plan) -> PipelineReport:
+    staged = plan.staged
+    stages = tuple(StageReport(s.index, plan.schedule.stage_to_rank[s.index], s.modules, staged.flops[s.index],
+                               len(staged.boundaries[s.index - 1]) if s.index else 0) for s in staged.stages)
+    return PipelineReport(
+        key=plan.key, schedule=plan.schedule.name, nmicros=plan.nmicros, stages=stages,
+        grid=plan.schedule.format(comms=False), p2p_bytes=plan.p2p_bytes(), sent_bytes=plan.last_step.get("sent_bytes", 0),
+        idle_fraction=plan.last_step.get("idle_fraction", 0.0), compile_seconds=plan.seconds, cache_hits=plan.hits)

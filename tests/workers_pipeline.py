@@ -117,3 +117,32 @@ def pipeline_parity(rank: int, world: int, model_name: str, plan_ngpus: int, pas
     full = dynshard.collect_state_dict(compiled)
     return {"losses": losses, "ref_losses": ref_losses, "params": full,
             "ref_params": {k: v.detach() for k, v in reference.state_dict().items()}, "held": held}
+
+
+def pipeline_explain(rank: int, world: int, model_name: str, plan_ngpus: int, pas_config: dict) -> dict:
+    """One train_step and one infer_step; the explain report and what each rank holds."""
+    import os
+
+    model, make = build(model_name)
+    reference = copy.deepcopy(model)
+    trace_dir = os.environ.get("TEST_TRACE_DIR")
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy="pp", plan_ngpus=plan_ngpus, use_end2end=True, compiler="aot_eager", pas_config=pas_config,
+        trace_dir=trace_dir))
+    m = pas_config["pipeline_nmicros"]
+    samples = [make(2, i) for i in range(m)]
+    dummy = [False] * (m - 1) + [True]
+    losses = dynshard.train_step(compiled, samples, is_dummy_batch=dummy, scale_fn=lambda loss: 3.0 * loss)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    for i, sample in enumerate(samples[:-1]):
+        (3.0 * reference(sample)).backward()
+    ref_grads = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    outputs = dynshard.infer_step(compiled, samples)
+    with torch.no_grad():
+        ref_outputs = [reference(s) for s in samples]
+    report = dynshard.explain(compiled)
+    return {"losses": [float(v) for v in losses], "ref_losses": [float(reference(s)) for s in samples],
+            "grads": grads, "ref_grads": ref_grads, "outputs": [float(o) for o in outputs],
+            "ref_outputs": [float(o) for o in ref_outputs], "report": str(report),
+            "pipeline": report.pipelines[0], "held": {n: p.numel() for n, p in model.named_parameters()},
+            "total": sum(p.numel() for p in reference.parameters())}

@@ -156,11 +156,12 @@ def _load_full_optimizer(optimizer: torch.optim.Optimizer, state_dict: Mapping[s
         tag = get_tag(param)
         entries = {}
         for key, value in state_dict["state"][index].items():
-            if isinstance(value, torch.Tensor) and value.dim():
-                if tag is not None and tag.is_split and tuple(value.shape) == tuple(tag.global_shape):
-                    value = stored_piece(value, tag).clone()
-                elif tag is None:
+            if isinstance(value, torch.Tensor):
+                if value.dim() and tag is not None and tag.is_split and tuple(value.shape) == tuple(tag.global_shape):
+                    value = stored_piece(value, tag)
+                elif value.dim() and tag is None:
                     whole = True
+                value = value.clone()      # the optimizer would update the caller's tensors in place
             entries[key] = value
         state[index] = entries
     optimizer.load_state_dict({"state": state, "param_groups": state_dict["param_groups"]})

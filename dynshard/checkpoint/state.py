@@ -116,6 +116,8 @@ def describe(value: torch.Tensor, tag: ShardTag | None = None) -> torch.Tensor |
     value = value.detach()
     if tag is None or not tag.is_split:
         return value
+    if tag.not_held:       # pipeline: another rank's stage holds it
+        return Pieces(tag.global_shape, value.dtype, [])
     stored = stored_shape(tag.global_shape, tag.layout, tag.placements, tag.zero)
     if value.shape != stored:
         if value.dim() and value.shape != tag.global_shape:

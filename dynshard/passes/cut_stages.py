@@ -43,6 +43,7 @@ class Stage:
     graph_inputs: tuple[int, ...]    # placeholder indices of the captured graph it reads (its first inputs)
     received: tuple[str, ...]        # values of earlier stages it reads (its next inputs)
     produced: tuple[str, ...]        # values it returns, in order
+    modules: tuple[str, ...] = ()    # the model's top modules (or layers) whose ops it runs, in order
 
 
 @dataclasses.dataclass
@@ -229,10 +230,28 @@ def split_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             env[node] = graph.node_copy(node, lambda n: env[n])
         graph.output(tuple(env[by_name[name]] for name in produced))
         stages.append(Stage(s, fx.GraphModule(gm, graph), tuple(index_of[n] for n in read_inputs), tuple(received),
-                            tuple(produced)))
+                            tuple(produced), _modules(own)))
     outputs = [_output_ref(v, index_of) for v in _flat_outputs(output.args[0])]
     ctx.staged = StagedGraph(stages, boundaries, outputs, ctx.stage_info["flops"], ctx.stage_info["how"])
     return gm
+
+
+def _modules(nodes: list[fx.Node]) -> tuple[str, ...]:
+    """The outermost modules (a ModuleList's items rather than the list) the ops belong to, in order."""
+    names: list[str] = []
+    for node in nodes:
+        stack = list(node.meta.get("nn_module_stack", {}).values())
+        if not stack:
+            continue
+        path = stack[0][0]
+        for inner, _ in stack[1:]:
+            if not _LIST_CHILD.search(path) and _LIST_CHILD.search(inner):
+                path = inner
+                break
+        name = re.sub(r"^L\['[^']+'\]\.?", "", path) or "(root)"
+        if name not in names:
+            names.append(name)
+    return tuple(names)
 
 
 def _flat_nodes(args) -> list[fx.Node]:

@@ -229,7 +229,11 @@ class _MicrobatchMode(TorchDispatchMode):
             if "device" in kwargs:
                 kwargs = {**kwargs, "device": torch.device("meta")}
             args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except Exception as error:
+                raise self._refuse(func, f"it could not be run abstractly ({type(error).__name__}: "
+                                         f"{str(error).strip().splitlines()[0] if str(error).strip() else ''})") from error
             return pytree.tree_map_only(torch.Tensor, self.replicate, out)
         if any(isinstance(a, torch.Tensor) and not isinstance(a, DTensor) for a in leaves):
             args, kwargs = pytree.tree_map_only(
@@ -257,7 +261,13 @@ class _MicrobatchMode(TorchDispatchMode):
             self._check_transition(func, source, current.placements[0], needed.placements[0])
         if torch.Tag.nondeterministic_seeded in func.tags:
             return self._random(func, args, kwargs, redistributions)
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except MicrobatchError:
+            raise
+        except Exception as error:     # e.g. a data-dependent op, which has no meta kernel
+            raise self._refuse(func, f"it could not be run abstractly ({type(error).__name__}: "
+                                     f"{str(error).strip().splitlines()[0] if str(error).strip() else ''})") from error
 
     # -- checks -------------------------------------------------------------------------------------
     def _check_transition(self, func, source: DTensor, src, dst) -> None:
@@ -287,8 +297,7 @@ class _MicrobatchMode(TorchDispatchMode):
         raise self._refuse(func, reason)
 
     def _check_nll_loss(self, func, args, kwargs) -> None:
-        values = list(args) + [kwargs.get(k) for k in ("weight", "reduction", "ignore_index")[len(args) - 2:]]
-        logits, target, weight, reduction, ignore_index = values[:5]
+        logits, target, weight, reduction, ignore_index = args[:5]
         if reduction != _MEAN or all(isinstance(t, DTensor) and t.placements == (Replicate(),)
                                      for t in (logits, target)):
             return
@@ -350,10 +359,12 @@ class _MicrobatchMode(TorchDispatchMode):
         message = (f"dynshard: the batch cannot be split into {self.nmicros} micro-batches: {op}{inner} "
                    f"(graph node {where}{', in ' + module if module else ''}): {reason}.")
         if _is_batch_norm(node, op):
-            message += (" BatchNorm in training mode normalises by the mean and variance of the batch it sees: "
-                        "over one micro-batch those statistics differ from the whole batch's, so the outputs (and "
-                        "the running statistics, updated once per micro-batch) would differ. Use eval mode, "
-                        "LayerNorm/GroupNorm, or one micro-batch.")
+            message = (f"dynshard: BatchNorm in training mode cannot run on {self.nmicros} micro-batches: it "
+                       f"normalises by the mean and variance of the batch it sees, and over one micro-batch those "
+                       f"statistics differ from the whole batch's, so its outputs (and its running statistics, "
+                       f"updated once per micro-batch) would differ from the whole batch's. Put the model in eval "
+                       f"mode, use LayerNorm/GroupNorm, or do not split the batch (pipeline_nmicros=1). "
+                       f"Details: " + message[len("dynshard: "):])
         return MicrobatchError(message)
 
 

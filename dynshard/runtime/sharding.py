@@ -54,6 +54,10 @@ class StageOwnership:
     group: Any
     held: bool
 
+    def describe(self) -> str:
+        where = f"pipeline stage{'s' if len(self.stages) > 1 else ''} {', '.join(map(str, self.stages))}"
+        return where if self.held else where + " (another rank)"
+
 
 @dataclasses.dataclass
 class ShardTag:

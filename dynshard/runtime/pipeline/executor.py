@@ -24,6 +24,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from .trace import StepTrace
+
 
 class StepRun:
     """The state of one pipeline step on this rank: what each micro-batch's stages keep between actions."""
@@ -41,6 +43,8 @@ class StepRun:
         self.grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.outputs: dict[int, list[Any]] = {}
         self.sends: list = []
+        self.trace = StepTrace(plan.steps)
+        self.sent_bytes = 0
 
     # -- helpers -------------------------------------------------------------------------------------
     def _tag(self, backward: bool, stage: int, mb: int, i: int) -> int:
@@ -62,7 +66,16 @@ class StepRun:
     # -- actions -------------------------------------------------------------------------------------
     def run(self, actions) -> None:
         for action in actions:
+            begin = self.trace.now()
             getattr(self, "_" + action.kind.lower())(action)
+            if action.kind in ("F", "B", "I", "W"):
+                self.trace.span("forward" if action.kind == "F" else "backward", str(action), begin)
+
+    def _wait(self, works, name: str) -> None:
+        begin = self.trace.now()
+        for work in works:
+            work.wait()
+        self.trace.span("recv", name, begin)
 
     def _recv_f(self, action) -> None:
         names = self.staged.boundaries[action.stage - 1]
@@ -75,6 +88,7 @@ class StepRun:
         key = (action.stage, action.mb)
         for i, tensor in enumerate(self.outgoing[key] if self.train else self.outgoing.pop(key)):
             buffer = tensor.detach().contiguous()
+            self.sent_bytes += buffer.numel() * buffer.element_size()
             self.sends.append((dist.isend(buffer, dst=self._peer(action.peer),
                                           tag=self._tag(False, action.stage + 1, action.mb, i)), buffer))
 
@@ -88,6 +102,7 @@ class StepRun:
     def _send_b(self, action) -> None:
         for i, grad in enumerate(self.grads_out.pop((action.stage, action.mb))):
             buffer = grad.contiguous()
+            self.sent_bytes += buffer.numel() * buffer.element_size()
             self.sends.append((dist.isend(buffer, dst=self._peer(action.peer),
                                           tag=self._tag(True, action.stage - 1, action.mb, i)), buffer))
 
@@ -100,8 +115,7 @@ class StepRun:
             values = self.outgoing[key] if self.train else self.outgoing.pop(key)
         else:
             works, values = self.recv_f.pop((stage, mb))
-            for work in works:
-                work.wait()
+            self._wait(works, f"recv F{stage} mb{mb}")
         return {n: v.detach().requires_grad_(self.train and self.metas[n].requires_grad)
                 for n, v in zip(names, values)}
 
@@ -124,8 +138,7 @@ class StepRun:
         if self._local(stage + 1):
             return self.grads_out.pop((stage + 1, mb))
         works, grads = self.recv_b.pop((stage, mb))
-        for work in works:
-            work.wait()
+        self._wait(works, f"recv B{stage} mb{mb}")
         return grads
 
     def _b(self, action) -> None:
@@ -146,8 +159,11 @@ class StepRun:
 
     def finish(self) -> None:
         """Wait for this rank's sends (their receivers have posted, or will post, the matching recvs)."""
+        begin = self.trace.now()
         for work, _ in self.sends:
             work.wait()
+        if self.sends:
+            self.trace.span("send", "wait for sends", begin)
         self.sends.clear()
 
 

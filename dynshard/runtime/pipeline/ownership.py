@@ -44,6 +44,7 @@ def take_ownership(args, plan) -> Ownership:
             continue
         tensor = args[inp.index]
         if get_tag(tensor) is not None:
+            get_tag(tensor).add_plan(plan)
             if not get_tag(tensor).not_held:
                 held[inp.index] = tensor
             continue
@@ -64,6 +65,7 @@ def take_ownership(args, plan) -> Ownership:
         else:
             held[inp.index] = tensor
         setattr(tensor, TAG_ATTR, tag)
+        tag.add_plan(plan)
         if len(owner_ranks) > 1:
             tie_sets.setdefault(tuple(owner_ranks), []).append(inp.index)
     shared = []

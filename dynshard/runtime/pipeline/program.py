@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .executor import StepRun
 from .ownership import FreshGradients, Ownership, reduce_gradients, take_ownership
 from .recorder import active_recorder
+from .trace import TraceWriter, idle_fraction
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +58,9 @@ class PipelinePlan:
     seconds: float = 0.0
     hits: int = 0
     ownership: Ownership | None = None
+    steps: int = 0                  # steps run (a plain call with autograd is one step: forward + backward)
+    last_step: dict = dataclasses.field(default_factory=dict)   # sent bytes, idle fraction of the latest step
+    _tracer: TraceWriter | None = None
     _combine: list | None = None
     _programs: dict = dataclasses.field(default_factory=dict)
 
@@ -69,6 +73,33 @@ class PipelinePlan:
         if self._combine is None:
             self._combine = self.combine_fn()
         return self._combine
+
+    def finish_step(self, run: StepRun) -> None:
+        """Account for a finished step (and write it to the trace with ``Config.trace_dir``)."""
+        wall = run.trace.now()
+        self.last_step = {"sent_bytes": run.sent_bytes, "idle_fraction": idle_fraction(run.trace, wall),
+                          "seconds": wall / 1e6}
+        if self.config.trace_dir:
+            if self._tracer is None:
+                self._tracer = TraceWriter(self.config.trace_dir)
+            self._tracer.add(run.trace, wall)
+        self.steps += 1
+
+    def p2p_bytes(self) -> int:
+        """Bytes a step sends between the stages of a unit: every boundary tensor once per micro-batch
+        forward, and its gradient once backward (those that need one); 0 before the first step."""
+        if not self._programs:
+            return 0
+        metas = next(reversed(self._programs.values()))[1]
+        total = 0
+        for s, boundary in enumerate(self.staged.boundaries):
+            if self.schedule.stage_to_rank[s] == self.schedule.stage_to_rank[s + 1]:
+                continue      # handed over inside the rank
+            for name in boundary:
+                meta = metas[name]
+                size = meta.shape.numel() * meta.dtype.itemsize
+                total += size * (2 if meta.requires_grad and not self.config.inference_only else 1)
+        return total * self.nmicros
 
     def programs_for(self, mb_args: list[list[Any]]) -> tuple[dict[int, Callable], dict[str, ValueMeta]]:
         """This rank's compiled stages and the boundary metadata for micro-batches shaped like ``mb_args[0]``."""
@@ -131,7 +162,9 @@ class PipelineProgram:
         if plan.config.inference_only or not torch.is_grad_enabled():
             mb_args = self.split(args)
             run = self.run(plan.forward_only, mb_args, train=False)
-            return self.whole_outputs(run, args)
+            outputs = self.whole_outputs(run, args)
+            plan.finish_step(run)
+            return outputs
         trainable = [t for t in plan.ownership.held.values() if t.requires_grad]
         return _GPipe.apply(self, args, *trainable)
 
@@ -255,6 +288,7 @@ class _GPipe(torch.autograd.Function):
                 run.run(ctx.rest)
             run.finish()
             reduce_gradients(plan.ownership, plan.groups)
+        plan.finish_step(run)
         ctx.run = None
         return (None, None) + (None,) * (len(ctx.needs_input_grad) - 2)
 

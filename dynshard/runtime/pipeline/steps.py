@@ -112,6 +112,7 @@ def train_step(model: torch.nn.Module, samples: Sequence[Any], is_dummy_batch: S
     run = program.run(plan.schedule, [call.args for call in recorder.calls], train=True, seed_fn=seed)
     reduce_gradients(plan.ownership, plan.groups)
     _fill(program, run, recorder)
+    plan.finish_step(run)
     return returned
 
 
@@ -129,6 +130,7 @@ def infer_step(model: torch.nn.Module, samples: Sequence[Any]) -> list[Any]:
     program = _recorded_program(recorder, samples)
     run = program.run(program.plan.forward_only, [call.args for call in recorder.calls], train=False)
     _fill(program, run, recorder)
+    program.plan.finish_step(run)
     return returned
 
 
