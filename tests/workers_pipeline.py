@@ -70,12 +70,21 @@ def _rows(batch: dict, start: int, size: int) -> dict:
     return {k: v[start:start + size] for k, v in batch.items()}
 
 
+def _short_timeouts() -> None:
+    """A transfer that never matches fails within a minute instead of hanging the test."""
+    import datetime
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+
+
 def pipeline_parity(rank: int, world: int, model_name: str, plan_ngpus: int, pas_config: dict, entry: str,
                     steps: int = 3, batch: int = 8) -> dict:
     """Train with the pipeline and, on the same data, a single-process eager model; report both.
 
     entry "train_step": nnScaler's semantics, gradient = sum over the micro-batches (averaged over the
     data-parallel units); "plain": ``loss = model(batch); loss.backward()`` (the whole batch's mean)."""
+    _short_timeouts()
     model, make = build(model_name)
     reference = copy.deepcopy(model)
     config = dynshard.Config(policy="pp", plan_ngpus=plan_ngpus, use_end2end=True, compiler="aot_eager",
@@ -113,16 +122,21 @@ def pipeline_parity(rank: int, world: int, model_name: str, plan_ngpus: int, pas
         opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
-    held = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    held = {n: p.numel() for n, p in model.named_parameters()}
     full = dynshard.collect_state_dict(compiled)
+    report = dynshard.explain(compiled)
     return {"losses": losses, "ref_losses": ref_losses, "params": full,
-            "ref_params": {k: v.detach() for k, v in reference.state_dict().items()}, "held": held}
+            "ref_params": {k: v.detach() for k, v in reference.state_dict().items()}, "held": held,
+            "total": {n: p.numel() for n, p in reference.named_parameters()},
+            "sent_bytes": [p.sent_bytes for p in report.pipelines], "p2p_bytes": [p.p2p_bytes for p in report.pipelines],
+            "modules": [[s.modules for s in p.stages] for p in report.pipelines]}
 
 
 def pipeline_explain(rank: int, world: int, model_name: str, plan_ngpus: int, pas_config: dict) -> dict:
     """One train_step and one infer_step; the explain report and what each rank holds."""
     import os
 
+    _short_timeouts()
     model, make = build(model_name)
     reference = copy.deepcopy(model)
     trace_dir = os.environ.get("TEST_TRACE_DIR")

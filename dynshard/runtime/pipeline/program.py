@@ -29,7 +29,7 @@ import torch.distributed as dist
 from .executor import StepRun
 from .ownership import FreshGradients, Ownership, reduce_gradients, take_ownership
 from .recorder import active_recorder
-from .trace import TraceWriter, idle_fraction
+from .trace import idle_fraction, writer_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,7 +60,6 @@ class PipelinePlan:
     ownership: Ownership | None = None
     steps: int = 0                  # steps run (a plain call with autograd is one step: forward + backward)
     last_step: dict = dataclasses.field(default_factory=dict)   # sent bytes, idle fraction of the latest step
-    _tracer: TraceWriter | None = None
     _combine: list | None = None
     _programs: dict = dataclasses.field(default_factory=dict)
 
@@ -80,9 +79,7 @@ class PipelinePlan:
         self.last_step = {"sent_bytes": run.sent_bytes, "idle_fraction": idle_fraction(run.trace, wall),
                           "seconds": wall / 1e6}
         if self.config.trace_dir:
-            if self._tracer is None:
-                self._tracer = TraceWriter(self.config.trace_dir)
-            self._tracer.add(run.trace, wall)
+            writer_for(self.config.trace_dir).add(run.trace, wall)
         self.steps += 1
 
     def p2p_bytes(self) -> int:

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 _ROWS = {"forward": 0, "backward": 0, "recv": 1, "send": 1, "step": 2}
 _MAX_EVENTS = 200_000
+_WRITERS: dict[str, "TraceWriter"] = {}
 
 
 class StepTrace:
@@ -39,6 +40,13 @@ def idle_fraction(trace: StepTrace, wall: float | None = None) -> float:
     """1 - compute time / the step's wall time, for this rank."""
     wall = trace.now() if wall is None else wall
     return 1.0 - trace.busy() / wall if wall > 0 else 0.0
+
+
+def writer_for(directory: str) -> "TraceWriter":
+    """The writer of this process's trace file in ``directory`` (one file for all its pipelines)."""
+    if directory not in _WRITERS:
+        _WRITERS[directory] = TraceWriter(directory)
+    return _WRITERS[directory]
 
 
 class TraceWriter:

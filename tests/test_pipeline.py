@@ -1,0 +1,79 @@
+"""policy="pp" on real gloo ranks: every schedule trains like one process, ranks hold their stages only,
+p2p sends the minimum, and what explain and the trace show."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from workers_pipeline import pipeline_explain, pipeline_parity
+
+
+def _assert_parity(results, rtol=1e-4, atol=1e-6):
+    for result in results:
+        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]),
+                                   rtol=1e-5, atol=0)
+        for key, value in result["ref_params"].items():
+            torch.testing.assert_close(result["params"][key], value, rtol=rtol, atol=atol, msg=key)
+
+
+def _layer_fraction(result) -> float:
+    layers = [n for n in result["total"] if n.startswith("blocks.")]
+    return sum(result["held"][n] for n in layers) / sum(result["total"][n] for n in layers)
+
+
+def test_1f1b_on_two_ranks_trains_the_tied_gpt_like_gradient_accumulation():
+    results = run_ranks(pipeline_parity, 2, "gpt", 2, {"pipeline_nmicros": 4}, "train_step", 2)
+    _assert_parity(results)
+    assert [_layer_fraction(r) for r in results] == [0.5, 0.5]
+    assert results[0]["held"]["wte.weight"] == results[1]["held"]["wte.weight"] > 0    # tied: on both ends
+    assert results[0]["modules"][0] == [("wte", "wpe", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "ln_f",
+                                                                                  "lm_head")]
+    # the minimum: each micro-batch's boundary activation forward and its gradient backward, nothing else
+    assert sum(r["sent_bytes"][0] for r in results) == results[0]["p2p_bytes"][0] == 4 * 2 * (2 * 16 * 32 * 4)
+
+
+def test_interleaved_1f1b_runs_two_stages_per_rank():
+    results = run_ranks(pipeline_parity, 2, "gpt", 2, {"pipeline_nmicros": 4, "pipeline_scheduler": "1f1b_interleaved",
+                                                       "pipeline_nchunks": 2}, "train_step", 2)
+    _assert_parity(results)
+    assert results[0]["modules"][0][0] == ("wte", "wpe", "blocks.0")
+    assert [_layer_fraction(r) for r in results] == [0.5, 0.5]
+
+
+def test_gpipe_relays_a_skip_connection_over_every_stage():
+    _assert_parity(run_ranks(pipeline_parity, 2, "skip", 2, {"pipeline_nmicros": 4, "pipeline_scheduler": "gpipe"},
+                             "train_step", 2))
+
+
+def test_pipeline_times_data_parallel_units_on_four_ranks_reduces_once_per_step():
+    _assert_parity(run_ranks(pipeline_parity, 4, "mlp_split", 2, {"pipeline_nmicros": 2}, "train_step", 2))
+
+
+def test_dummy_micro_batches_scale_fn_infer_step_explain_and_trace(tmp_path):
+    results = run_ranks(pipeline_explain, 2, "gpt", 2, {"pipeline_nmicros": 4},
+                        env={"TEST_TRACE_DIR": str(tmp_path)})
+    for result in results:
+        assert result["losses"] == pytest.approx(result["ref_losses"], rel=1e-5)
+        assert result["outputs"] == pytest.approx(result["ref_outputs"], rel=1e-5)
+        for name, grad in result["grads"].items():
+            torch.testing.assert_close(grad, result["ref_grads"][name], rtol=1e-4, atol=1e-6, msg=name)
+    report = results[0]["report"]
+    assert "pipeline stages 0, 1" in report and "schedule 1f1b" in report
+    assert "0      0     1572864        0         wte, wpe, blocks.0, blocks.1" in report
+    for rank in range(2):
+        with open(os.path.join(tmp_path, f"dynshard_trace_rank{rank}.json")) as f:
+            events = json.load(f)["traceEvents"]
+        kinds = {e["cat"] for e in events}
+        assert {"forward", "backward", "step"} <= kinds
+        assert sum(1 for e in events if e["cat"] == "forward") == 4 + 4      # train_step, then infer_step
+
+
+@pytest.mark.slow
+def test_interleaved_with_two_chunks_on_four_ranks():
+    _assert_parity(run_ranks(pipeline_parity, 4, "gpt", 4, {"pipeline_nmicros": 4, "pipeline_scheduler": "1f1b_interleaved",
+                                                            "pipeline_nchunks": 2}, "train_step", 2))

@@ -1,0 +1,103 @@
+"""policy="pp": its pas_config, the errors a user sees before any work, and one-process pipelines."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import dynshard
+from dynshard import Config, ConfigError
+from workers_pipeline import EndToEndGPT, EndToEndMLP, build
+
+PP = dict(policy="pp", use_end2end=True)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(pas_config={}), r"needs pas_config\['pipeline_nmicros'\]"),
+    (dict(pas_config={"pipeline_nmicros": 4, "pipeline_stages": 2}), r"no option 'pipeline_stages'"),
+    (dict(pas_config={"pipeline_nmicros": 0}), r"pipeline_nmicros'\] must be a positive integer"),
+    (dict(pas_config={"pipeline_nmicros": 4, "pipeline_scheduler": "1f2b"}), r"unknown pipeline_scheduler '1f2b'"),
+    (dict(pas_config={"pipeline_nmicros": 4, "pipeline_nstages": 3}, plan_ngpus=2),
+     r"pipeline_nstages=3 does not fit plan_ngpus=2 x pipeline_nchunks=1"),
+    (dict(pas_config={"pipeline_nmicros": 4, "pipeline_nchunks": 2}, plan_ngpus=2),
+     r"pipeline_nchunks=2 needs pipeline_scheduler '1f1b_interleaved'"),
+    (dict(pas_config={"pipeline_nmicros": 4, "pipeline_scheduler": "infer_pipe"}), r"runs forward only"),
+    (dict(pas_config={"pipeline_nmicros": 4}, inference_only=True), r"with inference_only=True use 'infer_pipe'"),
+    (dict(pas_config={"pipeline_nmicros": 4, "pipeline_scheduler": "chimera_direct"}), r"chimera_direct"),
+    (dict(pas_config={"pipeline_nmicros": 4, "pipeline_scheduler": "zb1p"}), r"input-gradient and weight-gradient"),
+    (dict(pas_config={"pipeline_nmicros": 4}, use_zero=1), r"use_zero with policy 'pp' is not built yet"),
+])
+def test_invalid_pipeline_configs_say_what_to_change(options, message):
+    with pytest.raises(ConfigError, match=message):
+        Config(**{**PP, **options})
+
+
+def test_pipelines_need_an_end_to_end_module():
+    with pytest.raises(ConfigError, match="needs use_end2end=True"):
+        Config(policy="pp", pas_config={"pipeline_nmicros": 4})
+
+
+def test_pipeline_options_are_typed_and_default_to_1f1b_over_every_rank_of_a_unit():
+    config = Config(**PP, plan_ngpus=2, pas_config={"pipeline_nmicros": 8, "pipeline_pivots": "Block, Head"})
+    options = config.pipeline
+    assert (options.pipeline_scheduler, options.nstages(config), options.pivots) == ("1f1b", 2, ("Block", "Head"))
+    env = Config.from_options(None, environ={"DYNSHARD_POLICY": "pp", "DYNSHARD_USE_END2END": "1",
+                                              "DYNSHARD_PAS_CONFIG": '{"pipeline_nmicros": 2}'})
+    assert env.is_pipeline and env.pipeline.pipeline_nmicros == 2
+
+
+def _one_process(model, scheduler="gpipe", nchunks=1, m=4):
+    return torch.compile(model, backend="dynshard", options=Config(**PP, compiler="aot_eager", pas_config={
+        "pipeline_nmicros": m, "pipeline_scheduler": scheduler, "pipeline_nchunks": nchunks}))
+
+
+def test_train_step_refuses_the_wrong_number_of_samples_before_any_work():
+    model, make = build("mlp")
+    compiled = _one_process(model)
+    with pytest.raises(ValueError, match=r"got 3 samples but the pipeline runs pipeline_nmicros=4"):
+        dynshard.train_step(compiled, [make(2, i) for i in range(3)])
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_batch_that_does_not_split_into_the_micro_batches_is_an_error():
+    model, make = build("mlp")
+    with pytest.raises(Exception, match=r"batch 6\) into pipeline_nmicros=4 micro-batches"):
+        _one_process(model)(make(6, 0))
+
+
+def test_a_graph_break_inside_the_pipelined_model_is_an_error_under_train_step():
+    class Broken(EndToEndMLP):
+        def forward(self, batch):
+            x = batch["x"] + self.blocks[0](batch["x"])
+            torch._dynamo.graph_break()
+            for block in self.blocks[1:]:
+                x = x + block(x)
+            return torch.nn.functional.mse_loss(self.head(x).squeeze(-1), batch["y"])
+
+    model, make = Broken(), build("mlp")[1]
+    with pytest.raises(RuntimeError, match="must compile into one graph"):
+        dynshard.train_step(_one_process(model), [make(2, i) for i in range(4)])
+
+
+@pytest.mark.parametrize("scheduler, nchunks", [("1f1b", 1), ("1f1b_interleaved", 2)])
+def test_one_process_pipelines_train_like_gradient_accumulation(scheduler, nchunks):
+    """Two stages on one rank (interleaved) hand activations and gradients over without transfers."""
+    torch.manual_seed(0)
+    model = EndToEndGPT(build("gpt")[0].cfg)
+    make = build("gpt")[1]
+    reference = copy.deepcopy(model)
+    compiled = _one_process(model, scheduler, nchunks)
+    samples = [make(2, i) for i in range(4)]
+    losses = dynshard.train_step(compiled, samples)
+    ref_losses = []
+    for sample in samples:
+        loss = reference(sample)
+        loss.backward()
+        ref_losses.append(loss.detach())
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    report = dynshard.explain(compiled).pipelines[0]
+    assert len(report.stages) == nchunks and report.p2p_bytes == 0
