@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from workers_pipeline import pipeline_explain, pipeline_parity
+from workers_pipeline import pipeline_checkpoint, pipeline_explain, pipeline_parity
 
 
 def _assert_parity(results, rtol=1e-4, atol=1e-6):
@@ -77,3 +77,12 @@ def test_dummy_micro_batches_scale_fn_infer_step_explain_and_trace(tmp_path):
 def test_interleaved_with_two_chunks_on_four_ranks():
     _assert_parity(run_ranks(pipeline_parity, 4, "gpt", 4, {"pipeline_nmicros": 4, "pipeline_scheduler": "1f1b_interleaved",
                                                             "pipeline_nchunks": 2}, "train_step", 2))
+
+
+def test_a_pipeline_checkpoint_loads_under_data_parallelism_and_under_the_pipeline(tmp_path):
+    results = run_ranks(pipeline_checkpoint, 2, str(tmp_path))
+    for result in results:
+        for policy in ("dp", "pp"):
+            assert result[policy]["extra"] == {"step": 2}
+            for key, value in result["saved"].items():
+                torch.testing.assert_close(result[policy]["params"][key], value, rtol=0, atol=0, msg=key)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 import torch.distributed as dist
@@ -160,3 +161,36 @@ def pipeline_explain(rank: int, world: int, model_name: str, plan_ngpus: int, pa
             "ref_outputs": [float(o) for o in ref_outputs], "report": str(report),
             "pipeline": report.pipelines[0], "held": {n: p.numel() for n, p in model.named_parameters()},
             "total": sum(p.numel() for p in reference.parameters())}
+
+
+def pipeline_checkpoint(rank: int, world: int, root: str) -> dict:
+    """Two pipeline steps, a DCP save (each rank writes its stages), then a data-parallel model and a
+    pipeline model of other weights load it: both continue with the pipeline's parameters and momentum."""
+    _short_timeouts()
+    model, make = build("gpt")
+    pas = {"pipeline_nmicros": 2}
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy="pp", plan_ngpus=2, use_end2end=True, compiler="aot_eager", pas_config=pas))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    for step in range(2):
+        dynshard.train_step(compiled, [make(2, 10 * step + i) for i in range(2)])
+        opt.step()
+        opt.zero_grad()
+    saved = dynshard.collect_state_dict(compiled)
+    path = os.path.join(root, "step2")
+    dynshard.checkpoint.save(path, compiled, opt, extra={"step": 2})
+    results = {"saved": saved}
+    for policy, options in (("dp", {}), ("pp", dict(plan_ngpus=2, use_end2end=True, pas_config=pas))):
+        torch._dynamo.reset()
+        torch.manual_seed(1)
+        other = EndToEndGPT(GPTConfig(layers=4))
+        other_compiled = torch.compile(other, backend="dynshard", options=dynshard.Config(
+            policy=policy, compiler="aot_eager", **options))
+        other_opt = torch.optim.SGD(other.parameters(), lr=LR, momentum=0.9)
+        if policy == "pp":     # after a first step: each rank holds its stages only, and loads only those
+            dynshard.train_step(other_compiled, [make(2, 100 + i) for i in range(2)])
+            other_opt.step()
+        extra = dynshard.checkpoint.load(path, other_compiled, other_opt)
+        results[policy] = {"extra": extra, "params": dynshard.collect_state_dict(other_compiled),
+                           "held": sum(p.numel() for p in other.parameters())}
+    return results
