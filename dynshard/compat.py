@@ -486,11 +486,13 @@ def torch_pipeline_compute_order(schedule: str, pp_degree: int, nmicros: int,
             for rank in ops]
 
 
-def abstract_device_mesh(device_type: str, size: int):
-    """A 1-D DeviceMesh of ``size`` ranks with no process group behind it, this process at coordinate 0,
-    whatever the default process group is (none, fake, or real of any size): for DTensor sharding
-    propagation on FakeTensors only, any collective on it fails. ``DeviceMesh``'s private
-    ``_init_backend=False, _rank=0``, as DTensor's own decomposition strategies build their fake mesh."""
+def abstract_device_mesh(device_type: str, size: int, dim_name: str):
+    """A 1-D DeviceMesh of ``size`` ranks named ``dim_name``, with no process group behind it and this
+    process at coordinate 0, whatever the default process group is (none, fake, or real of any size): for
+    DTensor sharding propagation on fake or meta tensors only; any collective on it fails. A name no real
+    mesh has keeps DTensor's sharding cache (keyed by mesh equality) from handing its specs to one.
+    ``DeviceMesh``'s private ``_init_backend=False, _rank=0``, as DTensor's decomposition strategies build
+    their own fake mesh."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh(device_type, torch.arange(size), _init_backend=False, _rank=0)
+    return DeviceMesh(device_type, torch.arange(size), mesh_dim_names=(dim_name,), _init_backend=False, _rank=0)

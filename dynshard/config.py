@@ -17,8 +17,8 @@ from typing import Any, Callable, Mapping, Union
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-POLICIES = ("dp", "data", "tp", "pp")
-PIPELINE_POLICIES = ("pp",)
+POLICIES = ("dp", "data", "tp", "pp", "hybrid")
+PIPELINE_POLICIES = ("pp", "hybrid")
 COMPILERS = ("inductor", "aot_eager")
 TRACE_STRATEGIES = ("fake", "meta")
 ENV_PREFIX = "DYNSHARD_"
@@ -39,7 +39,7 @@ class Config:
         unit, and units are data-parallel replicas of each other.
     runtime_ngpus: ranks at run time (defaults to the world size); a multiple of plan_ngpus.
     policy: "dp", "data", "tp", "pp" (pipeline stages inside a unit, see :mod:`dynshard.runtime.pipeline`),
-        or a callable ``policy(plan, config)`` that places parameters through
+        "hybrid" (pipeline stages, each split Megatron's way over plan_ngpus / stages ranks), or a callable ``policy(plan, config)`` that places parameters through
         :class:`dynshard.policies.PlanBuilder`.
     pas_config: options for the policy (read by the policy itself).
     user_config: anything that changes the traced program; part of the plan-cache key.
@@ -191,6 +191,11 @@ class Config:
     def is_pipeline(self) -> bool:
         """Whether the policy cuts the model into pipeline stages."""
         return isinstance(self.policy, str) and self.policy in PIPELINE_POLICIES
+
+    @property
+    def pipeline_ranks(self) -> int:
+        """Pipeline ranks in a plan unit (1 without a pipeline policy)."""
+        return self.pipeline.pipeline_ranks(self) if self.is_pipeline else 1
 
     @property
     def pipeline(self):

@@ -44,7 +44,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     if config.describe() not in _logged_configs:
         _logged_configs.add(config.describe())
         log.info("%s", config.describe())
-    layout = layout_for(config.plan_ngpus, device_type)
+    layout = layout_for(config.plan_ngpus, device_type, config.pipeline_ranks)
     inputs = describe_inputs(gm, example_inputs)
 
     key = plan_key(gm.code, inputs, config, layout)
@@ -70,7 +70,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         if stored is not None:
             ctx.placements, ctx.over_dp, ctx.constraints = stored["placements"], stored["over_dp"], \
                 stored["constraints"]
-        compiled = _plan_and_compile(gm, ctx, device_type)
+        compiled = plan_and_compile(gm, ctx, device_type)
         PLANS.save_plan(config, key, ctx.placements, set(ctx.zero), ctx.constraints, layout)
         plan = CompiledPlan(key, inputs, ctx.placements, ctx.zero, layout, compiled, ctx.propagation,
                             ctx.timings, config.inference_only,
@@ -97,7 +97,7 @@ def _pipeline_program(gm, example_inputs, config, layout, inputs, key, device_ty
     return PipelineProgram(plan)
 
 
-def _plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str):
+def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str):
     """The passes, then the per-rank compile of their program."""
     config, layout = ctx.config, ctx.layout
     lowered = run_passes(copy_graph(gm), ctx)     # passes may edit the graph they get; the variant reuses gm
@@ -131,7 +131,7 @@ def _no_sync_builder(gm: fx.GraphModule, planned: PassContext, device_type: str)
         ctx = PassContext(config=planned.config, layout=planned.layout, inputs=planned.inputs,
                           fake_mode=compat.new_fake_mode(), placements=dict(planned.placements),
                           over_dp=set(planned.zero), constraints=dict(planned.constraints), sync_grads=False)
-        return _plan_and_compile(gm, ctx, device_type)
+        return plan_and_compile(gm, ctx, device_type)
     return build
 
 

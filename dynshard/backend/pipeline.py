@@ -3,6 +3,7 @@ stages each rank compiles (its own only) on first use, per micro-batch shape."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -16,6 +17,8 @@ from ..runtime.mesh import Layout
 from ..runtime.pipeline.groups import PipelineGroups
 from ..runtime.pipeline.program import PipelinePlan, ValueMeta
 from ..runtime.pipeline.schedules import build_schedule
+from ..runtime.program import CompiledPlan, ShardedProgram
+from .capture import describe_inputs
 from .compile import compile_program
 
 log = logging.getLogger("dynshard")
@@ -36,7 +39,7 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
     ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode())
     run_passes(copy_graph(gm), ctx, PIPELINE_PASSES)
     options = config.pipeline
-    nstages, nranks, m = options.nstages(config), config.plan_ngpus, options.pipeline_nmicros
+    nstages, nranks, m = options.nstages(config), layout.pp_size, options.pipeline_nmicros
     schedule = build_schedule(options.pipeline_scheduler, nstages, m, nranks)
     forward_only = build_schedule("infer_pipe", nstages, m, nranks)
     gpipe = None
@@ -47,9 +50,11 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
     log.info("pipeline: %s\n%s", ctx.staged.describe(), schedule.format())
     device = default_device(device_type)
 
-    def compile_stage(stage, examples):
-        program = compile_program(stage.module, examples, config.compiler, layout, config.inference_only)
-        return program.run
+    def compile_stage(stage, args):
+        if layout.tp_size > 1:
+            return _tensor_parallel_stage(stage, args, config, layout, key, device_type)
+        examples = [torch.empty(a.shape, dtype=a.dtype, device=a.device).requires_grad_(a.requires_grad) for a in args]
+        return compile_program(stage.module, examples, config.compiler, layout, config.inference_only).run
 
     def combine():
         from ..passes.microbatch_outputs import microbatch_combine
@@ -62,6 +67,24 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
         forward_only=forward_only, groups=PipelineGroups(layout), layout=layout, device=device,
         output_metas=[_meta(o) for o in outputs], compile_stage=compile_stage, combine_fn=combine,
         pass_timings=ctx.timings)
+
+
+def _tensor_parallel_stage(stage, args, config: Config, layout: Layout, key: str, device_type: str):
+    """A hybrid plan's stage: planned by the tp policy over the stage's tp ranks, as a whole graph would be,
+    without data-parallel communication (the pipeline reduces gradients once per step). Its tensors are cut
+    into tp shards in place here, before the first micro-batch."""
+    from . import plan_and_compile
+
+    stage_config = dataclasses.replace(config, policy="tp", pas_config=config.pipeline.tp_options)
+    inputs = describe_inputs(stage.module, args)
+    ctx = PassContext(config=stage_config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
+                      sync_grads=False)
+    compiled = plan_and_compile(stage.module, ctx, device_type)
+    plan = CompiledPlan(f"{key}/stage{stage.index}", inputs, ctx.placements, ctx.zero, layout, compiled,
+                        ctx.propagation, ctx.timings, config.inference_only)
+    program = ShardedProgram(plan)
+    program.prepare(args)
+    return program
 
 
 def _meta(node) -> ValueMeta | None:

@@ -64,11 +64,12 @@ def _ranked(entries: list[tuple[int | None, Any]], what: str) -> list[tuple[int,
 
 def _merge_tensor(name: str, info: TensorInfo | None, holders: list[tuple[int, Any]]) -> Any:
     """The whole value of ``name`` from the (rank, value) pairs of the ranks that hold it (rank order)."""
-    if info is None or not info.is_split or not isinstance(holders[0][1], torch.Tensor):
-        return holders[0][1]
+    first = holders[0][1]
+    if info is None or not info.is_split or not isinstance(first, torch.Tensor) or not first.dim():
+        return first                       # whole on every rank, or a scalar (an optimizer's step)
     expected = info.stored_shape()
-    if tuple(holders[0][1].shape) == info.shape and info.shape != expected:
-        return holders[0][1]               # whole (e.g. optimizer state loaded before the first step)
+    if tuple(first.shape) == info.shape and info.shape != expected:
+        return first                       # whole (e.g. optimizer state loaded before the first step)
     stored: dict[Piece, torch.Tensor] = {}
     for rank, value in holders:
         if tuple(value.shape) != expected:

@@ -10,10 +10,11 @@ per-rank state dicts do:
   gives the global shape, the placements on the plan unit, the unit size and the ZeRO rows of each tagged
   tensor (names relative to the module; untagged tensors are whole on every rank). Plain types only, so
   ``torch.load(weights_only=True)`` reads it. A ``load_state_dict`` pre-hook on the same module takes
-  the entry out again, so loading a rank's own state dict back on that rank works with ``strict=True``
-  (and torch never reports an ``_extra_state`` key as unexpected, so other modules tolerate it too). A
-  module whose class has its own ``get_extra_state`` keeps it: its value is wrapped
-  (``"module_extra_state"``) and unwrapped again on load and by the merge.
+  the entry out again before torch checks the keys, so loading a rank's own state dict back on that rank
+  (after the first step, as its shards need) works with ``strict=True``. A module whose class has its own
+  ``get_extra_state`` keeps it: its value is wrapped (``"module_extra_state"``) and unwrapped again on
+  load and by the merge. Torch's extra-state key rather than a new one: tools that walk state-dict keys
+  as attribute paths (``torch.distributed.checkpoint.state_dict``) know it.
 - The entry is added to ``state_dict()`` (``keep_vars=False``: detached tensors, which lose their tags)
   and not to ``state_dict(keep_vars=True)``, whose tensors are the live parameters carrying their tags:
   DCP checkpoints (:mod:`dynshard.checkpoint.api`) and ``collect_state_dict`` read the module that way

@@ -1,8 +1,10 @@
-"""The pipeline policy's options: ``pas_config`` keys with nnScaler's names, typed and validated.
+"""The pipeline policies' options: ``pas_config`` keys with nnScaler's names, typed and validated.
 
 ``policy="pp"`` cuts the captured graph into ``pipeline_nstages`` stages (:mod:`dynshard.passes.cut_stages`)
 run by the ranks of a plan unit (``plan_ngpus`` ranks, ``pipeline_nchunks`` stages each, loop
-placement); units are data-parallel replicas, as with every other policy.
+placement); units are data-parallel replicas, as with every other policy. ``policy="hybrid"`` gives
+each pipeline rank ``plan_ngpus / (pipeline_nstages / pipeline_nchunks)`` ranks that split its stages as
+``policy="tp"`` does (nnScaler's hybrid: stages x tensor parallel).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class PipelineOptions:
 
     pipeline_nmicros: micro-batches per step (required); ``train_step`` takes exactly this many samples,
         a plain call splits its batch into this many along dim 0.
-    pipeline_nstages: stages in all (default: plan_ngpus x pipeline_nchunks).
+    pipeline_nstages: stages in all (pp default: plan_ngpus x pipeline_nchunks; required by hybrid).
     pipeline_scheduler: gpipe, 1f1b (default), 1f1b_interleaved, or infer_pipe (inference_only).
     pipeline_nchunks: stages each rank runs (the interleaved schedule); stage s runs on rank s % plan_ngpus.
     pipeline_pivots: comma-separated module class names a stage may start at (cut before an instance).
@@ -40,16 +42,17 @@ class PipelineOptions:
     pipeline_scheduler: str = "1f1b"
     pipeline_nchunks: int = 1
     pipeline_pivots: str = ""
+    sequence_parallel: bool = False      # hybrid: the tp policy's sequence parallelism inside each stage
 
     @classmethod
     def from_pas_config(cls, pas_config: Mapping[str, Any]) -> "PipelineOptions":
         fields = [f.name for f in dataclasses.fields(cls)]
         unknown = sorted(set(pas_config) - set(fields))
         if unknown:
-            raise ConfigError(f"dynshard: the pp policy has no option {', '.join(map(repr, unknown))} in pas_config; "
+            raise ConfigError(f"dynshard: the pipeline policies have no option {', '.join(map(repr, unknown))} in pas_config; "
                               f"it takes {', '.join(fields)}")
         if "pipeline_nmicros" not in pas_config:
-            raise ConfigError("dynshard: policy 'pp' needs pas_config['pipeline_nmicros'], the number of "
+            raise ConfigError("dynshard: pipeline policies need pas_config['pipeline_nmicros'], the number of "
                               "micro-batches per step (e.g. {'pipeline_nmicros': 8})")
         options = cls(**pas_config)
         for name in ("pipeline_nmicros", "pipeline_nchunks") + (
@@ -65,6 +68,15 @@ class PipelineOptions:
     @property
     def pivots(self) -> tuple[str, ...]:
         return tuple(n.strip() for n in self.pipeline_pivots.split(",") if n.strip())
+
+    def pipeline_ranks(self, config: Config) -> int:
+        """Pipeline ranks in a unit: every rank under pp; stages / chunks under hybrid."""
+        return config.plan_ngpus if config.policy == "pp" else self.nstages(config) // self.pipeline_nchunks
+
+    @property
+    def tp_options(self) -> dict[str, Any]:
+        """The tp policy's pas_config for each stage of a hybrid plan."""
+        return {"sequence_parallel": self.sequence_parallel}
 
     def nstages(self, config: Config) -> int:
         return self.pipeline_nstages if self.pipeline_nstages is not None else config.plan_ngpus * self.pipeline_nchunks
@@ -85,20 +97,40 @@ class PipelineOptions:
             raise ConfigError(f"dynshard: pipeline_scheduler {name!r} runs forward only; set inference_only=True "
                               f"or use a training schedule ({', '.join(TRAINING_SCHEDULES)})")
         if not config.use_end2end:
-            raise ConfigError("dynshard: policy 'pp' needs use_end2end=True (nnScaler's end-to-end module: "
+            raise ConfigError(f"dynshard: policy {config.policy!r} needs use_end2end=True (nnScaler's end-to-end module: "
                               "forward takes the sample and returns the loss first)")
+        if config.policy == "hybrid":
+            self._check_hybrid(config)
+        elif self.sequence_parallel:
+            raise ConfigError("dynshard: sequence_parallel splits stages over tp ranks: use policy 'hybrid'")
         nstages = self.nstages(config)
-        if nstages != config.plan_ngpus * self.pipeline_nchunks:
+        if config.policy == "pp" and nstages != config.plan_ngpus * self.pipeline_nchunks:
             raise ConfigError(
                 f"dynshard: pipeline_nstages={nstages} does not fit plan_ngpus={config.plan_ngpus} x "
                 f"pipeline_nchunks={self.pipeline_nchunks} (policy 'pp' runs pipeline_nchunks stages on each "
                 f"rank of a unit); set pipeline_nstages={config.plan_ngpus * self.pipeline_nchunks} or change "
                 "plan_ngpus / pipeline_nchunks")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"dynshard: pas_config['sequence_parallel'] must be True or False, "
+                              f"got {self.sequence_parallel!r}")
         if self.pipeline_nchunks > 1 and name != "1f1b_interleaved":
             raise ConfigError(f"dynshard: pipeline_nchunks={self.pipeline_nchunks} needs pipeline_scheduler "
                               f"'1f1b_interleaved' ({name!r} runs one stage per rank)")
         if config.use_zero:
-            raise ConfigError("dynshard: use_zero with policy 'pp' is not built yet; train the pipeline with "
-                              "use_zero=0 (each rank already holds only its stages' parameters)")
+            raise ConfigError(f"dynshard: use_zero with policy {config.policy!r} is not built yet; train the "
+                              "pipeline with use_zero=0 (each rank already holds only its stages' parameters)")
         if config.recompute_modules:
             raise ConfigError("dynshard: recompute_modules with policy 'pp' is not built yet")
+
+    def _check_hybrid(self, config: Config) -> None:
+        if self.pipeline_nstages is None:
+            raise ConfigError("dynshard: policy 'hybrid' needs pas_config['pipeline_nstages'] (plan_ngpus = stages / "
+                              "pipeline_nchunks x tensor-parallel ranks per stage)")
+        if self.pipeline_nstages % self.pipeline_nchunks:
+            raise ConfigError(f"dynshard: pipeline_nstages={self.pipeline_nstages} is not a multiple of "
+                              f"pipeline_nchunks={self.pipeline_nchunks}")
+        ranks = self.pipeline_nstages // self.pipeline_nchunks
+        if config.plan_ngpus % ranks:
+            raise ConfigError(f"dynshard: policy 'hybrid' runs {ranks} pipeline ranks (pipeline_nstages / "
+                              f"pipeline_nchunks), which does not divide plan_ngpus={config.plan_ngpus}; use a "
+                              f"multiple of {ranks}")

@@ -26,8 +26,9 @@ def counted_here(param: torch.Tensor) -> bool:
     if tag is None:     # no dynshard program owns it: the same on every rank once reduced
         return not dist.is_initialized() or dist.get_rank() == 0
     layout = tag.layout
-    if tag.owner is not None:   # pipeline: the first rank of the unit holding it (a tied weight is held twice)
-        return tag.owner.held and dist.get_rank() == tag.owner.src and layout.dp_rank == 0
+    if tag.owner is not None:   # pipeline: the first stage holding it (a tied weight is held twice)
+        if not tag.owner.held or dist.get_rank() != tag.owner.src:
+            return False
     if not is_sharded(tag.placements) and layout.tp_rank != 0:
         return False
     if tag.zero is None:

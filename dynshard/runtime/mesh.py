@@ -1,8 +1,10 @@
 """Process groups and the device mesh, from the torchrun environment.
 
 Ranks are laid out as nnScaler's plan units: ranks ``[k * plan_ngpus, (k + 1) * plan_ngpus)`` form unit
-``k`` and partition the model among themselves (mesh dimension "tp"); units are data-parallel replicas
-(mesh dimension "dp"): each unit sees its own batch and gradients are averaged over "dp" as DDP does.
+``k`` and partition the model among themselves; units are data-parallel replicas (mesh dimension "dp"):
+each unit sees its own batch and gradients are averaged over "dp" as DDP does. Inside a unit, pipeline
+stages (mesh dimension "pp", ``pp_size`` of them one after another) each hold ``plan_ngpus / pp_size``
+ranks that split the stage's tensors (mesh dimension "tp"): unit rank ``pp_rank * tp_size + tp_rank``.
 Mesh dimensions of size 1 are left out, so a pure data-parallel job has a 1-D "dp" mesh and a single
 unit a 1-D "tp" mesh.
 """
@@ -17,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-MESH_DIMS = ("dp", "tp")
+MESH_DIMS = ("dp", "pp", "tp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +31,7 @@ class Layout:
     plan_ngpus: int
     device_type: str
     mesh: DeviceMesh | None
+    pp_size: int = 1          # pipeline ranks in a unit (policies "pp" and "hybrid")
 
     @property
     def dp_size(self) -> int:
@@ -36,7 +39,7 @@ class Layout:
 
     @property
     def tp_size(self) -> int:
-        return self.plan_ngpus
+        return self.plan_ngpus // self.pp_size
 
     @property
     def dp_rank(self) -> int:
@@ -44,7 +47,16 @@ class Layout:
 
     @property
     def tp_rank(self) -> int:
-        return self.rank % self.plan_ngpus
+        return self.rank % self.tp_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank % self.plan_ngpus // self.tp_size
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The ranks of this unit at this rank's tp coordinate, one per pipeline rank."""
+        return self.mesh.get_group("pp") if "pp" in self.dim_names else None
 
     @property
     def dim_names(self) -> tuple[str, ...]:
@@ -66,10 +78,10 @@ class Layout:
         return ("tp",) if self.tp_mesh is not None else ()
 
     def size(self, dim: str) -> int:
-        return {"dp": self.dp_size, "tp": self.tp_size}[dim]
+        return {"dp": self.dp_size, "pp": self.pp_size, "tp": self.tp_size}[dim]
 
     def coordinate(self, dim: str) -> int:
-        return {"dp": self.dp_rank, "tp": self.tp_rank}[dim]
+        return {"dp": self.dp_rank, "pp": self.pp_rank, "tp": self.tp_rank}[dim]
 
     def group_dim(self, group_name: str) -> str:
         """The mesh dimension whose process group is called ``group_name``."""
@@ -81,7 +93,7 @@ class Layout:
         return "world" if group_name == dist.group.WORLD.group_name else group_name
 
     def token(self) -> str:
-        return f"world={self.world_size},plan={self.plan_ngpus},device={self.device_type}"
+        return f"world={self.world_size},plan={self.plan_ngpus},pp={self.pp_size},device={self.device_type}"
 
 
 _GROUP_NAMES: dict[str, str] = {}   # process groups created after the mesh (ZeRO groups) -> what they are
@@ -107,14 +119,16 @@ def world_size() -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def layout_for(plan_ngpus: int, device_type: str) -> Layout:
-    """The layout for a plan of ``plan_ngpus`` ranks per unit; built once per job (it creates groups)."""
+def layout_for(plan_ngpus: int, device_type: str, pp_size: int = 1) -> Layout:
+    """The layout for a plan of ``plan_ngpus`` ranks per unit, ``pp_size`` pipeline ranks of them; built
+    once per job (it creates groups)."""
     ensure_process_group(device_type)
     world = world_size()
     rank = dist.get_rank() if dist.is_initialized() else 0
-    sizes = {"dp": world // plan_ngpus, "tp": plan_ngpus}
+    sizes = {"dp": world // plan_ngpus, "pp": pp_size, "tp": plan_ngpus // pp_size}
     names = tuple(name for name in MESH_DIMS if sizes[name] > 1)
     mesh = None
     if names:
         mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
-    return Layout(world_size=world, rank=rank, plan_ngpus=plan_ngpus, device_type=device_type, mesh=mesh)
+    return Layout(world_size=world, rank=rank, plan_ngpus=plan_ngpus, device_type=device_type, mesh=mesh,
+                  pp_size=pp_size)

@@ -60,7 +60,7 @@ class ShardedProgram:
 
     def __call__(self, *args: Any):
         if not self._prepared:
-            self._prepare(args)
+            self.prepare(args)
         plan = self.plan
         if plan.inference_only:
             with torch.no_grad():
@@ -94,7 +94,8 @@ class ShardedProgram:
                 ACCUMULATION.accumulates(param)
         return args
 
-    def _prepare(self, args) -> None:
+    def prepare(self, args) -> None:
+        """Cut the program's parameters and buffers into this rank's pieces, in place, and tag them."""
         materialize.materialize(self._meta_models, self.plan, args)   # cuts this program's tensors as it goes
         self._meta_models = []
         for inp in self.plan.inputs:

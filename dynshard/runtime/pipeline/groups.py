@@ -1,8 +1,6 @@
-"""The ranks a pipeline runs on: the ranks of a plan unit are its pipeline ranks, units are data parallel.
-
-The groups are the device mesh's (:func:`dynshard.runtime.mesh.layout_for`): under ``policy="pp"`` a
-unit's ranks hold no tensor-parallel shards, so the mesh's inner dimension is the pipeline group.
-"""
+"""The ranks a pipeline runs on: a plan unit's pipeline ranks (mesh dimension "pp"), each with its
+tensor-parallel ranks (mesh dimension "tp", one rank under ``policy="pp"``); units are data parallel.
+Transfers go between ranks of the same tp coordinate (:func:`dynshard.runtime.mesh.layout_for`)."""
 
 from __future__ import annotations
 
@@ -19,11 +17,11 @@ class PipelineGroups:
 
     @property
     def pp_size(self) -> int:
-        return self.layout.plan_ngpus
+        return self.layout.pp_size
 
     @property
     def pp_rank(self) -> int:
-        return self.layout.rank % self.layout.plan_ngpus
+        return self.layout.pp_rank
 
     @property
     def dp_size(self) -> int:
@@ -35,12 +33,15 @@ class PipelineGroups:
 
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
-        return self.layout.mesh.get_group("tp") if "tp" in self.layout.dim_names else None
+        return self.layout.pp_group
 
     @property
     def dp_group(self) -> dist.ProcessGroup | None:
         return self.layout.dp_group
 
-    def global_rank(self, pp_rank: int, unit: int | None = None) -> int:
-        """The world rank of pipeline rank ``pp_rank`` in plan unit ``unit`` (default: this rank's)."""
-        return (self.dp_rank if unit is None else unit) * self.layout.plan_ngpus + pp_rank
+    def global_rank(self, pp_rank: int, unit: int | None = None, tp_rank: int | None = None) -> int:
+        """The world rank of pipeline rank ``pp_rank`` in plan unit ``unit`` at tp coordinate ``tp_rank``
+        (defaults: this rank's)."""
+        layout = self.layout
+        tp_rank = layout.tp_rank if tp_rank is None else tp_rank
+        return (self.dp_rank if unit is None else unit) * layout.plan_ngpus + pp_rank * layout.tp_size + tp_rank

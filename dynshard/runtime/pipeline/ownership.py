@@ -27,6 +27,16 @@ class Ownership:
 
     held: dict[int, torch.Tensor]                 # graph input index -> tensor this rank holds
     shared: list[tuple[dist.ProcessGroup, list[int]]]   # (owners' group, graph input indices) for ties
+    # hybrid: held tensors the stage programs split over tp first, tagged with their owner afterwards
+    pending: dict[int, StageOwnership] = dataclasses.field(default_factory=dict)
+    ties_checked: bool = False
+
+    def settle(self) -> None:
+        """After the stage programs cut their tensors into tp shards: record the stages that hold them."""
+        for index, owner in self.pending.items():
+            tag = get_tag(self.held[index])
+            tag.owner = owner
+        self.pending.clear()
 
 
 def take_ownership(args, plan) -> Ownership:
@@ -38,7 +48,7 @@ def take_ownership(args, plan) -> Ownership:
         for index in stage.graph_inputs:
             readers.setdefault(index, []).append(stage.index)
     mine = set(plan.schedule.stages_of(groups.pp_rank))
-    held, tie_sets = {}, {}
+    held, tie_sets, pending = {}, {}, {}
     for inp in plan.inputs:
         if not inp.is_state or inp.index not in readers:
             continue
@@ -51,30 +61,35 @@ def take_ownership(args, plan) -> Ownership:
         if dist.is_initialized() and not tensor.is_meta and not getattr(tensor, ALIKE_ATTR, False):
             with torch.no_grad():
                 dist.broadcast(tensor.data, src=0)
+        setattr(tensor, ALIKE_ATTR, True)    # the stage programs that split it over tp need not broadcast again
         stages = tuple(readers[inp.index])
         owner_ranks = sorted({plan.schedule.stage_to_rank[s] for s in stages})
         owns = bool(mine & set(stages))
         owner = None if groups.pp_size == 1 else StageOwnership(
             stages=stages, src=groups.global_rank(owner_ranks[0]), group=groups.pp_group, held=owns)
-        tag = ShardTag(fqn=inp.name, global_shape=tensor.shape, global_stride=tuple(tensor.stride()),
-                       placements=placements_for(plan.layout, {}), layout=plan.layout, owner=owner)
-        if owner is not None and not owns:
-            with torch.no_grad():
-                tensor.data = tensor.data.new_empty(0)
-            _SHARDED.add(tensor)
-        else:
+        if owns:
             held[inp.index] = tensor
-        setattr(tensor, TAG_ATTR, tag)
-        tag.add_plan(plan)
+        if owns and groups.layout.tp_size > 1:
+            pending[inp.index] = owner      # tagged once its stage's program has split it over tp
+        else:
+            tag = ShardTag(fqn=inp.name, global_shape=tensor.shape, global_stride=tuple(tensor.stride()),
+                           placements=placements_for(plan.layout, {}), layout=plan.layout, owner=owner)
+            if not owns:
+                with torch.no_grad():
+                    tensor.data = tensor.data.new_empty(0)
+                _SHARDED.add(tensor)
+            setattr(tensor, TAG_ATTR, tag)
+            tag.add_plan(plan)
         if len(owner_ranks) > 1:
             tie_sets.setdefault(tuple(owner_ranks), []).append(inp.index)
     shared = []
     for owner_ranks, indices in sorted(tie_sets.items()):
         for unit in range(groups.dp_size):   # every rank creates every group, in the same order
-            group = dist.new_group([groups.global_rank(r, unit) for r in owner_ranks])
-            if unit == groups.dp_rank and groups.pp_rank in owner_ranks:
-                shared.append((group, [i for i in indices if i in held]))
-    return Ownership(held, shared)
+            for tp_rank in range(groups.layout.tp_size):
+                group = dist.new_group([groups.global_rank(r, unit, tp_rank) for r in owner_ranks])
+                if (unit, tp_rank) == (groups.dp_rank, groups.layout.tp_rank) and groups.pp_rank in owner_ranks:
+                    shared.append((group, [i for i in indices if i in held]))
+    return Ownership(held, shared, pending)
 
 
 def _flat_all_reduce(grads: list[torch.Tensor], group, op) -> None:
@@ -97,13 +112,33 @@ def reduce_gradients(ownership: Ownership, groups: PipelineGroups) -> None:
     with torch.no_grad():
         for group, indices in ownership.shared:
             grads = [ownership.held[i].grad for i in indices if ownership.held[i].grad is not None]
+            if not ownership.ties_checked:
+                _check_same_pieces(group, grads)
             if grads:
                 _flat_all_reduce(grads, group, dist.ReduceOp.SUM)
+        ownership.ties_checked = True
         if groups.dp_group is not None:
             grads = [t.grad for t in ownership.held.values() if t.grad is not None]
             for grad in grads:
                 grad.div_(groups.dp_size)
             _flat_all_reduce(grads, groups.dp_group, dist.ReduceOp.SUM)
+
+
+def _check_same_pieces(group, grads: list[torch.Tensor]) -> None:
+    """A shared tensor's copies must be split alike on the stages holding it (hybrid: each stage's tp plan
+    chose its placement); different shapes would sum unrelated pieces."""
+    shapes = torch.tensor([n for g in grads for n in (g.dim(), *g.shape)] or [0], dtype=torch.int64)
+    length = torch.tensor([shapes.numel()])
+    lengths = [torch.zeros_like(length) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(lengths, length, group=group)
+    if len({int(n) for n in lengths}) == 1:
+        everyone = [torch.zeros_like(shapes) for _ in lengths]
+        dist.all_gather(everyone, shapes, group=group)
+        if all(torch.equal(e, shapes) for e in everyone):
+            return
+    raise RuntimeError("dynshard: a parameter shared by two pipeline stages (a tied embedding and LM head) is "
+                       "split differently on them, so its gradients cannot be summed; give both uses the same "
+                       "placement (e.g. a declarative plan) or untie them")
 
 
 class FreshGradients:

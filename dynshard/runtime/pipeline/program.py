@@ -107,10 +107,11 @@ class PipelinePlan:
             programs = {}
             for s in self.schedule.stages_of(self.groups.pp_rank):
                 stage = self.staged.stages[s]
-                examples = [_example(self.inputs[i], mb_args[0][i], self.device) for i in stage.graph_inputs]
-                examples += [torch.empty(metas[n].shape, dtype=metas[n].dtype, device=self.device)
-                             .requires_grad_(metas[n].requires_grad) for n in stage.received]
-                programs[s] = self.compile_stage(stage, examples)
+                args = [mb_args[0][i] for i in stage.graph_inputs]
+                args += [torch.empty(metas[n].shape, dtype=metas[n].dtype, device=self.device)
+                         .requires_grad_(metas[n].requires_grad) for n in stage.received]
+                programs[s] = self.compile_stage(stage, args)    # hybrid: also cuts its tensors into tp shards
+            self.ownership.settle()
             self.seconds += time.perf_counter() - start
             self._programs[shapes] = (programs, metas)
         return self._programs[shapes]
