@@ -86,3 +86,19 @@ def test_a_pipeline_checkpoint_loads_under_data_parallelism_and_under_the_pipeli
             assert result[policy]["extra"] == {"step": 2}
             for key, value in result["saved"].items():
                 torch.testing.assert_close(result[policy]["params"][key], value, rtol=0, atol=0, msg=key)
+
+
+def test_plain_forward_and_backward_run_gpipe_over_the_micro_batches_of_the_batch():
+    """``loss = model(batch); loss.backward()``: the whole batch's loss and gradients (pp x dp, 4 ranks)."""
+    _assert_parity(run_ranks(pipeline_parity, 4, "mlp_split", 2, {"pipeline_nmicros": 4}, "plain", 2))
+
+
+def test_hybrid_runs_two_tensor_parallel_stages_on_four_ranks():
+    results = run_ranks(pipeline_parity, 4, "gpt", 4, {"pipeline_nmicros": 2, "pipeline_nstages": 2}, "train_step",
+                        2, 8, "hybrid")
+    _assert_parity(results)
+    for rank, result in enumerate(results):
+        first_stage = rank < 2
+        assert result["held"]["blocks.0.fc1.weight"] == (128 * 32 // 2 if first_stage else 0)
+        assert result["held"]["blocks.3.fc1.weight"] == (0 if first_stage else 128 * 32 // 2)
+        assert result["held"]["wte.weight"] == 64 * 32 // 2      # vocab parallel, tied, on both stages

@@ -15,7 +15,7 @@ PP = dict(policy="pp", use_end2end=True)
 
 
 @pytest.mark.parametrize("options, message", [
-    (dict(pas_config={}), r"needs pas_config\['pipeline_nmicros'\]"),
+    (dict(pas_config={}), r"need pas_config\['pipeline_nmicros'\]"),
     (dict(pas_config={"pipeline_nmicros": 4, "pipeline_stages": 2}), r"no option 'pipeline_stages'"),
     (dict(pas_config={"pipeline_nmicros": 0}), r"pipeline_nmicros'\] must be a positive integer"),
     (dict(pas_config={"pipeline_nmicros": 4, "pipeline_scheduler": "1f2b"}), r"unknown pipeline_scheduler '1f2b'"),
@@ -28,6 +28,10 @@ PP = dict(policy="pp", use_end2end=True)
     (dict(pas_config={"pipeline_nmicros": 4, "pipeline_scheduler": "chimera_direct"}), r"chimera_direct"),
     (dict(pas_config={"pipeline_nmicros": 4, "pipeline_scheduler": "zb1p"}), r"input-gradient and weight-gradient"),
     (dict(pas_config={"pipeline_nmicros": 4}, use_zero=1), r"use_zero with policy 'pp' is not built yet"),
+    (dict(policy="hybrid", plan_ngpus=4, pas_config={"pipeline_nmicros": 4}), r"'hybrid' needs pas_config\['pipeline_nstages'\]"),
+    (dict(policy="hybrid", plan_ngpus=4, pas_config={"pipeline_nmicros": 4, "pipeline_nstages": 3}),
+     r"runs 3 pipeline ranks .* does not divide plan_ngpus=4"),
+    (dict(pas_config={"pipeline_nmicros": 4, "sequence_parallel": True}), r"use policy 'hybrid'"),
 ])
 def test_invalid_pipeline_configs_say_what_to_change(options, message):
     with pytest.raises(ConfigError, match=message):
@@ -101,3 +105,24 @@ def test_one_process_pipelines_train_like_gradient_accumulation(scheduler, nchun
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
     report = dynshard.explain(compiled).pipelines[0]
     assert len(report.stages) == nchunks and report.p2p_bytes == 0
+
+
+def test_plain_calls_of_a_graph_holding_its_batch_size_say_to_use_train_step():
+    model, make = build("gpt")      # attention views its input as (B, T, heads, -1): B is traced as a number
+    with pytest.raises(Exception, match="does not run on micro-batches of its batch.*dynshard.train_step"):
+        _one_process(model)(make(8, 0)).backward()
+
+
+def test_plain_calls_combine_the_micro_batches_into_the_whole_batch():
+    model, make = build("mlp")
+    reference = copy.deepcopy(model)
+    batch = make(8, 0)
+    loss = _one_process(model, "1f1b")(batch)
+    loss.backward()
+    ref_loss = reference(batch)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(_one_process(model, "1f1b")(batch), reference(batch), rtol=1e-5, atol=0)

@@ -60,7 +60,9 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
         from ..passes.microbatch_outputs import microbatch_combine
 
         batch_inputs = [i.index for i in inputs if i.kind == "input"]
-        return microbatch_combine(gm, list(example_inputs), batch_inputs, m)
+        # by their metadata: by now this rank holds only its stages' parameters
+        examples = [torch.empty(i.shape, dtype=i.dtype, device="meta") for i in inputs]
+        return microbatch_combine(gm, examples, batch_inputs, m)
 
     return PipelinePlan(
         key=key, config=config, inputs=inputs, staged=ctx.staged, schedule=schedule, gpipe=gpipe,

@@ -100,10 +100,19 @@ class PipelinePlan:
 
     def programs_for(self, mb_args: list[list[Any]]) -> tuple[dict[int, Callable], dict[str, ValueMeta]]:
         """This rank's compiled stages and the boundary metadata for micro-batches shaped like ``mb_args[0]``."""
-        shapes = tuple(tuple(mb_args[0][i.index].shape) for i in self.inputs if i.kind == "input")
+        # aot_autograd compiles an inference program without grad mode: one set of programs per mode
+        shapes = (torch.is_grad_enabled(),) + tuple(tuple(mb_args[0][i.index].shape) for i in self.inputs
+                                                    if i.kind == "input")
         if shapes not in self._programs:
             start = time.perf_counter()
-            metas = _boundary_metas(self, mb_args[0])
+            try:
+                metas = _boundary_metas(self, mb_args[0])
+            except Exception as error:
+                raise RuntimeError(
+                    "dynshard: the captured graph does not run on micro-batches of its batch; it was traced with "
+                    "the whole batch and holds sizes taken from it (e.g. x.view(B, T, ...) with B = x.shape[0]). "
+                    "Call the model once per micro-batch through dynshard.train_step(model, samples), or write "
+                    f"such sizes as -1 ({type(error).__name__}: {error})") from None
             programs = {}
             for s in self.schedule.stages_of(self.groups.pp_rank):
                 stage = self.staged.stages[s]
@@ -183,9 +192,9 @@ class PipelineProgram:
         return mb_args
 
     def run(self, schedule, mb_args, train: bool, seed_fn=None, actions=None) -> StepRun:
-        programs, metas = self.plan.programs_for(mb_args)
-        run = StepRun(self.plan, programs, metas, mb_args, train, seed_fn)
         with torch.set_grad_enabled(train):
+            programs, metas = self.plan.programs_for(mb_args)
+            run = StepRun(self.plan, programs, metas, mb_args, train, seed_fn)
             run.run(schedule.actions[self.plan.groups.pp_rank] if actions is None else actions)
         run.finish()
         return run
