@@ -293,12 +293,14 @@ def has_sharding_strategy(op, direct_only: bool = False) -> bool:
 
 def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str,
                      on_graph: Callable[[fx.GraphModule, str], None], freeze: bool = False,
-                     joint_pass: Callable | None = None, patches: dict | None = None):
+                     joint_pass: Callable | None = None, patches: dict | None = None,
+                     backward: Callable | None = None):
     """aot_autograd + the configured compiler; ``on_graph(graph, phase)`` sees each forward/backward
     graph (phase "forward", "backward" or "inference") before it is compiled. ``joint_pass(joint,
     inputs)`` runs on the joint graph before it is partitioned (functorch's ``joint_custom_pass``);
     ``patches`` are Inductor settings. The result is called as ``run(*args)`` (aot_module_simplified's
-    convention, whatever ``_boxed_call`` it copies)."""
+    convention, whatever ``_boxed_call`` it copies). ``backward(graph, inputs, compile_graph)`` replaces
+    the backward's compilation: it returns the boxed backward, compiling graphs with ``compile_graph``."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
@@ -308,6 +310,8 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
             def recorder(phase_if_training: str):
                 def compile_graph(graph: fx.GraphModule, inputs):
                     on_graph(graph, phase_if_training)
+                    if phase_if_training == "backward" and backward is not None:
+                        return backward(graph, inputs, boxed_nop)
                     return boxed_nop(graph, inputs)
                 return compile_graph
 
@@ -327,6 +331,8 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
             else:
                 phase = "forward"
             on_graph(graph, phase)
+            if phase == "backward" and backward is not None:
+                return backward(graph, inputs, lambda part, part_inputs: compile_fx_inner(part, part_inputs, **kwargs))
             return compile_fx_inner(graph, inputs, **kwargs)
 
         # independent all-reduces (data-parallel gradients) go out in buckets, as DDP's reducer does

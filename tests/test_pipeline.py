@@ -102,3 +102,9 @@ def test_hybrid_runs_two_tensor_parallel_stages_on_four_ranks():
         assert result["held"]["blocks.0.fc1.weight"] == (128 * 32 // 2 if first_stage else 0)
         assert result["held"]["blocks.3.fc1.weight"] == (0 if first_stage else 128 * 32 // 2)
         assert result["held"]["wte.weight"] == 64 * 32 // 2      # vocab parallel, tied, on both stages
+
+
+def test_zero_bubble_splits_each_backward_and_trains_like_one_process():
+    """zb1p: input gradients first (the previous stage waits for them), weight gradients in the bubbles."""
+    _assert_parity(run_ranks(pipeline_parity, 2, "gpt", 2, {"pipeline_nmicros": 4, "pipeline_scheduler": "zb1p"},
+                             "train_step", 2))

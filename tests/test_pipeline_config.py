@@ -26,7 +26,8 @@ PP = dict(policy="pp", use_end2end=True)
     (dict(pas_config={"pipeline_nmicros": 4, "pipeline_scheduler": "infer_pipe"}), r"runs forward only"),
     (dict(pas_config={"pipeline_nmicros": 4}, inference_only=True), r"with inference_only=True use 'infer_pipe'"),
     (dict(pas_config={"pipeline_nmicros": 4, "pipeline_scheduler": "chimera_direct"}), r"chimera_direct"),
-    (dict(pas_config={"pipeline_nmicros": 4, "pipeline_scheduler": "zb1p"}), r"input-gradient and weight-gradient"),
+    (dict(policy="hybrid", plan_ngpus=4, pas_config={"pipeline_nmicros": 4, "pipeline_nstages": 2,
+                                                      "pipeline_scheduler": "zb1p"}), r"zb1p with policy 'hybrid'"),
     (dict(pas_config={"pipeline_nmicros": 4}, use_zero=1), r"use_zero with policy 'pp' is not built yet"),
     (dict(policy="hybrid", plan_ngpus=4, pas_config={"pipeline_nmicros": 4}), r"'hybrid' needs pas_config\['pipeline_nstages'\]"),
     (dict(policy="hybrid", plan_ngpus=4, pas_config={"pipeline_nmicros": 4, "pipeline_nstages": 3}),
@@ -85,7 +86,7 @@ def test_a_graph_break_inside_the_pipelined_model_is_an_error_under_train_step()
         dynshard.train_step(_one_process(model), [make(2, i) for i in range(4)])
 
 
-@pytest.mark.parametrize("scheduler, nchunks", [("1f1b", 1), ("1f1b_interleaved", 2)])
+@pytest.mark.parametrize("scheduler, nchunks", [("1f1b", 1), ("1f1b_interleaved", 2), ("zb1p", 1)])
 def test_one_process_pipelines_train_like_gradient_accumulation(scheduler, nchunks):
     """Two stages on one rank (interleaved) hand activations and gradients over without transfers."""
     torch.manual_seed(0)

@@ -3,25 +3,26 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+import time
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
 
 from .. import compat
 from ..config import Config
-from ..passes import PassContext, cast_to_compute_dtype, run_passes
+from ..passes import PASSES, PassContext, assign_placements, cast_to_compute_dtype, run_passes
 from ..passes.tag_recompute import tag_single_process
 from ..runtime.mesh import ensure_process_group, layout_for, world_size
 from ..runtime.pipeline.program import PipelineProgram
 from ..runtime.program import CompiledPlan, ShardedProgram
 from ..runtime.sharding import is_sharded, present_global_shapes, restore_local_shards, stored_shape
 from ..runtime.zero import zero_groups
-from .agreement import ensure_ranks_agree
+from .agreement import PlanChannel, ensure_ranks_agree, plan_channel
 from .capture import describe_inputs
 from .compile import compile_program
 from .pipeline import plan_pipeline
-from .plan_cache import PlanCache, plan_key
+from .plan_cache import PlanCache, decode_plan, encode_plan, plan_key
 from .reshard import reshard_pass
 
 log = logging.getLogger("dynshard")
@@ -66,12 +67,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         plan = CompiledPlan(key, inputs, {i.index: () for i in inputs}, {}, layout, compiled, None, [],
                             config.inference_only)
     else:
-        stored = PLANS.load_plan(config, key)
-        if stored is not None:
-            ctx.placements, ctx.over_dp, ctx.constraints = stored["placements"], stored["over_dp"], \
-                stored["constraints"]
-        compiled = plan_and_compile(gm, ctx, device_type)
-        PLANS.save_plan(config, key, ctx.placements, set(ctx.zero), ctx.constraints, layout)
+        compiled = _plan_once_and_compile(gm, ctx, key, device_type)
         plan = CompiledPlan(key, inputs, ctx.placements, ctx.zero, layout, compiled, ctx.propagation,
                             ctx.timings, config.inference_only,
                             build_no_sync=_no_sync_builder(gm, ctx, device_type) if layout.dp_group else None)
@@ -97,10 +93,61 @@ def _pipeline_program(gm, example_inputs, config, layout, inputs, key, device_ty
     return PipelineProgram(plan)
 
 
-def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str):
-    """The passes, then the per-rank compile of their program."""
+def _plan_once_and_compile(gm: fx.GraphModule, ctx: PassContext, key: str, device_type: str):
+    """Planned once per job: rank 0 runs the policy, or reads the plan in ``cache_dir``, and sends the plan
+    to the other ranks, which install it as a stored plan and skip the policy (see ``PlanChannel``).
+
+    The others lower the graph while rank 0 plans and wait for the plan just before the policy pass. A
+    rank whose planning raises still takes part in the one message of the compile (rank 0 sends its error
+    instead of the plan; another rank waits for rank 0's message), so every rank raises and the ranks stay
+    in step for the next compile. A process that plans alone (one rank, a fake group) plans as before.
+    """
     config, layout = ctx.config, ctx.layout
-    lowered = run_passes(copy_graph(gm), ctx)     # passes may edit the graph they get; the variant reuses gm
+    channel = plan_channel()
+    try:
+        if channel is not None and not channel.planner:
+            return plan_and_compile(gm, ctx, device_type, before_policy=lambda ctx: _receive_plan(ctx, channel))
+        stored = PLANS.load_plan(config, key)
+        if stored is not None:
+            _install_plan(ctx, stored)
+            if channel is not None:    # at once: the others need not wait for this rank's lowering
+                channel.send(encode_plan(stored["placements"], stored["over_dp"], stored["constraints"]))
+        compiled = plan_and_compile(gm, ctx, device_type, after_policy=None if channel is None else
+                                    lambda ctx: channel.finished or channel.send(
+                                        encode_plan(ctx.placements, set(ctx.zero), ctx.constraints)))
+    except BaseException as error:
+        if channel is not None:
+            channel.abandon(error)
+        raise
+    PLANS.save_plan(config, key, ctx.placements, set(ctx.zero), ctx.constraints, layout)
+    return compiled
+
+
+def _install_plan(ctx: PassContext, stored: dict[str, Any]) -> None:
+    """A stored or received plan replaces the policy (``assign_placements`` skips it)."""
+    ctx.placements, ctx.over_dp, ctx.constraints = stored["placements"], stored["over_dp"], stored["constraints"]
+
+
+def _receive_plan(ctx: PassContext, channel: PlanChannel) -> None:
+    start = time.perf_counter()
+    _install_plan(ctx, decode_plan(channel.receive()))
+    ctx.timings.append(("receive_plan", time.perf_counter() - start))     # mostly waiting for rank 0
+
+
+def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str,
+                     before_policy: Callable[[PassContext], Any] | None = None,
+                     after_policy: Callable[[PassContext], Any] | None = None):
+    """The passes, then the per-rank compile of their program (``before_policy``/``after_policy``: called
+    around the ``assign_placements`` pass)."""
+    config, layout = ctx.config, ctx.layout
+    policy = PASSES.index(assign_placements)
+    lowered = run_passes(copy_graph(gm), ctx, PASSES[:policy])   # passes may edit the graph; the variant reuses gm
+    if before_policy is not None:
+        before_policy(ctx)
+    lowered = run_passes(lowered, ctx, PASSES[policy:policy + 1])
+    if after_policy is not None:
+        after_policy(ctx)
+    lowered = run_passes(lowered, ctx, PASSES[policy + 1:])
     local_inputs = [_local_example(inp, ctx.placements[inp.index], ctx.zero_of(inp), layout) for inp in ctx.inputs]
     program = compile_program(lowered, local_inputs, config.compiler, layout, config.inference_only,
                               freeze=config.constant_folding, joint_pass=_reshard_pass(config, ctx),

@@ -4,6 +4,9 @@ gloo reports as a "collective mismatch" deep inside a step and NCCL answers with
 At each backend call the ranks all-gather their plan key on a small gloo group of dynshard's own
 (it works whatever the default group's backend, and has a short timeout). Keys that differ raise
 :class:`PlanMismatchError` on every rank, after a second exchange that finds what differs.
+
+The plan itself is made once per job: rank 0 runs the policy (or reads the plan in ``cache_dir``) and
+broadcasts it on the same group; the other ranks install it as a stored plan (:class:`PlanChannel`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,10 @@ from .plan_cache import modes_token
 # it failed).
 TIMEOUT = datetime.timedelta(seconds=300)
 _KEY_BYTES = 64
+# How long the other ranks wait for rank 0's plan (read at each compile): rank 0 runs the policy meanwhile,
+# which may be a long search. A rank 0 whose planning raises sends its error at once, and one that exits
+# closes its connections, so this bounds only a rank 0 that hangs.
+PLAN_TIMEOUT = datetime.timedelta(minutes=30)
 
 _FIX = ("Every rank must run the same model and code, with the same dynshard config, grad/autocast mode "
         "and input shapes (the ranks of one plan unit see the same batch)")
@@ -37,6 +44,10 @@ _FIX = ("Every rank must run the same model and code, with the same dynshard con
 
 class PlanMismatchError(RuntimeError):
     """The ranks compiled different plans (or not all of them compiled): their collectives would not match."""
+
+
+class PlanningFailedError(PlanMismatchError):
+    """Rank 0 failed while planning (its policy raised): what the other ranks raise instead of waiting."""
 
 
 class _Agreement:
@@ -80,6 +91,21 @@ class _Agreement:
             raise PlanMismatchError(self._absent(error)) from error
         return [t.numpy().tobytes() for t in gathered]
 
+    def broadcast(self, payload: bytes | None, timeout: datetime.timedelta) -> bytes:
+        """Rank 0's ``payload`` on every rank (the others pass None). Raises gloo's RuntimeError."""
+        def send(tensor: torch.Tensor) -> None:
+            options = dist.BroadcastOptions()
+            options.rootRank, options.rootTensor, options.timeout = 0, 0, timeout
+            self.group.broadcast([tensor], options).wait(timeout)
+
+        root = dist.get_rank() == 0
+        size = torch.tensor([len(payload) if root else 0], dtype=torch.int64)
+        send(size)
+        data = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if root
+                else torch.empty(int(size.item()), dtype=torch.uint8))
+        send(data)
+        return payload if root else data.numpy().tobytes()
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         payload = pickle.dumps(obj)
         sizes = self.all_gather(len(payload).to_bytes(8, "little"), 8)
@@ -98,7 +124,7 @@ class _Agreement:
             late = []
         who = f"{_ranks(late)} did not reach it" if late else "some rank did not reach it or exited"
         where = "its first dynshard compile" if self.compiles == 0 else f"its dynshard compile #{self.compiles}"
-        cause = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+        cause = _first_line(error)
         return (f"dynshard: rank {dist.get_rank()} waited (up to {TIMEOUT.total_seconds():.0f}s) at {where} for "
                 f"the other ranks and {who} (gloo: {cause}). A rank that compiles other graphs (a graph "
                 "break or code path only it takes), or that failed, leaves the others without a partner for "
@@ -122,9 +148,93 @@ def ensure_ranks_agree(key: str, code: str, inputs: Sequence[GraphInput], config
 
     One all-gather of the key on a dynshard gloo group; nothing when this process is the whole job.
     """
-    if not dist.is_initialized() or dist.get_world_size() < 2 or dist.get_backend() == "fake":
+    if not _checks_agreement():
         return
     _AGREEMENT.check(key, lambda: describe_plan(key, code, inputs, config, layout))
+
+
+class PlanChannel:
+    """Rank 0 -> the other ranks, one message per compile that plans: the plan (the JSON text of
+    :func:`.plan_cache.encode_plan`, as kept in ``cache_dir``) or, when rank 0's planning raised before the
+    plan was sent, its error.
+
+    Every rank of such a compile takes part (the keys agree, so all the ranks miss the plan cache or none
+    does): rank 0 sends exactly one message, each other rank takes exactly one, also when it fails itself
+    (:meth:`abandon`), so that the group stays in step for the next compile.
+    """
+
+    _PLAN, _ERROR = b"P", b"E"
+
+    def __init__(self, agreement: _Agreement) -> None:
+        self._agreement = agreement
+        self.compile = agreement.compiles - 1      # the compile the agreement check just counted
+        self.planner = dist.get_rank() == 0
+        self.finished = False                      # this rank's part is done (or was tried)
+
+    def send(self, plan: str) -> None:
+        """Rank 0: the plan to the other ranks."""
+        self._send(self._PLAN + plan.encode())
+
+    def receive(self) -> str:
+        """The other ranks: rank 0's plan; raises :class:`PlanningFailedError` when rank 0's planning failed."""
+        assert not self.planner and not self.finished, "one message per compile"
+        self.finished = True
+        timeout = PLAN_TIMEOUT
+        try:
+            message = self._agreement.broadcast(None, timeout)
+        except RuntimeError as error:
+            raise PlanMismatchError(
+                f"dynshard: rank {dist.get_rank()} waited (up to {timeout.total_seconds():.0f}s) at its dynshard "
+                f"compile #{self.compile} for the plan rank 0 makes, and rank 0 did not send it (gloo: "
+                f"{_first_line(error)}). Rank 0 exited or hangs; its own output says why. To wait longer, set "
+                "dynshard.backend.agreement.PLAN_TIMEOUT (a timedelta)") from error
+        kind, body = message[:1], message[1:].decode()
+        if kind == self._ERROR:
+            raise PlanningFailedError(f"dynshard: rank 0 failed while planning compile #{self.compile}, so this "
+                                      f"rank has no plan to compile: {body}. Rank 0's output has the traceback")
+        return body
+
+    def abandon(self, error: BaseException) -> None:
+        """This rank's planning raised ``error`` before its part was done: rank 0 sends the error instead
+        of the plan; another rank takes rank 0's message and drops it (it raises its own error)."""
+        if self.finished:
+            return
+        if self.planner:
+            try:
+                self._send(self._ERROR + f"{type(error).__name__}: {error}".strip().encode())
+            except PlanMismatchError:
+                pass            # the others are gone: this rank's own error is the one to see
+        elif isinstance(error, Exception):      # (not on Ctrl-C: no waiting then)
+            try:
+                self.receive()
+            except PlanMismatchError:
+                pass
+
+    def _send(self, message: bytes) -> None:
+        assert self.planner and not self.finished, "one message per compile"
+        self.finished = True
+        try:
+            self._agreement.broadcast(message, TIMEOUT)
+        except RuntimeError as error:
+            raise PlanMismatchError(
+                f"dynshard: rank 0 could not send its plan of compile #{self.compile} to the other ranks (gloo: "
+                f"{_first_line(error)}): some rank exited or stopped waiting. {_FIX}") from error
+
+
+def plan_channel() -> PlanChannel | None:
+    """The channel of the compile whose keys :func:`ensure_ranks_agree` just checked; None when this process
+    plans alone (no process group, one process, or a group that never communicates)."""
+    if not _checks_agreement() or _AGREEMENT.group is None or _AGREEMENT.world is not dist.group.WORLD:
+        return None
+    return PlanChannel(_AGREEMENT)
+
+
+def _checks_agreement() -> bool:
+    return dist.is_initialized() and dist.get_world_size() >= 2 and dist.get_backend() != "fake"
+
+
+def _first_line(error: Exception) -> str:
+    return str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
 
 
 def describe_plan(key: str, code: str, inputs: Sequence[GraphInput], config: Config, layout: Layout) -> dict:

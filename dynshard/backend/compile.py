@@ -77,9 +77,10 @@ class CompiledProgram:
 
 def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], compiler: str, layout: Layout,
                     inference_only: bool = False, freeze: bool = False, joint_pass=None,
-                    inductor_patches: dict | None = None) -> CompiledProgram:
+                    inductor_patches: dict | None = None, backward=None) -> CompiledProgram:
     """``joint_pass``: run on aot_autograd's joint graph before partitioning (recompute tags);
-    ``inductor_patches``: Inductor settings for this program (collective bucketing)."""
+    ``inductor_patches``: Inductor settings for this program (collective bucketing); ``backward``: compiles
+    the backward graph instead (:mod:`.split_backward`)."""
     program = CompiledProgram(run=None, collectives=[], graphs={}, seconds=0.0)
 
     def on_graph(graph: fx.GraphModule, phase: str) -> None:
@@ -99,6 +100,6 @@ def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], co
                                                   patches=inductor_patches)
     else:
         program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, joint_pass=joint_pass,
-                                              patches=inductor_patches)
+                                              patches=inductor_patches, backward=backward)
     program.seconds = time.perf_counter() - start
     return program

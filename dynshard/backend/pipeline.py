@@ -4,6 +4,7 @@ stages each rank compiles (its own only) on first use, per micro-batch shape."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -20,6 +21,7 @@ from ..runtime.pipeline.schedules import build_schedule
 from ..runtime.program import CompiledPlan, ShardedProgram
 from .capture import describe_inputs
 from .compile import compile_program
+from .split_backward import compiled_backward
 
 log = logging.getLogger("dynshard")
 
@@ -54,7 +56,12 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
         if layout.tp_size > 1:
             return _tensor_parallel_stage(stage, args, config, layout, key, device_type)
         examples = [torch.empty(a.shape, dtype=a.dtype, device=a.device).requires_grad_(a.requires_grad) for a in args]
-        return compile_program(stage.module, examples, config.compiler, layout, config.inference_only).run
+        backward = None
+        if schedule.splits_backward:    # zero bubble: weight gradients deferred to the W actions
+            weights = {j for j, i in enumerate(stage.graph_inputs) if inputs[i].kind == "parameter"}
+            backward = functools.partial(compiled_backward, weight_outputs=weights)
+        return compile_program(stage.module, examples, config.compiler, layout, config.inference_only,
+                               backward=backward).run
 
     def combine():
         from ..passes.microbatch_outputs import microbatch_combine

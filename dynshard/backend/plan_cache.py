@@ -2,7 +2,8 @@
 
 In memory a hit returns the compiled program itself (the re-trace that follows the in-place sharding of
 parameters never compiles twice). On disk (``Config.cache_dir``) the placements are kept as JSON, so a
-restarted job skips the policy search.
+restarted job skips the policy search. The same JSON is what rank 0 sends the other ranks of a job (see
+:class:`.agreement.PlanChannel`): a received plan and a stored one are installed alike.
 """
 
 from __future__ import annotations
@@ -52,20 +53,14 @@ class PlanCache:
     # -- placements on disk -----------------------------------------------------------------------
     @staticmethod
     def load_plan(config: Config, key: str) -> dict[str, Any] | None:
-        """A stored plan: each input's placements ("placements"), the inputs whose rows ZeRO splits over
-        dp ("over_dp") and the activations the policy placed ("constraints")."""
+        """A stored plan (see :func:`decode_plan`), None when ``cache_dir`` holds none for ``key``."""
         if not config.cache_dir:
             return None
         path = os.path.join(config.cache_dir, f"plan-{key}.json")
         if not os.path.exists(path):
             return None
         with open(path) as f:
-            stored = json.load(f)
-        return {"placements": {int(i): _decode_all(ps) for i, ps in stored["placements"].items()},
-                "over_dp": set(stored.get("over_dp", ())),
-                "constraints": {name: ActivationPlacement(_decode_all(c["placements"]),
-                                                          None if c["readers"] is None else tuple(c["readers"]))
-                                for name, c in stored.get("constraints", {}).items()}}
+            return decode_plan(f.read())
 
     @staticmethod
     def save_plan(config: Config, key: str, placements: dict[int, tuple[Placement, ...]], over_dp: set[int],
@@ -76,12 +71,29 @@ class PlanCache:
         path = os.path.join(config.cache_dir, f"plan-{key}.json")
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
-            json.dump({"placements": {i: [_encode(p) for p in ps] for i, ps in placements.items()},
+            f.write(encode_plan(placements, over_dp, constraints))
+        os.replace(tmp, path)
+
+
+def encode_plan(placements: dict[int, tuple[Placement, ...]], over_dp: set[int],
+                constraints: dict[str, ActivationPlacement]) -> str:
+    """What the policy decided, as JSON text: kept in ``cache_dir`` and sent by rank 0 to the other ranks."""
+    return json.dumps({"placements": {i: [_encode(p) for p in ps] for i, ps in placements.items()},
                        "over_dp": sorted(over_dp),
                        "constraints": {name: {"placements": [_encode(p) for p in c.placements],
                                               "readers": None if c.readers is None else list(c.readers)}
-                                       for name, c in constraints.items()}}, f)
-        os.replace(tmp, path)
+                                       for name, c in constraints.items()}})
+
+
+def decode_plan(text: str) -> dict[str, Any]:
+    """A plan from :func:`encode_plan`: each input's placements ("placements"), the inputs whose rows ZeRO
+    splits over dp ("over_dp") and the activations the policy placed ("constraints")."""
+    stored = json.loads(text)
+    return {"placements": {int(i): _decode_all(ps) for i, ps in stored["placements"].items()},
+            "over_dp": set(stored.get("over_dp", ())),
+            "constraints": {name: ActivationPlacement(_decode_all(c["placements"]),
+                                                      None if c["readers"] is None else tuple(c["readers"]))
+                            for name, c in stored.get("constraints", {}).items()}}
 
 
 def _decode_all(texts) -> tuple[Placement, ...]:

@@ -11,13 +11,14 @@
     load_merged_state_dicts(compiled, full_model, opt, full_optim)
 
 Per-rank state dicts can be merged offline because each says where its tensors sit
-(:mod:`.rank_state`: an ``_extra_state`` entry in the model's, a ``dynshard_rank_state`` key in the
-optimizer's). Optimizers must be Adam-like: every state tensor is either of its parameter's shape (stored
+(:mod:`.rank_state`: a ``dynshard_rank_state`` entry in the model state dict's ``_metadata``, and a key
+of that name in the optimizer's). Optimizers must be Adam-like: every state tensor is either of its parameter's shape (stored
 as the parameter is) or a scalar (``step``).
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Any, Mapping, Sequence
 
@@ -26,36 +27,41 @@ import torch.distributed as dist
 
 from ..runtime.sharding import get_tag, stored_piece
 from ..runtime.state_dict import _strip, relocate_state_dict, unwrap_compiled
-from .rank_state import (KEY, MARK, OPTIM_KEY, TensorInfo, hook_module, hook_optimizer, indexed_params, info_of,
-                         is_entry, rank_and_world, user_extra_state)
+from .rank_state import (MARK, OPTIM_KEY, TensorInfo, entries_of, hook_module, hook_optimizer, indexed_params,
+                         info_of, rank_and_world)
 
 Piece = tuple[tuple[int, ...], int]
 
 
 # -- merge (offline) -------------------------------------------------------------------------------------
 
-def _model_entries(state_dict: Mapping[str, Any]) -> tuple[int | None, dict[str, TensorInfo], dict[str, Any]]:
-    """(rank, {key: info}, the state dict without our entries) of one rank's model state dict."""
-    rank, infos, plain = None, {}, {}
-    for key, value in state_dict.items():
-        if key.endswith(KEY) and is_entry(value):
-            entry = value[MARK]
-            rank = entry["rank"]
-            prefix = key[:-len(KEY)]
-            infos.update({prefix + name: TensorInfo.from_dict(d) for name, d in entry["tensors"].items()})
-            had, user = user_extra_state(value)
-            if had:
-                plain[key] = user
-        else:
-            plain[key] = value
-    return rank, infos, plain
+def _model_entries(state_dict: Mapping[str, Any]) -> tuple[int | None, dict[str, TensorInfo]]:
+    """(rank, {key: info}) of one rank's model state dict."""
+    rank, infos = None, {}
+    for prefix, entry in entries_of(state_dict):
+        rank = entry["rank"]
+        infos.update({prefix + name: TensorInfo.from_dict(d) for name, d in entry["tensors"].items()})
+    return rank, infos
+
+
+def _plain_metadata(state_dict: Mapping[str, Any]) -> collections.OrderedDict:
+    """The state dict's ``_metadata`` (module versions) as the original module's: ``_orig_mod`` out of the
+    module names, our entries left out."""
+    metadata = collections.OrderedDict()
+    for name, meta in (getattr(state_dict, "_metadata", None) or {}).items():
+        name = _strip(f"{name}.")[:-1]
+        meta = {k: v for k, v in meta.items() if k != MARK} if isinstance(meta, Mapping) else meta
+        if name not in metadata or meta:        # the compiled wrapper's root says less than the module's
+            metadata[name] = meta
+    return metadata
 
 
 def _ranked(entries: list[tuple[int | None, Any]], what: str) -> list[tuple[int, Any]]:
     ranks = [rank for rank, _ in entries]
     if all(rank is None for rank in ranks):
-        raise ValueError(f"dynshard: none of the {what} state dicts says where its tensors sit: pass "
-                         f"{what}.state_dict() of each rank, taken after the model's first step")
+        raise ValueError(f"dynshard: none of the {what} state dicts says where its tensors sit: pass what "
+                         f"{what}.state_dict() returned on each rank after the model's first step (as it is: the "
+                         "model's says it in its _metadata, which a dict rebuilt from its items loses)")
     if any(rank is None for rank in ranks) or len(set(ranks)) != len(ranks):
         raise ValueError(f"dynshard: the {what} state dicts must be one per rank, each from its own rank "
                          f"(their ranks: {ranks})")
@@ -84,18 +90,18 @@ def _merge_tensor(name: str, info: TensorInfo | None, holders: list[tuple[int, A
 
 
 def _merge_model(state_dicts: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    parsed = [_model_entries(sd) for sd in state_dicts]
-    ranked = _ranked([(rank, (infos, plain)) for rank, infos, plain in parsed], "model")
+    ranked = _ranked([(_model_entries(sd)[0], sd) for sd in state_dicts], "model")
     infos: dict[str, TensorInfo] = {}
     keys: dict[str, None] = {}
-    for _, (rank_infos, plain) in ranked:
-        for key, info in rank_infos.items():
+    for _, sd in ranked:
+        for key, info in _model_entries(sd)[1].items():
             infos.setdefault(key, info)
-        keys.update(dict.fromkeys(plain))
-    merged = {}
+        keys.update(dict.fromkeys(sd))
+    merged = collections.OrderedDict()
     for key in keys:
-        holders = [(rank, plain[key]) for rank, (_, plain) in ranked if key in plain]
+        holders = [(rank, sd[key]) for rank, sd in ranked if key in sd]
         merged[_strip(key)] = _merge_tensor(key, infos.get(key), holders)
+    merged._metadata = _plain_metadata(ranked[0][1])
     return merged
 
 
@@ -133,7 +139,9 @@ def merge_state_dicts(model_state_dicts: Sequence[Mapping[str, Any]],
     ``torch.optim.Optimizer.state_dict()``'s format (parameter indices, ``param_groups``) with whole state
     tensors, so the same optimizer over the plain model's parameters loads it. Pieces that several ranks
     hold are taken from the lowest rank; deduplicated state dicts (:func:`deduped_state_dict`) of every
-    rank merge too. Tensors stay where ``torch.load`` put them (``map_location`` to choose).
+    rank merge too. Tensors stay where ``torch.load`` put them (``map_location`` to choose). Pass each
+    model state dict as ``state_dict()`` returned it (an ``OrderedDict``, as ``torch.save``/``torch.load``
+    keep it): where its tensors sit is in its ``_metadata``.
     """
     model = _merge_model(model_state_dicts)
     optim = _merge_optimizer(optimizer_state_dicts) if optimizer_state_dicts is not None else None
@@ -180,7 +188,11 @@ def load_merged_state_dicts(model: torch.nn.Module, model_state_dict: Mapping[st
     hook_module(module)
     keys = _own_keys(module)
     relocated = relocate_state_dict(module, model_state_dict)
-    module.load_state_dict({keys.get(k, k): v for k, v in relocated.items()}, strict=True)
+    loaded = collections.OrderedDict((keys.get(k, k), v) for k, v in relocated.items())
+    metadata = getattr(model_state_dict, "_metadata", None)
+    if metadata is not None and all(k == _strip(k) for k in keys.values()):
+        loaded._metadata = metadata        # module versions, named as the original module's submodules
+    module.load_state_dict(loaded, strict=True)
     if optimizer is not None and optimizer_state_dict is not None:
         _load_full_optimizer(optimizer, optimizer_state_dict)
 
@@ -195,10 +207,10 @@ def deduped_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer 
                        ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """This rank's ``model.state_dict()`` (and ``optimizer.state_dict()``) without what a lower rank
     holds too: each piece is kept by the lowest rank storing it (the first data-parallel unit, the first
-    ZeRO group, tp coordinate 0 for tensors replicated inside a unit); untagged tensors by rank 0. The
-    rank's ``_extra_state`` entry and the optimizer's ``param_groups`` stay on every rank. Load it back
-    under the same plan with :func:`load_deduped_state_dict`; every rank's together also merge with
-    :func:`merge_state_dicts`."""
+    ZeRO group, tp coordinate 0 for tensors replicated inside a unit); untagged tensors by rank 0.
+    Non-tensor entries (modules' extra state), the metadata and the optimizer's ``param_groups`` stay on
+    every rank. Load it back under the same plan with :func:`load_deduped_state_dict`; every rank's
+    together also merge with :func:`merge_state_dicts`."""
     module = unwrap_compiled(model)
     hook_module(module)
     rank, _ = rank_and_world()
@@ -265,7 +277,7 @@ def load_deduped_state_dict(model: torch.nn.Module, model_state_dict: Mapping[st
     module = unwrap_compiled(model)
     rank, world = rank_and_world()
     live = {_strip(k): v for k, v in module.state_dict(keep_vars=True).items()}
-    given = {_strip(k): v for k, v in model_state_dict.items() if not (k.endswith(KEY) and is_entry(v))}
+    given = {_strip(k): v for k, v in model_state_dict.items()}
     problems = [f"{k} is not the model's" for k in given if k not in live]
     for key, tensor in live.items():
         if not isinstance(tensor, torch.Tensor):

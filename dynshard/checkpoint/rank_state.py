@@ -4,25 +4,21 @@ A rank's ``model.state_dict()`` and ``optimizer.state_dict()`` hold its shards (
 their padding). To merge them later without the job, each says where its tensors sit, as nnScaler's
 per-rank state dicts do:
 
-- **Model.** A state-dict post-hook on the compiled module adds one entry, under torch's extra-state key
-  (``<prefix>_extra_state``, e.g. ``_orig_mod._extra_state`` for ``compiled.state_dict()``):
-  ``{"dynshard_rank_state": {"format", "rank", "world_size", "tensors": {name: info}}}`` where ``info``
-  gives the global shape, the placements on the plan unit, the unit size and the ZeRO rows of each tagged
-  tensor (names relative to the module; untagged tensors are whole on every rank). Plain types only, so
-  ``torch.load(weights_only=True)`` reads it. A ``load_state_dict`` pre-hook on the same module takes
-  the entry out again before torch checks the keys, so loading a rank's own state dict back on that rank
-  (after the first step, as its shards need) works with ``strict=True``. A module whose class has its own
-  ``get_extra_state`` keeps it: its value is wrapped (``"module_extra_state"``) and unwrapped again on
-  load and by the merge. Torch's extra-state key rather than a new one: tools that walk state-dict keys
-  as attribute paths (``torch.distributed.checkpoint.state_dict``) know it.
-- The entry is added to ``state_dict()`` (``keep_vars=False``: detached tensors, which lose their tags)
-  and not to ``state_dict(keep_vars=True)``, whose tensors are the live parameters carrying their tags:
-  DCP checkpoints (:mod:`dynshard.checkpoint.api`) and ``collect_state_dict`` read the module that way
-  and see exactly the original module's keys.
-- **Optimizer.** A state-dict post-hook adds ``"dynshard_rank_state": {"format", "rank",
-  "world_size", "params": {index: info}}`` beside ``state`` and ``param_groups`` (torch's load ignores
-  other keys; a load pre-hook removes it anyway).
-- **Installation.** The module hooks go on the modules of the frame that dynshard compiles (the module
+- **Model: in the state dict's ``_metadata``**, torch's own per-module metadata (where each module's
+  ``version`` is kept). A state-dict post-hook on the compiled module adds, in that module's
+  ``state_dict._metadata[<module prefix>]``, ``"dynshard_rank_state": {"format", "rank", "world_size",
+  "tensors": {name: info}}``, where ``info`` gives the global shape, the placements in the plan unit, the
+  unit size and the ZeRO rows of each tagged tensor (names relative to that module; untagged tensors are
+  whole on every rank). The keys and values stay exactly the original module's, so code that reads
+  ``state_dict()`` as tensors, DCP and ``collect_state_dict`` see nothing new, and ``load_state_dict``
+  of a rank's own state dict on that rank works with ``strict=True`` without any load hook (torch passes
+  the metadata to ``_load_from_state_dict``, which reads only ``version``). ``torch.save`` /
+  ``torch.load`` (also ``weights_only=True``: plain types only) keep ``_metadata``; a dict rebuilt from
+  the items (``{k: v for ...}``) loses it, and :func:`.merged.merge_state_dicts` then says so.
+- **Optimizer: one more key.** A state-dict post-hook adds ``"dynshard_rank_state": {"format", "rank",
+  "world_size", "params": {index: info}}`` beside ``state`` and ``param_groups`` (torch's
+  ``Optimizer.load_state_dict`` reads only those two; a load pre-hook removes it anyway).
+- **Installation.** The module hook goes on the modules of the frame that dynshard compiles (the module
   given to ``torch.compile``, found as :mod:`..runtime.materialize` finds it), when its program is built;
   the optimizer hooks go on any optimizer that steps with dynshard's tagged parameters (a global step
   pre-hook registered when this module is imported). The helpers of :mod:`.merged` also install them on
@@ -42,10 +38,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ..runtime.sharding import SHARDS, ShardTag, get_tag
 
-KEY = "_extra_state"                # torch's extra-state suffix: never an unexpected key on load
-MARK = "dynshard_rank_state"        # our entry: {MARK: {...}} (+ "module_extra_state": the module's own)
-USER = "module_extra_state"
-OPTIM_KEY = MARK                    # beside "state" and "param_groups" in an optimizer state dict
+MARK = "dynshard_rank_state"        # in a module's state-dict metadata; beside "state" in an optimizer's
+OPTIM_KEY = MARK
 FORMAT = 1
 _HOOKED = "_dynshard_rank_state_hooks"
 
@@ -176,27 +170,9 @@ def info_of(tensor: torch.Tensor) -> TensorInfo | None:
 
 # -- the model's entry ---------------------------------------------------------------------------------
 
-def is_entry(value: Any) -> bool:
-    return isinstance(value, Mapping) and MARK in value
-
-
-def user_extra_state(value: Mapping[str, Any]) -> tuple[bool, Any]:
-    """(whether the module had extra state of its own, that state) of one of our entries."""
-    return (USER in value), value.get(USER)
-
-
 def _named_tensors(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     return itertools.chain(module.named_parameters(remove_duplicate=False),
                            module.named_buffers(remove_duplicate=False))
-
-
-def _keeps_vars(module: torch.nn.Module, state_dict: Mapping[str, Any], prefix: str) -> bool:
-    """Whether this state dict holds the live tensors (``state_dict(keep_vars=True)``)."""
-    for name, tensor in _named_tensors(module):
-        key = prefix + name
-        if key in state_dict:
-            return state_dict[key] is tensor
-    return False
 
 
 def module_entry(module: torch.nn.Module) -> dict[str, Any] | None:
@@ -212,43 +188,33 @@ def module_entry(module: torch.nn.Module) -> dict[str, Any] | None:
     return {"format": FORMAT, "rank": rank, "world_size": world, "tensors": tensors}
 
 
-def _unwrap_in_place(state_dict: dict[str, Any], key: str) -> None:
-    had, value = user_extra_state(state_dict[key])
-    if had:
-        state_dict[key] = value
-    else:
-        del state_dict[key]
-
-
-def _add_entry(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    if _keeps_vars(module, state_dict, prefix):
-        return
+def _add_entry(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict) -> None:
     entry = module_entry(module)
     if entry is None:
         return
-    own_key = prefix + KEY
-    for key in [k for k in state_dict if k.startswith(prefix) and k.endswith("." + KEY) and k != own_key]:
-        if is_entry(state_dict[key]):      # a hooked submodule's entry: this one covers its tensors
-            _unwrap_in_place(state_dict, key)
-    value: dict[str, Any] = {MARK: entry}
-    if own_key in state_dict:
-        value[USER] = state_dict[own_key]
-    state_dict[own_key] = value
-
-
-def _take_entry(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-    for key in [k for k in state_dict if k.startswith(prefix) and k.endswith(KEY)]:
-        if is_entry(state_dict[key]):
-            _unwrap_in_place(state_dict, key)
+    metadata = getattr(state_dict, "_metadata", {})
+    own = prefix[:-1]
+    for name, meta in metadata.items():      # a hooked submodule's entry: this one covers its tensors
+        if name != own and name.startswith(prefix) and isinstance(meta, dict):
+            meta.pop(MARK, None)
+    local_metadata[MARK] = entry
 
 
 def hook_module(module: torch.nn.Module) -> None:
-    """Make ``module.state_dict()`` carry the entry (and ``load_state_dict`` accept it); idempotent."""
+    """Make ``module.state_dict()`` say where its tensors sit; idempotent."""
     if getattr(module, _HOOKED, False):
         return
     module.register_state_dict_post_hook(_add_entry)
-    module.register_load_state_dict_pre_hook(_take_entry)
     setattr(module, _HOOKED, True)
+
+
+def entries_of(state_dict: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(key prefix, entry) of each hooked module in a model state dict's ``_metadata``."""
+    found = []
+    for name, meta in (getattr(state_dict, "_metadata", None) or {}).items():
+        if isinstance(meta, Mapping) and MARK in meta:
+            found.append((f"{name}." if name else "", meta[MARK]))
+    return found
 
 
 def hook_frame_modules() -> None:

@@ -14,11 +14,9 @@ from typing import Any, Mapping
 
 from ..config import Config, ConfigError
 
-TRAINING_SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved")
+TRAINING_SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved", "zb1p")
 INFERENCE_SCHEDULES = ("infer_pipe",)
 NOT_YET = {
-    "zb1p": "splits each backward into its input-gradient and weight-gradient parts, which dynshard's stage "
-            "compiler does not do yet (the schedule itself exists: dynshard.runtime.pipeline.schedules)",
     "1f1b_plus": "needs segments that span every rank of the unit (tensor parallel inside a pipeline, "
                  "the 'hybrid' policy), which dynshard does not build yet",
     "chimera_direct": "runs every stage on two ranks in two directions, which dynshard does not build yet",
@@ -32,7 +30,8 @@ class PipelineOptions:
     pipeline_nmicros: micro-batches per step (required); ``train_step`` takes exactly this many samples,
         a plain call splits its batch into this many along dim 0.
     pipeline_nstages: stages in all (pp default: plan_ngpus x pipeline_nchunks; required by hybrid).
-    pipeline_scheduler: gpipe, 1f1b (default), 1f1b_interleaved, or infer_pipe (inference_only).
+    pipeline_scheduler: gpipe, 1f1b (default), 1f1b_interleaved, zb1p (zero bubble), or infer_pipe
+        (inference_only).
     pipeline_nchunks: stages each rank runs (the interleaved schedule); stage s runs on rank s % plan_ngpus.
     pipeline_pivots: comma-separated module class names a stage may start at (cut before an instance).
     """
@@ -101,6 +100,9 @@ class PipelineOptions:
                               "forward takes the sample and returns the loss first)")
         if config.policy == "hybrid":
             self._check_hybrid(config)
+            if name == "zb1p":
+                raise ConfigError("dynshard: zb1p with policy 'hybrid' is not built yet (its stages' backwards are "
+                                  "not split into input and weight gradients); use 1f1b or policy 'pp'")
         elif self.sequence_parallel:
             raise ConfigError("dynshard: sequence_parallel splits stages over tp ranks: use policy 'hybrid'")
         nstages = self.nstages(config)

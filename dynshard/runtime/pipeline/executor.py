@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ...backend.split_backward import DeferredWeightGradients
 from .trace import StepTrace
 
 
@@ -45,6 +46,7 @@ class StepRun:
         self.sends: list = []
         self.trace = StepTrace(plan.steps)
         self.sent_bytes = 0
+        self.deferred = DeferredWeightGradients()
 
     # -- helpers -------------------------------------------------------------------------------------
     def _tag(self, backward: bool, stage: int, mb: int, i: int) -> int:
@@ -156,6 +158,21 @@ class StepRun:
         if s > 0:
             self.grads_out[(s, mb)] = [leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n])
                                        for n in self._grad_names(s - 1)]
+
+    def _i(self, action) -> None:
+        """Zero bubble: the input gradients now (the previous stage waits for them), the weights' later."""
+        with self.deferred.collecting((action.stage, action.mb)):
+            self._b(action)
+
+    def _w(self, action) -> None:
+        stage = self.staged.stages[action.stage]
+        with torch.no_grad():
+            for position, grad in self.deferred.run((action.stage, action.mb)).items():
+                param = self.args[action.mb][stage.graph_inputs[position]]
+                if param.grad is None:
+                    param.grad = grad
+                else:
+                    param.grad.add_(grad)
 
     def finish(self) -> None:
         """Wait for this rank's sends (their receivers have posted, or will post, the matching recvs)."""

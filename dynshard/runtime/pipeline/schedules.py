@@ -91,6 +91,11 @@ class Schedule:
         """The stages that ``rank`` holds, in increasing order."""
         return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether backwards run as separate input-gradient (I) and weight-gradient (W) actions."""
+        return any(a.kind in ("I", "W") for actions in self.actions for a in actions)
+
     def compute_actions(self, rank: int) -> tuple[Action, ...]:
         """``rank``'s compute actions (F, B, I, W) in order, without the comms."""
         return tuple(a for a in self.actions[rank] if not a.is_comm)
