@@ -108,3 +108,10 @@ def test_zero_bubble_splits_each_backward_and_trains_like_one_process():
     """zb1p: input gradients first (the previous stage waits for them), weight gradients in the bubbles."""
     _assert_parity(run_ranks(pipeline_parity, 2, "gpt", 2, {"pipeline_nmicros": 4, "pipeline_scheduler": "zb1p"},
                              "train_step", 2))
+
+
+def test_plain_calls_of_a_graph_holding_its_batch_size_trace_it_again_per_micro_batch():
+    """The test GPT's attention views (B, T, heads, -1) with B a traced number: the whole batch's graph
+    cannot run a micro-batch, so Dynamo traces the model again at the micro-batch shape (tied head)."""
+    _assert_parity(run_ranks(pipeline_parity, 2, "gpt", 2, {"pipeline_nmicros": 4, "pipeline_scheduler": "gpipe"},
+                             "plain", 2))

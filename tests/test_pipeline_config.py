@@ -108,10 +108,19 @@ def test_one_process_pipelines_train_like_gradient_accumulation(scheduler, nchun
     assert len(report.stages) == nchunks and report.p2p_bytes == 0
 
 
-def test_plain_calls_of_a_graph_holding_its_batch_size_say_to_use_train_step():
-    model, make = build("gpt")      # attention views its input as (B, T, heads, -1): B is traced as a number
-    with pytest.raises(Exception, match="does not run on micro-batches of its batch.*dynshard.train_step"):
-        _one_process(model)(make(8, 0)).backward()
+def test_plain_calls_of_a_graph_holding_its_batch_size_trace_it_again_per_micro_batch():
+    """The test GPT views its input as (B, T, heads, -1): B is traced as a number, so the whole batch's
+    graph cannot run a micro-batch; Dynamo traces the model again at the micro-batch shape."""
+    model, make = build("gpt")
+    reference = copy.deepcopy(model)
+    batch = make(8, 0)
+    loss = _one_process(model, "1f1b")(batch)
+    loss.backward()
+    ref_loss = reference(batch)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_plain_calls_combine_the_micro_batches_into_the_whole_batch():

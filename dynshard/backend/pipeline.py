@@ -17,6 +17,7 @@ from ..passes.cut_stages import assign_stages, split_stages
 from ..runtime.mesh import Layout
 from ..runtime.pipeline.groups import PipelineGroups
 from ..runtime.pipeline.program import PipelinePlan, ValueMeta
+from ..runtime.pipeline.retrace import FrameCall
 from ..runtime.pipeline.schedules import build_schedule
 from ..runtime.program import CompiledPlan, ShardedProgram
 from .capture import describe_inputs
@@ -71,8 +72,11 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
         examples = [torch.empty(i.shape, dtype=i.dtype, device="meta") for i in inputs]
         return microbatch_combine(gm, examples, batch_inputs, m)
 
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    frame_call = FrameCall.capture(compat.compiling_frame(), {
+        i.index: compat.grapharg_source_name(placeholders[i.index]) for i in inputs if i.kind == "input"})
     return PipelinePlan(
-        key=key, config=config, inputs=inputs, staged=ctx.staged, schedule=schedule, gpipe=gpipe,
+        key=key, frame_call=frame_call, config=config, inputs=inputs, staged=ctx.staged, schedule=schedule, gpipe=gpipe,
         forward_only=forward_only, groups=PipelineGroups(layout), layout=layout, device=device,
         output_metas=[_meta(o) for o in outputs], compile_stage=compile_stage, combine_fn=combine,
         pass_timings=ctx.timings)

@@ -53,18 +53,24 @@ def take_ownership(args, plan) -> Ownership:
         if not inp.is_state or inp.index not in readers:
             continue
         tensor = args[inp.index]
-        if get_tag(tensor) is not None:
+        stages = tuple(readers[inp.index])
+        owner_ranks = sorted({plan.schedule.stage_to_rank[s] for s in stages})
+        owns = bool(mine & set(stages))
+        if len(owner_ranks) > 1:
+            tie_sets.setdefault(tuple(owner_ranks), []).append(inp.index)
+        if get_tag(tensor) is not None:      # an earlier plan of the model (another batch shape) placed it
             get_tag(tensor).add_plan(plan)
-            if not get_tag(tensor).not_held:
+            if get_tag(tensor).not_held and owns:
+                raise RuntimeError(f"dynshard: {inp.name} is read by a stage of this rank in one plan of the model "
+                                   "but not in another: the stages were cut differently; cut them at pipe_split() "
+                                   "calls or pipeline_pivots")
+            if owns:
                 held[inp.index] = tensor
             continue
         if dist.is_initialized() and not tensor.is_meta and not getattr(tensor, ALIKE_ATTR, False):
             with torch.no_grad():
                 dist.broadcast(tensor.data, src=0)
         setattr(tensor, ALIKE_ATTR, True)    # the stage programs that split it over tp need not broadcast again
-        stages = tuple(readers[inp.index])
-        owner_ranks = sorted({plan.schedule.stage_to_rank[s] for s in stages})
-        owns = bool(mine & set(stages))
         owner = None if groups.pp_size == 1 else StageOwnership(
             stages=stages, src=groups.global_rank(owner_ranks[0]), group=groups.pp_group, held=owns)
         if owns:
@@ -80,16 +86,24 @@ def take_ownership(args, plan) -> Ownership:
                 _SHARDED.add(tensor)
             setattr(tensor, TAG_ATTR, tag)
             tag.add_plan(plan)
-        if len(owner_ranks) > 1:
-            tie_sets.setdefault(tuple(owner_ranks), []).append(inp.index)
     shared = []
     for owner_ranks, indices in sorted(tie_sets.items()):
         for unit in range(groups.dp_size):   # every rank creates every group, in the same order
             for tp_rank in range(groups.layout.tp_size):
-                group = dist.new_group([groups.global_rank(r, unit, tp_rank) for r in owner_ranks])
+                group = _group(tuple(groups.global_rank(r, unit, tp_rank) for r in owner_ranks))
                 if (unit, tp_rank) == (groups.dp_rank, groups.layout.tp_rank) and groups.pp_rank in owner_ranks:
                     shared.append((group, [i for i in indices if i in held]))
     return Ownership(held, shared, pending)
+
+
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+def _group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
+    """One process group per set of ranks for the job (every plan of every model shares it)."""
+    if ranks not in _GROUPS:
+        _GROUPS[ranks] = dist.new_group(list(ranks))
+    return _GROUPS[ranks]
 
 
 def _flat_all_reduce(grads: list[torch.Tensor], group, op) -> None:

@@ -20,6 +20,7 @@ rank of the unit. Each rank compiles only its own stages, once per micro-batch s
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any, Callable
 
@@ -28,7 +29,7 @@ import torch.distributed as dist
 
 from .executor import StepRun
 from .ownership import FreshGradients, Ownership, reduce_gradients, take_ownership
-from .recorder import active_recorder
+from .recorder import active_recorder, recording
 from .trace import idle_fraction, writer_for
 
 
@@ -53,6 +54,7 @@ class PipelinePlan:
     device: torch.device
     output_metas: list              # the captured graph's outputs (ValueMeta, or None for non-tensors)
     compile_stage: Callable         # (stage, example inputs) -> compiled callable
+    frame_call: Any                 # runtime.pipeline.retrace.FrameCall: the frame, to trace it per micro-batch
     combine_fn: Callable            # () -> per output "cat" / "mean" / "sum" / "same"
     pass_timings: list
     seconds: float = 0.0
@@ -62,6 +64,7 @@ class PipelinePlan:
     last_step: dict = dataclasses.field(default_factory=dict)   # sent bytes, idle fraction of the latest step
     _combine: list | None = None
     _programs: dict = dataclasses.field(default_factory=dict)
+    _runs_on: dict = dataclasses.field(default_factory=dict)
 
     @property
     def nmicros(self) -> int:
@@ -97,6 +100,23 @@ class PipelinePlan:
                 size = meta.shape.numel() * meta.dtype.itemsize
                 total += size * (2 if meta.requires_grad and not self.config.inference_only else 1)
         return total * self.nmicros
+
+    def runs_micro_batches(self, mb_args: list[list[Any]]) -> bool:
+        """Whether the stage graphs run on micro-batches shaped like ``mb_args[0]`` (they do not when the
+        graph holds sizes of the batch it was traced with)."""
+        shapes = tuple(tuple(mb_args[0][i.index].shape) for i in self.inputs if i.kind == "input")
+        if shapes not in self._runs_on:
+            fake_log = logging.getLogger("torch._subclasses.fake_tensor")
+            level = fake_log.level
+            fake_log.setLevel(logging.CRITICAL)      # the failure is the answer, not an error to report
+            try:
+                _boundary_metas(self, mb_args[0])
+                self._runs_on[shapes] = True
+            except Exception:   # noqa: BLE001 (any failure of the fake run means the same)
+                self._runs_on[shapes] = False
+            finally:
+                fake_log.setLevel(level)
+        return self._runs_on[shapes]
 
     def programs_for(self, mb_args: list[list[Any]]) -> tuple[dict[int, Callable], dict[str, ValueMeta]]:
         """This rank's compiled stages and the boundary metadata for micro-batches shaped like ``mb_args[0]``."""
@@ -166,14 +186,38 @@ class PipelineProgram:
         recorder = active_recorder()
         if recorder is not None:
             return recorder.record(self, args)
+        runner, mb_args = self.micro_batches(args)
         if plan.config.inference_only or not torch.is_grad_enabled():
-            mb_args = self.split(args)
-            run = self.run(plan.forward_only, mb_args, train=False)
+            run = runner.run(runner.plan.forward_only, mb_args, train=False)
             outputs = self.whole_outputs(run, args)
-            plan.finish_step(run)
+            runner.plan.finish_step(run)
             return outputs
-        trainable = [t for t in plan.ownership.held.values() if t.requires_grad]
-        return _GPipe.apply(self, args, *trainable)
+        trainable = [t for t in runner.plan.ownership.held.values() if t.requires_grad]
+        return _GPipe.apply(self, runner, args, mb_args, *trainable)
+
+    def micro_batches(self, args) -> tuple["PipelineProgram", list[list[Any]]]:
+        """The program that runs a plain call's micro-batches, and their graph inputs: this program on the
+        batch split along dim 0 when its graph runs on micro-batches; else the program of the graph Dynamo
+        traces again at the micro-batch shape (:mod:`.retrace`)."""
+        mb_args = self.split(args)
+        if self.plan.runs_micro_batches(mb_args):
+            return self, mb_args
+        frame = self.plan.frame_call
+        if frame is None:
+            self.plan.programs_for(mb_args)      # raises: the graph holds the whole batch's sizes
+        with recording() as recorder:
+            for mb in mb_args:
+                frame.call(self.plan.config, {i: mb[i] for i in frame.inputs})
+        plans = {id(call.program.plan) for call in recorder.calls}
+        if len(recorder.calls) != len(mb_args) or len(plans) != 1:
+            raise RuntimeError(f"dynshard: traced at the micro-batch shape, the model gave {len(recorder.calls)} "
+                               f"pipelined graph(s) of {len(plans)} plan(s) for {len(mb_args)} micro-batches; remove "
+                               "graph breaks (TORCH_LOGS=graph_breaks shows them)")
+        micro = recorder.calls[0].program
+        if len(micro.plan.staged.outputs) != len(self.plan.staged.outputs):
+            raise RuntimeError("dynshard: the model's graph at the micro-batch shape returns other outputs than at "
+                               "the batch's; call it through dynshard.train_step")
+        return micro, [call.args for call in recorder.calls]
 
     # -- pieces the steps share ----------------------------------------------------------------------
     def split(self, args) -> list[list[Any]]:
@@ -258,24 +302,24 @@ class _GPipe(torch.autograd.Function):
     """``loss = model(batch); loss.backward()`` as GPipe: forwards here, backwards in :meth:`backward`."""
 
     @staticmethod
-    def forward(ctx, program: PipelineProgram, args, *trainable):
-        plan = program.plan
+    def forward(ctx, whole: PipelineProgram, runner: PipelineProgram, args, mb_args, *trainable):
+        """``whole``: the program of the call's graph (its outputs, how they combine); ``runner``: the program
+        that runs the micro-batches ``mb_args`` (the same one, or the graph traced at the micro-batch shape)."""
+        plan = runner.plan
         if plan.gpipe is None:
             raise RuntimeError("dynshard: this pipeline plan has no training schedule (inference_only)")
         actions = plan.gpipe.actions[plan.groups.pp_rank]
         cut = _first_backward(actions)
-        mb_args = program.split(args)
-        run = program.run(plan.gpipe, mb_args, train=True, actions=actions[:cut])
-        ctx.program, ctx.run, ctx.rest = program, run, actions[cut:]
-        outputs = program.whole_outputs(run, args)
-        ctx.mark_non_differentiable(*[o for o, meta in zip(outputs, plan.output_metas)
+        run = runner.run(plan.gpipe, mb_args, train=True, actions=actions[:cut])
+        ctx.whole, ctx.runner, ctx.run, ctx.rest = whole, runner, run, actions[cut:]
+        outputs = whole.whole_outputs(run, args)
+        ctx.mark_non_differentiable(*[o for o, meta in zip(outputs, whole.plan.output_metas)
                                       if isinstance(o, torch.Tensor) and (meta is None or not meta.requires_grad)])
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *grads):
-        program, run = ctx.program, ctx.run
-        plan = program.plan
+        run, plan, combine = ctx.run, ctx.runner.plan, ctx.whole.plan.combine
         m = len(run.args)
 
         def seed(mb, outputs):
@@ -283,7 +327,7 @@ class _GPipe(torch.autograd.Function):
             for position, (out, grad) in enumerate(zip(outputs, grads)):
                 if grad is None or not isinstance(out, torch.Tensor) or not out.requires_grad:
                     continue
-                piece = _seed(plan.combine[position], grad, mb, m)
+                piece = _seed(combine[position], grad, mb, m)
                 if piece is not None:
                     tensors.append(out)
                     seeds.append(piece)
@@ -297,5 +341,5 @@ class _GPipe(torch.autograd.Function):
             reduce_gradients(plan.ownership, plan.groups)
         plan.finish_step(run)
         ctx.run = None
-        return (None, None) + (None,) * (len(ctx.needs_input_grad) - 2)
+        return (None,) * len(ctx.needs_input_grad)
 
