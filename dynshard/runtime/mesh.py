@@ -111,7 +111,17 @@ def ensure_process_group(device_type: str) -> None:
     backend = "nccl" if device_type == "cuda" else "gloo"
     if device_type == "cuda" and "LOCAL_RANK" in os.environ:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group(backend)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group(backend)
+        return
+    # torchrun (2.13) hands every attempt of a restarted group its agent's store, in which the default
+    # init keys the workers' addresses without the attempt: a restarted group would read the dead workers'
+    # (pytorch#135712, "Gloo connectFullMesh failed"). Scope this attempt's keys by the restart count.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"dynshard/attempt{attempt}", store), rank=rank,
+                            world_size=world)
 
 
 def world_size() -> int:
