@@ -18,6 +18,8 @@ from .runtime.parallel_attributes import (get_parallel_dim, register_ddp_paramet
 from .runtime.reducer import Reducer
 from .runtime.state_dict import collect_state_dict, relocate_state_dict
 from . import checkpoint  # noqa: F401  (dynshard.checkpoint.save / load / latest)
+from .checkpoint.merged import (broadcast_weights, deduped_state_dict, load_deduped_state_dict,
+                                load_merged_state_dicts, merge_state_dicts)
 
 
 def data_parallel_rank(plan_ngpus: int = 1) -> tuple[int, int]:
@@ -29,7 +31,8 @@ def data_parallel_rank(plan_ngpus: int = 1) -> tuple[int, int]:
     return dist.get_rank() // plan_ngpus, dist.get_world_size() // plan_ngpus
 
 
-__all__ = ["Config", "ConfigError", "Explanation", "GradScaler", "Layout", "ParallelOptimizer", "PlanBuilder",
+__all__ = ["broadcast_weights", "deduped_state_dict", "load_deduped_state_dict", "load_merged_state_dicts",
+           "merge_state_dicts", "Config", "ConfigError", "Explanation", "GradScaler", "Layout", "ParallelOptimizer", "PlanBuilder",
            "PlanError", "PlanMismatchError", "Reducer", "build_optimizer", "clip_grad_norm_", "collect_state_dict",
            "data_parallel_rank", "explain", "get_parallel_dim", "infer_step", "no_sync", "register_ddp_parameters_to_ignore",
            "register_parallel_attribute", "register_parallel_dim", "relocate_state_dict", "slice", "tensor_parallel", "train_step"]

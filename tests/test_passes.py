@@ -10,6 +10,7 @@ import expecttest
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import dynshard
 from dynshard.backend import dynshard_backend
@@ -304,3 +305,64 @@ class TestMixedPrecisionPlans:
             for options in ({}, {"mixed_precision": {"param_dtype": "bfloat16"}}))]
         assert placements[0] == placements[1]
         assert placements[1]["blocks.0.fc1.weight"] == "S(0)" and placements[1]["wte.weight"] == "S(0)"
+
+
+class MultiQueryBlock(nn.Module):
+    """A pre-norm layer whose attention has one key/value head for all query heads (multi-query), with
+    the repeat written as transformers' ``repeat_kv`` (expand + reshape); attention by
+    ``scaled_dot_product_attention`` or by hand (``q @ k^T``, softmax, ``@ v``)."""
+
+    def __init__(self, d_model: int = 32, heads: int = 4, by_hand: bool = False):
+        super().__init__()
+        self.heads, self.head_dim, self.by_hand = heads, d_model // heads, by_hand
+        self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
+        self.q = nn.Linear(d_model, d_model, bias=False)
+        self.k = nn.Linear(d_model, self.head_dim, bias=False)
+        self.v = nn.Linear(d_model, self.head_dim, bias=False)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+        self.fc1, self.fc2 = nn.Linear(d_model, 4 * d_model), nn.Linear(4 * d_model, d_model)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        h = self.ln1(x)
+        q = self.q(h).view(B, T, self.heads, self.head_dim).transpose(1, 2)
+        k, v = (p(h).view(B, T, 1, self.head_dim).transpose(1, 2)[:, :, None]
+                .expand(B, 1, self.heads, T, self.head_dim).reshape(B, self.heads, T, self.head_dim)
+                for p in (self.k, self.v))
+        if self.by_hand:
+            y = torch.softmax(q @ k.transpose(-2, -1) / self.head_dim ** 0.5, dim=-1) @ v
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+@pytest.mark.parametrize("by_hand", [False, True], ids=["sdpa", "matmul"])
+def test_tp_splits_query_heads_of_multi_query_attention_and_keeps_key_value_whole(fake_world, by_hand):
+    """One k/v head cannot be split over 2 ranks: q and the output projection are split by heads, k and
+    v stay whole and are sliced locally where attention repeats them (no gather of q). Forward: Megatron's
+    2 all-reduces per layer. Backward: 2, and one more for each of k and v, whose gradients are sums over
+    every rank's query heads."""
+    torch.manual_seed(0)
+    layers = 2
+    stack = nn.Sequential(*(MultiQueryBlock(by_hand=by_hand) for _ in range(layers)))
+    x = torch.randn(2, 16, 32)
+    plan = plan_for(stack, (x,), policy="tp", plan_ngpus=2)
+    placements = {inp.name: str(plan.placements[inp.index][0]) for inp in plan.inputs}
+    for i in range(layers):
+        assert [placements[f"{i}.{name}.weight"] for name in ("q", "k", "v", "proj", "fc1", "fc2")] == \
+            ["S(0)", "R", "R", "S(1)", "S(0)", "S(1)"], format_plan(plan)
+    assert len(plan.propagation.matched_slices) == 2 * layers, format_plan(plan)   # k and v of each layer
+    assert not plan.propagation.fallbacks and [c.kind for c in plan.propagation.collectives] == \
+        ["all_reduce"] * 2 * layers, format_plan(plan)
+
+    torch._dynamo.reset()
+    model = torch.compile(stack, backend="dynshard",
+                          options=dynshard.Config(policy="tp", plan_ngpus=2, compiler="aot_eager"))
+    model(x).square().mean().backward()
+    report = dynshard.explain(model)
+    shapes = collections.Counter((c.phase, c.kind, tuple(c.shape)) for c in report.collectives())
+    kv = sum(n for (phase, _, shape), n in shapes.items() if phase == "backward" and shape != (2, 16, 32))
+    assert shapes[("forward", "all_reduce", (2, 16, 32))] == 2 * layers, str(report)
+    assert shapes[("backward", "all_reduce", (2, 16, 32))] == 2 * layers and kv == 2 * layers, str(report)
+    assert sum(shapes.values()) == 6 * layers, str(report)

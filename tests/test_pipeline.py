@@ -50,8 +50,14 @@ def test_gpipe_relays_a_skip_connection_over_every_stage():
                              "train_step", 2))
 
 
-def test_pipeline_times_data_parallel_units_on_four_ranks_reduces_once_per_step():
-    _assert_parity(run_ranks(pipeline_parity, 4, "mlp_split", 2, {"pipeline_nmicros": 2}, "train_step", 2))
+def test_pipeline_times_data_parallel_units_with_zero3_holds_a_quarter_of_the_model_per_rank():
+    """pp 2 x dp 2 with ZeRO-3: a rank holds ZeRO rows of its stage's parameters (about 1/4 of the model);
+    whole replicas are gathered once per step and gradients reduce-scattered once per step."""
+    results = run_ranks(pipeline_parity, 4, "mlp_split", 2, {"pipeline_nmicros": 2}, "train_step", 2, 8, "pp",
+                        {"use_zero": 3})
+    _assert_parity(results)
+    for result in results:
+        assert sum(result["held"].values()) <= 0.27 * sum(result["total"].values())
 
 
 def test_dummy_micro_batches_scale_fn_infer_step_explain_and_trace(tmp_path):
@@ -89,8 +95,9 @@ def test_a_pipeline_checkpoint_loads_under_data_parallelism_and_under_the_pipeli
 
 
 def test_plain_forward_and_backward_run_gpipe_over_the_micro_batches_of_the_batch():
-    """``loss = model(batch); loss.backward()``: the whole batch's loss and gradients (pp x dp, 4 ranks)."""
-    _assert_parity(run_ranks(pipeline_parity, 4, "mlp_split", 2, {"pipeline_nmicros": 4}, "plain", 2))
+    """``loss = model(batch); loss.backward()``: the whole batch's loss and gradients (pp x dp x ZeRO-1, 4 ranks)."""
+    _assert_parity(run_ranks(pipeline_parity, 4, "mlp_split", 2, {"pipeline_nmicros": 4}, "plain", 2, 8, "pp",
+                             {"use_zero": 1}))
 
 
 def test_hybrid_runs_two_tensor_parallel_stages_on_four_ranks():

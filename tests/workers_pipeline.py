@@ -80,7 +80,7 @@ def _short_timeouts() -> None:
 
 
 def pipeline_parity(rank: int, world: int, model_name: str, plan_ngpus: int, pas_config: dict, entry: str,
-                    steps: int = 3, batch: int = 8, policy: str = "pp") -> dict:
+                    steps: int = 3, batch: int = 8, policy: str = "pp", options: dict | None = None) -> dict:
     """Train with the pipeline and, on the same data, a single-process eager model; report both.
 
     entry "train_step": nnScaler's semantics, gradient = sum over the micro-batches (averaged over the
@@ -89,7 +89,7 @@ def pipeline_parity(rank: int, world: int, model_name: str, plan_ngpus: int, pas
     model, make = build(model_name)
     reference = copy.deepcopy(model)
     config = dynshard.Config(policy=policy, plan_ngpus=plan_ngpus, use_end2end=True, compiler="aot_eager",
-                             pas_config=pas_config)
+                             pas_config=pas_config, **(options or {}))
     compiled = torch.compile(model, backend="dynshard", options=config)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)

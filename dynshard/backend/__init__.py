@@ -112,9 +112,8 @@ def _plan_once_and_compile(gm: fx.GraphModule, ctx: PassContext, key: str, devic
             _install_plan(ctx, stored)
             if channel is not None:    # at once: the others need not wait for this rank's lowering
                 channel.send(encode_plan(stored["placements"], stored["over_dp"], stored["constraints"]))
-        compiled = plan_and_compile(gm, ctx, device_type, after_policy=None if channel is None else
-                                    lambda ctx: channel.finished or channel.send(
-                                        encode_plan(ctx.placements, set(ctx.zero), ctx.constraints)))
+        compiled = plan_and_compile(gm, ctx, device_type,
+                                    after_policy=None if channel is None else lambda ctx: _send_plan(ctx, channel))
     except BaseException as error:
         if channel is not None:
             channel.abandon(error)
@@ -126,6 +125,11 @@ def _plan_once_and_compile(gm: fx.GraphModule, ctx: PassContext, key: str, devic
 def _install_plan(ctx: PassContext, stored: dict[str, Any]) -> None:
     """A stored or received plan replaces the policy (``assign_placements`` skips it)."""
     ctx.placements, ctx.over_dp, ctx.constraints = stored["placements"], stored["over_dp"], stored["constraints"]
+
+
+def _send_plan(ctx: PassContext, channel: PlanChannel) -> None:
+    if not channel.finished:      # (a plan read from cache_dir went out before the passes)
+        channel.send(encode_plan(ctx.placements, set(ctx.zero), ctx.constraints))
 
 
 def _receive_plan(ctx: PassContext, channel: PlanChannel) -> None:

@@ -6,7 +6,9 @@ Layout of a checkpoint (DCP keys, flattened with dots):
 - ``optim.state.<parameter name>.<state name>`` and ``optim.param_groups`` (parameter names in
   ``params``): ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``'s layout;
 - ``rng.rank<r>``: torch's CPU RNG state of rank ``r`` (and ``rng_cuda.rank<r>`` on CUDA);
-- ``extra``: the user's ``extra``, pickled (``pickle.loads`` it after ``dcp_to_torch_save``).
+- ``extra``: the user's ``extra``, pickled (``pickle.loads`` it after ``dcp_to_torch_save``);
+- ``scaler.<key>``: ``scaler.state_dict()`` of a ``GradScaler`` passed as ``scaler=`` (the same on every rank:
+  dynshard's scaler agrees on ``found_inf`` over all ranks), absent when none was passed or it is disabled.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .planner import LoadPlanner, SavePlanner
 from .state import describe
 
 _PRE_HOOK_ATTR = "_dynshard_checkpoint_cut_hook"
+_SCALER = "scaler"
 
 
 def _rank() -> int:
@@ -79,16 +82,21 @@ def _rng_state() -> dict[str, torch.Tensor]:
 
 
 def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         extra: Any = None) -> str:
+         extra: Any = None, *, scaler: Any = None) -> str:
     """Write this rank's pieces of ``model`` (and ``optimizer``) to the DCP checkpoint ``path``, atomically.
 
     Every rank calls it. Each rank writes only what it stores (tp shards, ZeRO rows without padding);
     pieces that several ranks hold are written once. ``extra`` (any picklable object, the same on every
-    rank) comes back from :func:`load`. Returns ``path``.
+    rank) comes back from :func:`load`. ``scaler`` (``dynshard.GradScaler`` or anything with torch's
+    ``GradScaler.state_dict()``) saves the loss scale and its growth tracker, which :func:`load` restores
+    into the scaler it is given. Returns ``path``.
     """
     state: dict[str, Any] = {"model": _model_state(model), "extra": pickle.dumps(extra)}
     if optimizer is not None:
         state["optim"] = _optimizer_state(model, optimizer)
+    scaler_state = dict(scaler.state_dict()) if scaler is not None else {}
+    if scaler_state:          # a disabled scaler has none (torch's GradScaler.state_dict() returns {})
+        state[_SCALER] = scaler_state
     state.update(_rng_state())
     tmp = io.temporary_dir(path)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=SavePlanner())
@@ -166,14 +174,35 @@ def _cut_whole_state_at_first_step(optimizer: torch.optim.Optimizer) -> None:
     setattr(optimizer, _PRE_HOOK_ATTR, optimizer.register_step_pre_hook(cut))
 
 
-def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> Any:
+def _scaler_placeholder(path: str, metadata: Any, scaler: Any) -> dict[str, Any] | None:
+    """The saved scaler's keys to load into, or None when there is nothing to restore."""
+    if scaler is None:
+        return None
+    keys = [p[1] for p in metadata.planner_data.values() if len(p) == 2 and p[0] == _SCALER]
+    if not keys:
+        if getattr(scaler, "is_enabled", lambda: True)():
+            raise ValueError(f"dynshard.checkpoint: {path} holds no GradScaler state (it was saved without "
+                             "scaler=, or with a disabled scaler); load it without scaler= to keep this "
+                             "scaler's own state")
+        return None
+    return {key: None for key in keys}
+
+
+def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         scaler: Any = None) -> Any:
     """Load the checkpoint ``path`` (written by :func:`save` under any plan and world size) into
     ``model`` and ``optimizer`` in place, and restore this rank's RNG state if it was saved. Works before
-    the first compiled step (whole tensors) and after (this rank's pieces). Returns ``extra``."""
+    the first compiled step (whole tensors) and after (this rank's pieces). ``scaler`` gets the
+    ``GradScaler`` state saved with ``save(..., scaler=)`` (``load_state_dict``). Returns ``extra``."""
     reader = dcp.FileSystemReader(path)
     metadata = reader.read_metadata()
     state, created = _load_placeholders(model, optimizer, metadata)
+    scaler_state = _scaler_placeholder(path, metadata, scaler)
+    if scaler_state is not None:
+        state[_SCALER] = scaler_state
     dcp.load(state, storage_reader=reader, planner=LoadPlanner())
+    if scaler_state is not None:
+        scaler.load_state_dict(state[_SCALER])
     if optimizer is not None:
         loaded = state["optim"]
         for param, entries in created.values():

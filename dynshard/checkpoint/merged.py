@@ -12,8 +12,8 @@
 
 Per-rank state dicts can be merged offline because each says where its tensors sit
 (:mod:`.rank_state`: a ``dynshard_rank_state`` entry in the model state dict's ``_metadata``, and a key
-of that name in the optimizer's). Optimizers must be Adam-like: every state tensor is either of its parameter's shape (stored
-as the parameter is) or a scalar (``step``).
+of that name in the optimizer's). Optimizers must be Adam-like: every state tensor is either of its
+parameter's shape (stored as the parameter is) or a scalar (``step``). Pipeline stages are not covered.
 """
 
 from __future__ import annotations

@@ -70,6 +70,9 @@ class TensorInfo:
 
     @classmethod
     def of(cls, tag: ShardTag) -> "TensorInfo":
+        if getattr(tag, "owner", None) is not None or getattr(tag.layout, "pp_size", 1) != 1:
+            raise NotImplementedError(f"dynshard: {tag.fqn} belongs to a pipeline stage; merged and deduplicated "
+                                      "state dicts cover tp, dp and ZeRO layouts (use dynshard.checkpoint.save)")
         placements = []
         for dim_name, placement in zip(tag.layout.placement_dims, tag.placements):
             if dim_name != "tp":
@@ -93,6 +96,8 @@ class TensorInfo:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "TensorInfo":
+        if "unsupported" in d:
+            raise ValueError(d["unsupported"])
         return cls(shape=tuple(d["shape"]), world_size=int(d["world_size"]), plan_ngpus=int(d["plan_ngpus"]),
                    placements=tuple(tuple(p) for p in d["placements"]),
                    zero=tuple(d["zero"]) if d["zero"] is not None else None)
@@ -177,9 +182,13 @@ def _named_tensors(module: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]
 
 def module_entry(module: torch.nn.Module) -> dict[str, Any] | None:
     """Where ``module``'s tagged tensors sit (names relative to it), or None when none is tagged."""
-    tensors = {}
+    tensors: dict[str, Any] = {}
     for name, tensor in _named_tensors(module):
-        info = info_of(tensor)
+        try:
+            info = info_of(tensor)
+        except NotImplementedError as error:      # state_dict() itself must not fail: the merge reports it
+            tensors[name] = {"unsupported": str(error)}
+            continue
         if info is not None:
             tensors[name] = info.to_dict()
     if not tensors:
@@ -246,9 +255,13 @@ def indexed_params(optimizer: torch.optim.Optimizer,
 
 
 def _add_optimizer_entry(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    params = {}
+    params: dict[int, Any] = {}
     for index, param in indexed_params(optimizer, state_dict["param_groups"]):
-        info = info_of(param)
+        try:
+            info = info_of(param)
+        except NotImplementedError as error:
+            params[index] = {"unsupported": str(error)}
+            continue
         if info is not None:
             params[index] = info.to_dict()
     if params:

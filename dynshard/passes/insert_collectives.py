@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
 from ..runtime.mesh import Layout
+from ..runtime.sharding import SHARDS
 from ..runtime.zero import zero_groups
 from .context import PassContext
 from .grad_sync import GradSync, sync_over_dp
@@ -48,6 +49,28 @@ class ReduceGradPartials(torch.autograd.Function):
         if isinstance(grad, DTensor) and tuple(reduced_placements(grad.placements)) != tuple(grad.placements):
             grad = grad.redistribute(grad.device_mesh, reduced_placements(grad.placements))
         return grad
+
+
+class SliceKeepingGradient(torch.autograd.Function):
+    """A whole (replicated) DTensor sliced to ``placements``, locally. The gradient keeps the slice's
+    placements: it is the same global value, and DTensor's own backward of the slice would gather it."""
+
+    @staticmethod
+    def forward(ctx, tensor, mesh, placements):
+        return tensor.redistribute(mesh, placements)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def slice_fn(layout: Layout, placements):
+    """A whole value sliced like the other operand of the matmul that reads it (``MatchedSlice``)."""
+    mesh = layout.tp_mesh
+
+    def slice_like_partner(value):
+        return SliceKeepingGradient.apply(value, mesh, placements) if isinstance(value, DTensor) else value
+    return slice_like_partner
 
 
 def reduce_grad_partials(tensor):
@@ -178,15 +201,20 @@ def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def matmul_input_roots(graph: fx.Graph, propagation) -> list[fx.Node]:
-    """Computed, replicated activations that reach a matmul operand through views only."""
+    """Computed, replicated activations that reach a matmul operand through views only, and stay whole
+    on the way (a value sliced like the other operand, ``MatchedSlice``, is not one)."""
     roots: dict[fx.Node, None] = {}
     for node in graph.nodes:
         if node.target not in MATMUL_OPERANDS:
             continue
         first = MATMUL_OPERANDS[node.target]
-        for arg in map(view_root, node.args[first:first + 2]):
+        for arg in node.args[first:first + 2]:
+            sliced = False
+            while isinstance(arg, fx.Node) and view_root(arg) is not arg:
+                sliced = sliced or any(isinstance(p, SHARDS) for p in propagation.placements.get(arg.name, ()))
+                arg = arg.args[0]
             placements = propagation.placements.get(arg.name) if isinstance(arg, fx.Node) else None
-            if arg is not None and arg.op == "call_function" and placements is not None and \
+            if arg is not None and arg.op == "call_function" and placements is not None and not sliced and \
                     all(p == Replicate() for p in placements):
                 roots[arg] = None
     return list(roots)
@@ -224,3 +252,11 @@ def _rewrite_nodes(graph: fx.Graph, layout: Layout, propagation, constraints: di
         with graph.inserting_after(node):
             new = graph.call_function(replicate, (node,))
         node.replace_all_uses_with(new, delete_user_cb=lambda user, new=new: user is not new)
+    nodes = {node.name: node for node in graph.nodes}
+    for reader_name, matched in propagation.matched_slices.items():
+        reader = nodes[reader_name]
+        value = reader.args[0]      # the source, or what the steps above put after it
+        with graph.inserting_before(reader):
+            sliced = graph.call_function(_named(slice_fn(layout, matched.placements), "slice_like_partner"),
+                                         (value,))
+        reader.replace_input_with(value, sliced)

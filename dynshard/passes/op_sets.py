@@ -22,6 +22,14 @@ RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 
 TRANSPOSE_OPS = {aten.t.default, aten.transpose.int, aten.permute.default}
 
+# matmuls over a batch dimension (attention's [B*H, T, D] after its heads are folded into the batch)
+BATCHED_MATMULS = {aten.bmm.default}
+
+# ops of one tensor that act on each element alone, or only re-view it, keeping its shape: slicing
+# their input gives the slice of their output (an expand to the same shape, a scale, a cast, a copy)
+SLICE_COMMUTING = {aten.clone.default, aten.expand.default, aten.alias.default, aten.mul.Scalar,
+                   aten.div.Scalar, *CASTS}
+
 
 def view_root(node):
     """The value ``node`` is a view (or copy) of."""

@@ -11,6 +11,14 @@ every LayerNorm that reads it; reducing at the producer costs one all-reduce, Me
 Views of a partial sum are free, so a partial read only by views (``mm`` -> ``view(B, T, C)``) is
 reduced after them, where the value has the shape the model gave it.
 
+A matmul over a folded batch (attention's ``bmm`` over ``[B*H, T, D]``) whose one operand is split by
+heads while the other is whole (multi-query attention: every query head reads the one k/v head, repeated)
+would gather the split operand; DTensor cannot even do that on fake data, since folding B with a split H
+leaves a ``_StridedShard``. dynshard slices the whole operand instead, locally, before the fold (where the
+heads are still their own dimension), so that both fold the same way (:class:`MatchedSlice`): each rank
+runs its query heads against the whole k/v, Megatron's and vLLM's way. The slice's gradient keeps its
+placement (no gather); it becomes a partial sum where the repeat sums it over the heads.
+
 A policy may also place activations (``ctx.constraints``): the value of a constrained node is
 redistributed to its placements where it is produced (a partial sum reduce-scattered along the
 sequence, a sequence shard gathered before the matmuls that read it: sequence parallelism).
@@ -28,14 +36,14 @@ from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 from torch.utils import _pytree as pytree
 
 from .. import compat
 from ..runtime.mesh import Layout
 from ..runtime.sharding import SHARDS, local_shape
 from .context import PassContext
-from .op_sets import RESHAPES
+from .op_sets import BATCHED_MATMULS, RESHAPES, SLICE_COMMUTING
 from .vocab_parallel_loss import abstract_log_softmax, abstract_nll_loss, loss_pairs, rows, split_on_classes
 
 
@@ -56,6 +64,18 @@ class LocalReshard:
     dst: tuple[Placement, ...]
 
 
+@dataclasses.dataclass(frozen=True)
+class MatchedSlice:
+    """A whole value sliced locally (no communication) to the placements of a batched matmul's other,
+    split operand: ``source`` is sliced for ``chain[0]`` only, and ``chain`` (ops that commute with the
+    slice, ending with the fold of the batch dimensions) runs on the slice into ``consumer``."""
+
+    source: str
+    placements: tuple[Placement, ...]
+    chain: tuple[str, ...]
+    consumer: str
+
+
 @dataclasses.dataclass
 class Propagation:
     placements: dict[str, tuple[Placement, ...]]
@@ -67,6 +87,7 @@ class Propagation:
     input_placements: tuple = ()
     vocab_parallel_losses: set[str] = dataclasses.field(default_factory=set)  # fused log_softmax+nll nodes
     constraints: dict = dataclasses.field(default_factory=dict)   # the activation placements propagated
+    matched_slices: dict[str, MatchedSlice] = dataclasses.field(default_factory=dict)  # by chain[0]
     env: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # fx node -> fake value
 
     def prefix(self, names: set[str]) -> "Propagation":
@@ -77,7 +98,8 @@ class Propagation:
             [r for r in self.local_reshards if r.node in names],
             {n: r for n, r in self.fallbacks.items() if n in names},
             self.replicated_constants & names, self.reduced_partials & names,
-            vocab_parallel_losses=self.vocab_parallel_losses & names)
+            vocab_parallel_losses=self.vocab_parallel_losses & names,
+            matched_slices={n: m for n, m in self.matched_slices.items() if m.consumer in names})
 
     def comm_bytes(self) -> int:
         return sum(c.bytes for c in self.collectives)
@@ -136,6 +158,14 @@ class ShardingInterpreter(fx.Interpreter):
         self._placeholder_index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
         self._loss_pairs = loss_pairs(gm.graph)
         self._paired_log_softmax = set(self._loss_pairs.values())
+        self._slice_candidates = slice_candidates(gm.graph)
+        self._slice_sources = {source for by_operand in self._slice_candidates.values()
+                               for source, _ in by_operand.values()}
+        self._kept: dict[fx.Node, Any] = {}     # values of slice sources (the interpreter frees values)
+
+    def run(self, *args, initial_env=None, **kwargs):
+        self._kept = {n: v for n, v in (initial_env or {}).items() if n in self._slice_sources}
+        return super().run(*args, initial_env=initial_env, **kwargs)
 
     # -- node kinds ---------------------------------------------------------------------------------
     def placeholder(self, target, args, kwargs):
@@ -170,6 +200,8 @@ class ShardingInterpreter(fx.Interpreter):
         spec = _first_dtensor(out)
         if spec is not None:
             self.result.placements[n.name] = spec.placements
+        if n in self._slice_sources:
+            self._kept[n] = out
         return out
 
     def map_nodes_to_values(self, args, n: fx.Node):
@@ -198,6 +230,11 @@ class ShardingInterpreter(fx.Interpreter):
             return self.fallback(node, target, args, kwargs, f"DTensor has no sharding strategy for {target}")
         try:
             redistributions = compat.dtensor_redistributions(target, args, kwargs)
+            if target in BATCHED_MATMULS and _gathers(redistributions):
+                matched = self.slice_to_partner(node, args)
+                if matched is not None:
+                    args = matched
+                    redistributions = compat.dtensor_redistributions(target, args, kwargs)
         except NotImplementedError as error:
             return self.fallback(node, target, args, kwargs, str(error).splitlines()[0])
         sources = [arg_node for arg_node, value in zip(pytree.arg_tree_leaves(*node.args),
@@ -219,6 +256,37 @@ class ShardingInterpreter(fx.Interpreter):
             self.result.collectives.append(Collective(node.name, "all_reduce", self.layout.placement_dims[0],
                                                       row_bytes))
         return abstract_nll_loss(*args)
+
+    def slice_to_partner(self, node: fx.Node, args: tuple) -> tuple | None:
+        """The arguments of a batched matmul with its whole operand sliced like its split one (both
+        fold the same leading dimensions of values that split one of them), or None."""
+        for whole, (source, chain) in self._slice_candidates.get(node, {}).items():
+            split_node, value = node.args[1 - whole], self._kept.get(source)
+            if value is None or source in self.placed or not _all_replicated(args[whole]) \
+                    or not isinstance(args[1 - whole], DTensor) or _all_replicated(args[1 - whole]) \
+                    or split_node.target not in RESHAPES:
+                continue
+            unfolded = split_node.args[0]
+            placements = self.result.placements.get(unfolded.name) if isinstance(unfolded, fx.Node) else None
+            shape, own_shape = _shape(unfolded), _shape(source)
+            if placements is None or shape is None or own_shape is None or len(shape) != len(own_shape) \
+                    or shape[:-2] != own_shape[:-2]:
+                continue
+            folded = len(shape) - 2     # the leading dimensions that the matmul's batch folds
+            if not all(p == Replicate() or (type(p) is Shard and p.dim % len(shape) < folded) for p in placements):
+                continue
+            value = value.redistribute(self.layout.tp_mesh, placements)
+            for link in chain:
+                value = link.target(value, *link.args[1:], **link.kwargs)
+            sliced = tuple(value if i == whole else a for i, a in enumerate(args))
+            if _gathers(compat.dtensor_redistributions(node.target, sliced, {})):
+                continue
+            self.result.matched_slices[chain[0].name] = MatchedSlice(
+                source.name, tuple(placements), tuple(c.name for c in chain), node.name)
+            for link in chain:      # what the program will hold there (explain, matmul_input_roots)
+                self.result.placements[link.name] = value.placements if link is chain[-1] else tuple(placements)
+            return sliced
+        return None
 
     # -- helpers ------------------------------------------------------------------------------------
     def replicate(self, tensor: torch.Tensor) -> DTensor:
@@ -265,6 +333,45 @@ class ShardingInterpreter(fx.Interpreter):
         return pytree.tree_map_only(torch.Tensor, self.replicate, out)
 
 
+def slice_candidates(graph: fx.Graph) -> dict[fx.Node, dict[int, tuple[fx.Node, list[fx.Node]]]]:
+    """For each batched matmul, the operands that could be sliced like the other one: operand index ->
+    (the value to slice, the ops from it to the operand). The operand must fold the batch dimensions
+    (a reshape) of a value reached through ops that commute with a slice; each op on the way is read by
+    the next one only, since the slice changes what it holds."""
+    candidates: dict[fx.Node, dict[int, tuple[fx.Node, list[fx.Node]]]] = {}
+    for node in graph.nodes:
+        if node.target not in BATCHED_MATMULS:
+            continue
+        for index, operand in enumerate(node.args[:2]):
+            if not isinstance(operand, fx.Node) or operand.target not in RESHAPES or len(operand.users) != 1 \
+                    or not isinstance(operand.args[0], fx.Node):
+                continue
+            chain, source = [operand], operand.args[0]
+            while source.target in SLICE_COMMUTING and len(source.users) == 1 and isinstance(source.args[0], fx.Node) \
+                    and _shape(source) == _shape(source.args[0]) \
+                    and not any(isinstance(a, fx.Node) for a in (*source.args[1:], *source.kwargs.values())):
+                chain.insert(0, source)
+                source = source.args[0]
+            if _shape(source) is not None:
+                candidates.setdefault(node, {})[index] = (source, chain)
+    return candidates
+
+
+def _shape(node) -> tuple | None:
+    value = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def _all_replicated(value) -> bool:
+    return isinstance(value, DTensor) and all(p == Replicate() for p in value.placements)
+
+
+def _gathers(redistributions) -> bool:
+    """Whether DTensor would make a split operand whole (or less split) on some mesh dimension."""
+    return any(isinstance(s, SHARDS) and not isinstance(d, SHARDS)
+               for current, needed in redistributions for s, d in zip(current.placements, needed.placements))
+
+
 def _only_viewed(node: fx.Node) -> bool:
     """Whether every reader of ``node`` is a reshape (its partial sum is reduced after them)."""
     return bool(node.users) and all(user.target in RESHAPES for user in node.users)
@@ -307,6 +414,10 @@ def _reusable_prefix(gm: fx.GraphModule, placements: tuple, constraints: dict, r
     moved = {name for name in set(constraints) | set(reuse.constraints)
              if constraints.get(name) != reuse.constraints.get(name)}
     first_use = min([first_use] + [i for i, n in enumerate(nodes) if n.name in moved])
+    # a slice decided at a matmul that runs again is decided again: its chain runs again too
+    by_name = {n.name: i for i, n in enumerate(nodes)}
+    first_use = min([first_use] + [by_name[m.chain[0]] for m in reuse.matched_slices.values()
+                                   if by_name[m.consumer] >= first_use])
     prefix = [n for n in nodes[:first_use] if n not in changed and n in reuse.env]
     return {n: reuse.env[n] for n in prefix}, reuse.prefix({n.name for n in prefix})
 

@@ -71,18 +71,32 @@ def tp(plan: PlanBuilder, config: Config) -> None:
         group = [(name, dim) for name, dim in group if not plan.is_fixed(name) and plan.divides(name, dim)]
         if not group or _is_split(base, activation):
             continue      # a matmul reading a split activation is a row-split candidate (second pass)
-        for name, out_dim in group:
-            plan.shard(name, out_dim)
-        trial = _try_propagate(plan, base)
-        if trial is not None and _adds_at_most_one_all_reduce(base, trial):
-            base = trial
+        accepted = _try_column_split(plan, base, group)
+        if accepted is None and len(group) > 1:
+            # one member alone: the queries of multi-query attention, whose one k/v head cannot be
+            # split (the trial of q, k and v splits k's and v's head dimension instead); propagation
+            # then slices the repeated k/v like q's heads at the attention matmuls
+            for member in group:
+                base = _try_column_split(plan, base, [member]) or base
         else:
-            for name, _ in group:
-                plan.replicate(name)
+            base = accepted or base
     base = _split_vocabulary(plan, base)
     base = _store_local_reshards(plan, base)
     if options.sequence_parallel:
         _split_sequence(plan, base)
+
+
+def _try_column_split(plan: PlanBuilder, base: Propagation, group: list[tuple[str, int]]) -> Propagation | None:
+    """Split ``group`` along its output dimensions; kept (and its propagation returned) when that adds
+    at most one all-reduce, undone otherwise (None)."""
+    for name, out_dim in group:
+        plan.shard(name, out_dim)
+    trial = _try_propagate(plan, base)
+    if trial is not None and _adds_at_most_one_all_reduce(base, trial):
+        return trial
+    for name, _ in group:
+        plan.replicate(name)
+    return None
 
 
 def _split_sequence(plan: PlanBuilder, base: Propagation) -> None:

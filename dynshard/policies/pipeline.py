@@ -118,9 +118,9 @@ class PipelineOptions:
         if self.pipeline_nchunks > 1 and name != "1f1b_interleaved":
             raise ConfigError(f"dynshard: pipeline_nchunks={self.pipeline_nchunks} needs pipeline_scheduler "
                               f"'1f1b_interleaved' ({name!r} runs one stage per rank)")
-        if config.use_zero:
-            raise ConfigError(f"dynshard: use_zero with policy {config.policy!r} is not built yet; train the "
-                              "pipeline with use_zero=0 (each rank already holds only its stages' parameters)")
+        if config.use_zero and config.policy == "hybrid":
+            raise ConfigError("dynshard: use_zero with policy 'hybrid' is not built yet; use policy 'pp' with "
+                              "use_zero, or hybrid without it")
         if config.recompute_modules:
             raise ConfigError("dynshard: recompute_modules with policy 'pp' is not built yet")
 

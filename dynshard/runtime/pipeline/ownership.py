@@ -17,7 +17,9 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from ..sharding import _SHARDED, ALIKE_ATTR, TAG_ATTR, ShardTag, StageOwnership, get_tag, placements_for
+from ..accumulation import ACCUMULATION
+from ..sharding import _SHARDED, ALIKE_ATTR, TAG_ATTR, ShardTag, StageOwnership, get_tag, placements_for, stored_piece
+from ..zero import gather_rows, zero_groups, zero_spec
 from .groups import PipelineGroups
 
 
@@ -30,6 +32,26 @@ class Ownership:
     # hybrid: held tensors the stage programs split over tp first, tagged with their owner afterwards
     pending: dict[int, StageOwnership] = dataclasses.field(default_factory=dict)
     ties_checked: bool = False
+    zero: set[int] = dataclasses.field(default_factory=set)   # held tensors stored as ZeRO rows over dp
+
+    def with_replicas(self, mb_args: list[list], train: bool) -> list[list]:
+        """The micro-batches' inputs with whole replicas of the ZeRO tensors, gathered once per step (the
+        accumulation machinery's: their gradients are reduce-scattered into the rows at the flush)."""
+        if not self.zero:
+            return mb_args
+        if train:
+            replicas = {i: ACCUMULATION.replica(self.held[i]) for i in self.zero}
+        else:      # forward only: whole values for this call, nothing to reduce afterwards
+            replicas = {i: full_rows(self.held[i]) for i in self.zero}
+        return [[replicas.get(i, value) for i, value in enumerate(args)] for args in mb_args]
+
+    def gradient(self, index: int) -> torch.Tensor | None:
+        """The gradient this step accumulated for a held tensor (a ZeRO tensor's is its replica's)."""
+        tensor = self.held[index]
+        if index in self.zero:
+            entry = ACCUMULATION.replicas.get(id(tensor))
+            return entry[1].grad if entry is not None else None
+        return tensor.grad
 
     def settle(self) -> None:
         """After the stage programs cut their tensors into tp shards: record the stages that hold them."""
@@ -48,7 +70,10 @@ def take_ownership(args, plan) -> Ownership:
         for index in stage.graph_inputs:
             readers.setdefault(index, []).append(stage.index)
     mine = set(plan.schedule.stages_of(groups.pp_rank))
-    held, tie_sets, pending = {}, {}, {}
+    held, tie_sets, pending, zero = {}, {}, {}, set()
+    config = plan.config
+    if config.zero and groups.dp_size > 1:
+        zero_groups(groups.layout, config.zero_ngroups)    # collective: every rank, before any tensor
     for inp in plan.inputs:
         if not inp.is_state or inp.index not in readers:
             continue
@@ -66,6 +91,8 @@ def take_ownership(args, plan) -> Ownership:
                                    "calls or pipeline_pivots")
             if owns:
                 held[inp.index] = tensor
+                if get_tag(tensor).zero is not None:
+                    zero.add(inp.index)
             continue
         if dist.is_initialized() and not tensor.is_meta and not getattr(tensor, ALIKE_ATTR, False):
             with torch.no_grad():
@@ -78,12 +105,16 @@ def take_ownership(args, plan) -> Ownership:
         if owns and groups.layout.tp_size > 1:
             pending[inp.index] = owner      # tagged once its stage's program has split it over tp
         else:
+            spec = zero_spec(config.zero, groups.layout, config.zero_ngroups, tensor.shape,
+                             config.zero_use_reduce_scatter) if owns and tensor.requires_grad else None
             tag = ShardTag(fqn=inp.name, global_shape=tensor.shape, global_stride=tuple(tensor.stride()),
-                           placements=placements_for(plan.layout, {}), layout=plan.layout, owner=owner)
-            if not owns:
+                           placements=placements_for(plan.layout, {}), layout=plan.layout, zero=spec, owner=owner)
+            if tag.is_split:     # another stage's, or ZeRO rows of this one's
                 with torch.no_grad():
-                    tensor.data = tensor.data.new_empty(0)
+                    tensor.data = stored_piece(tensor.data, tag).clone()
                 _SHARDED.add(tensor)
+            if spec is not None:
+                zero.add(inp.index)
             setattr(tensor, TAG_ATTR, tag)
             tag.add_plan(plan)
     shared = []
@@ -93,7 +124,13 @@ def take_ownership(args, plan) -> Ownership:
                 group = _group(tuple(groups.global_rank(r, unit, tp_rank) for r in owner_ranks))
                 if (unit, tp_rank) == (groups.dp_rank, groups.layout.tp_rank) and groups.pp_rank in owner_ranks:
                     shared.append((group, [i for i in indices if i in held]))
-    return Ownership(held, shared, pending)
+    return Ownership(held, shared, pending, zero=zero)
+
+
+def full_rows(tensor: torch.Tensor) -> torch.Tensor:
+    tag = get_tag(tensor)
+    with torch.no_grad():
+        return gather_rows(tensor.detach(), tag.zero, zero_groups(tag.layout, tag.zero.ngroups))
 
 
 _GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -125,14 +162,16 @@ def reduce_gradients(ownership: Ownership, groups: PipelineGroups) -> None:
     every gradient over the data-parallel units."""
     with torch.no_grad():
         for group, indices in ownership.shared:
-            grads = [ownership.held[i].grad for i in indices if ownership.held[i].grad is not None]
+            grads = [g for g in (ownership.gradient(i) for i in indices) if g is not None]
             if not ownership.ties_checked:
                 _check_same_pieces(group, grads)
             if grads:
                 _flat_all_reduce(grads, group, dist.ReduceOp.SUM)
         ownership.ties_checked = True
+        if ownership.zero:
+            ACCUMULATION.flush()    # ZeRO tensors: their replicas' gradients reduce-scattered into the rows
         if groups.dp_group is not None:
-            grads = [t.grad for t in ownership.held.values() if t.grad is not None]
+            grads = [t.grad for i, t in ownership.held.items() if t.grad is not None and i not in ownership.zero]
             for grad in grads:
                 grad.div_(groups.dp_size)
             _flat_all_reduce(grads, groups.dp_group, dist.ReduceOp.SUM)

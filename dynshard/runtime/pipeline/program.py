@@ -236,6 +236,7 @@ class PipelineProgram:
         return mb_args
 
     def run(self, schedule, mb_args, train: bool, seed_fn=None, actions=None) -> StepRun:
+        mb_args = self.plan.ownership.with_replicas(mb_args, train)
         with torch.set_grad_enabled(train):
             programs, metas = self.plan.programs_for(mb_args)
             run = StepRun(self.plan, programs, metas, mb_args, train, seed_fn)
