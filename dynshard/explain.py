@@ -38,6 +38,7 @@ class StageReport:
     modules: tuple[str, ...]
     flops: int                # forward FLOPs of one whole batch, as measured for the cut
     receives: int             # tensors it receives per micro-batch
+    saved_bytes: int = 0      # activations its forward keeps for its backward, per micro-batch (this rank's stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +57,9 @@ class PipelineReport:
     def __str__(self) -> str:
         lines = [f"pipeline {self.key}: {len(self.stages)} stages, schedule {self.schedule}, "
                  f"{self.nmicros} micro-batches, compiled in {self.compile_seconds:.1f}s, cache hits {self.cache_hits}"]
-        rows = [("stage", "rank", "forward FLOPs", "receives", "modules")] + [
-            (str(s.index), str(s.rank), str(s.flops), str(s.receives), ", ".join(s.modules)) for s in self.stages]
+        rows = [("stage", "rank", "forward FLOPs", "receives", "saved for backward", "modules")] + [
+            (str(s.index), str(s.rank), str(s.flops), str(s.receives), str(s.saved_bytes) if s.saved_bytes else "-",
+             ", ".join(s.modules)) for s in self.stages]
         lines += _table(rows)
         lines.append(f"  p2p per step (all ranks of a unit, forward + backward): {self.p2p_bytes} bytes; "
                      f"this rank sent {self.sent_bytes} bytes, idle {self.idle_fraction:.1%} of its latest step")
@@ -167,7 +169,9 @@ def explain(model: torch.nn.Module) -> Explanation:
 def _pipeline_report(plan) -> PipelineReport:
     staged = plan.staged
     stages = tuple(StageReport(s.index, plan.schedule.stage_to_rank[s.index], s.modules, staged.flops[s.index],
-                               len(staged.boundaries[s.index - 1]) if s.index else 0) for s in staged.stages)
+                               len(staged.boundaries[s.index - 1]) if s.index else 0,
+                               plan.compiled[s.index].saved_bytes if s.index in plan.compiled else 0)
+                   for s in staged.stages)
     return PipelineReport(
         key=plan.key, schedule=plan.schedule.name, nmicros=plan.nmicros, stages=stages,
         grid=plan.schedule.format(comms=False), p2p_bytes=plan.p2p_bytes(), sent_bytes=plan.last_step.get("sent_bytes", 0),

@@ -70,7 +70,10 @@ def test_dummy_micro_batches_scale_fn_infer_step_explain_and_trace(tmp_path):
             torch.testing.assert_close(grad, result["ref_grads"][name], rtol=1e-4, atol=1e-6, msg=name)
     report = results[0]["report"]
     assert "pipeline stages 0, 1" in report and "schedule 1f1b" in report
-    assert "0      0     1572864        0         wte, wpe, blocks.0, blocks.1" in report
+    stage = results[0]["pipeline"].stages[0]
+    assert (stage.rank, stage.flops, stage.receives, stage.modules) == (0, 1572864, 0, ("wte", "wpe", "blocks.0",
+                                                                                         "blocks.1"))
+    assert stage.saved_bytes > 0 and results[1]["pipeline"].stages[0].saved_bytes == 0   # rank 1 runs stage 1
     for rank in range(2):
         with open(os.path.join(tmp_path, f"dynshard_trace_rank{rank}.json")) as f:
             events = json.load(f)["traceEvents"]

@@ -137,3 +137,22 @@ def test_plain_calls_combine_the_micro_batches_into_the_whole_batch():
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
     with torch.no_grad():
         torch.testing.assert_close(_one_process(model, "1f1b")(batch), reference(batch), rtol=1e-5, atol=0)
+
+
+def test_recompute_modules_inside_pipeline_stages_keeps_fewer_activations():
+    saved = {}
+    for names in ("", "Block"):
+        torch._dynamo.reset()
+        model, make = build("gpt")
+        reference = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="dynshard", options=Config(
+            **PP, compiler="aot_eager", recompute_modules=names,
+            pas_config={"pipeline_nmicros": 2, "pipeline_scheduler": "1f1b_interleaved", "pipeline_nchunks": 2}))
+        samples = [make(2, i) for i in range(2)]
+        dynshard.train_step(compiled, samples)
+        for sample in samples:
+            reference(sample).backward()
+        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+        saved[names] = [s.saved_bytes for s in dynshard.explain(compiled).pipelines[0].stages]
+    assert all(after < before / 4 for before, after in zip(saved[""], saved["Block"])), saved

@@ -14,6 +14,7 @@ from .. import compat
 from ..config import Config
 from ..passes import PassContext, cast_to_compute_dtype, run_passes
 from ..passes.cut_stages import assign_stages, split_stages
+from ..passes.tag_recompute import tag_single_process
 from ..runtime.mesh import Layout
 from ..runtime.pipeline.groups import PipelineGroups
 from ..runtime.pipeline.program import PipelinePlan, ValueMeta
@@ -56,13 +57,16 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
     def compile_stage(stage, args):
         if layout.tp_size > 1:
             return _tensor_parallel_stage(stage, args, config, layout, key, device_type)
+        # (what it compiled, what the executor calls)
         examples = [torch.empty(a.shape, dtype=a.dtype, device=a.device).requires_grad_(a.requires_grad) for a in args]
         backward = None
         if schedule.splits_backward:    # zero bubble: weight gradients deferred to the W actions
             weights = {j for j, i in enumerate(stage.graph_inputs) if inputs[i].kind == "parameter"}
             backward = functools.partial(compiled_backward, weight_outputs=weights)
-        return compile_program(stage.module, examples, config.compiler, layout, config.inference_only,
-                               backward=backward).run
+        stage_ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode())
+        module = tag_single_process(stage.module, examples, stage_ctx)    # recompute_modules, when asked for
+        program = compile_program(module, examples, config.compiler, layout, config.inference_only, backward=backward)
+        return program, program.run
 
     def combine():
         from ..passes.microbatch_outputs import microbatch_combine
@@ -97,7 +101,7 @@ def _tensor_parallel_stage(stage, args, config: Config, layout: Layout, key: str
                         ctx.propagation, ctx.timings, config.inference_only)
     program = ShardedProgram(plan)
     program.prepare(args)
-    return program
+    return plan.program, program
 
 
 def _meta(node) -> ValueMeta | None:

@@ -53,7 +53,7 @@ class PipelinePlan:
     layout: Any
     device: torch.device
     output_metas: list              # the captured graph's outputs (ValueMeta, or None for non-tensors)
-    compile_stage: Callable         # (stage, example inputs) -> compiled callable
+    compile_stage: Callable         # (stage, example inputs) -> (CompiledProgram, the callable that runs it)
     frame_call: Any                 # runtime.pipeline.retrace.FrameCall: the frame, to trace it per micro-batch
     combine_fn: Callable            # () -> per output "cat" / "mean" / "sum" / "same"
     pass_timings: list
@@ -64,6 +64,7 @@ class PipelinePlan:
     last_step: dict = dataclasses.field(default_factory=dict)   # sent bytes, idle fraction of the latest step
     _combine: list | None = None
     _programs: dict = dataclasses.field(default_factory=dict)
+    compiled: dict = dataclasses.field(default_factory=dict)    # stage -> its latest CompiledProgram here
     _runs_on: dict = dataclasses.field(default_factory=dict)
 
     @property
@@ -139,7 +140,8 @@ class PipelinePlan:
                 args = [mb_args[0][i] for i in stage.graph_inputs]
                 args += [torch.empty(metas[n].shape, dtype=metas[n].dtype, device=self.device)
                          .requires_grad_(metas[n].requires_grad) for n in stage.received]
-                programs[s] = self.compile_stage(stage, args)    # hybrid: also cuts its tensors into tp shards
+                # hybrid: also cuts its tensors into tp shards
+                self.compiled[s], programs[s] = self.compile_stage(stage, args)
             self.ownership.settle()
             self.seconds += time.perf_counter() - start
             self._programs[shapes] = (programs, metas)
