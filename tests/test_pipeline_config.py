@@ -156,3 +156,4 @@ def test_recompute_modules_inside_pipeline_stages_keeps_fewer_activations():
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
         saved[names] = [s.saved_bytes for s in dynshard.explain(compiled).pipelines[0].stages]
     assert all(after < before / 4 for before, after in zip(saved[""], saved["Block"])), saved
+

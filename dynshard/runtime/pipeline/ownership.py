@@ -78,6 +78,10 @@ def take_ownership(args, plan) -> Ownership:
         if not inp.is_state or inp.index not in readers:
             continue
         tensor = args[inp.index]
+        if tensor.is_meta:
+            raise NotImplementedError(
+                f"dynshard: {inp.name} is on the meta device; pipeline policies do not initialise meta-built models "
+                "yet. Build the model on the CPU (each rank then keeps only its stages' tensors after the first step)")
         stages = tuple(readers[inp.index])
         owner_ranks = sorted({plan.schedule.stage_to_rank[s] for s in stages})
         owns = bool(mine & set(stages))
