@@ -100,7 +100,11 @@ def load_average() -> list[float]:
     return list(os.getloadavg())
 
 
-def run_job(system: str, ranks: int, args, results_dir: str) -> dict:
+def run_job(system: str, ranks: int, args, results_dir: str, job: str = "gpt_job.py",
+            extra: tuple[str, ...] = ()) -> dict:
+    """Run ``job`` (a script beside this one) for ``system`` under a fresh torchrun with empty Inductor and
+    Triton caches, with the model flags of ``args`` and ``extra``; its JSON, with the job's wall time and
+    the load average added."""
     out = os.path.join(results_dir, "jobs", system.replace(":", "_") + ".json")
     log = os.path.join(results_dir, "logs", system.replace(":", "_") + ".log")
     os.makedirs(os.path.dirname(out), exist_ok=True)
@@ -113,7 +117,7 @@ def run_job(system: str, ranks: int, args, results_dir: str) -> dict:
     env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
     env["OMP_NUM_THREADS"] = "1"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
-           os.path.join(HERE, "gpt_job.py"), "--system", system, "--out", out]
+           os.path.join(HERE, job), "--system", system, "--out", out, *extra]
     for name in MODEL_ARGS:
         cmd += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     load_before = load_average()
@@ -220,6 +224,20 @@ def minima(case: str, ranks: int, args) -> dict[str, float]:
                 state_total_bytes=4 * full, state_target_bytes=4 * full / ranks, param_bytes=full)
 
 
+def provenance() -> dict:
+    """torch's version, the git HEAD and dynshard's uncommitted files, for a results JSON."""
+    import torch
+
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], cwd=HERE, capture_output=True, text=True).stdout.strip()
+        except OSError:
+            return ""
+
+    return {"torch": torch.__version__, "git_head": git("rev-parse", "HEAD"),
+            "dynshard_uncommitted": git("status", "--short", "--", "../dynshard").splitlines()}
+
+
 def table(rows: list[dict]) -> str:
     header = ("case", "system", "ranks", "setup s", "first s", "first x", "step s", "step x", "comm MB", "min MB",
               "wire MB", "min wire", "colls", "param MB/rank", "state MB/rank", "x total/N", "load")
@@ -237,7 +255,12 @@ def table(rows: list[dict]) -> str:
                       f"{r['state_bytes'] / 1e6:.2f}",
                       f"{r['state_bytes'] / r['state_target_bytes']:.3f}",
                       f"{r['load_before'][0]:.1f}/{r['load_after'][0]:.1f}"))
-    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    return align(lines)
+
+
+def align(lines: list[tuple[str, ...]]) -> str:
+    """Rows of cells (the header first) as left-aligned columns."""
+    widths = [max(len(row[i]) for row in lines) for i in range(len(lines[0]))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in lines)
 
 
@@ -279,32 +302,28 @@ def main() -> None:
         rows += pair
     text = table(rows)
     load_end = load_average()
-    print()
-    print(text)
-    print()
-    print(NOTES)
     footer = (f"load average (1 min) at start {load_start[0]:.1f}, at end {load_end[0]:.1f}; "
               f"model: {args.layers} layers, d_model {args.d_model}, seq {args.seq}, vocab {args.vocab}, global batch "
               f"{args.batch}, {args.steps} timed steps after {args.warmup}; "
               f"parameters {rows[0]['param_bytes'] / 1e6:.2f} MB in all")
+    publish(args.out, {"config": vars(args), **provenance(), "load_start": load_start, "load_end": load_end,
+                       "rows": rows, "table": text}, text, NOTES, footer)
+
+
+def publish(path: str, payload: dict, text: str, notes: str, footer: str) -> None:
+    """Print the table(s), the notes and the footer; write ``payload`` to ``path`` (JSON) and the text beside
+    it (.txt)."""
+    print()
+    print(text)
+    print()
+    print(notes)
     print(footer)
-    os.makedirs(results_dir, exist_ok=True)
-    import torch
-
-    def git(*cmd):
-        try:
-            return subprocess.run(["git", *cmd], cwd=HERE, capture_output=True, text=True).stdout.strip()
-        except OSError:
-            return ""
-
-    with open(args.out, "w") as f:
-        json.dump({"config": vars(args), "torch": torch.__version__, "git_head": git("rev-parse", "HEAD"),
-                   "dynshard_uncommitted": git("status", "--short", "--", "../dynshard").splitlines(),
-                   "load_start": load_start, "load_end": load_end,
-                   "rows": rows, "table": text}, f, indent=1)
-    with open(os.path.splitext(args.out)[0] + ".txt", "w") as f:
-        f.write(text + "\n\n" + NOTES + "\n" + footer + "\n")
-    print(f"wrote {args.out}")
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    with open(os.path.splitext(path)[0] + ".txt", "w") as f:
+        f.write(text + "\n\n" + notes + "\n" + footer + "\n")
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

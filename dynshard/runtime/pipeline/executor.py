@@ -47,6 +47,7 @@ class StepRun:
         self.trace = StepTrace(plan.steps)
         self.sent_bytes = 0
         self.deferred = DeferredWeightGradients()
+        self._compute_begin = 0.0
 
     # -- helpers -------------------------------------------------------------------------------------
     def _tag(self, backward: bool, stage: int, mb: int, i: int) -> int:
@@ -68,16 +69,17 @@ class StepRun:
     # -- actions -------------------------------------------------------------------------------------
     def run(self, actions) -> None:
         for action in actions:
-            begin = self.trace.now()
+            self._compute_begin = self.trace.now()
             getattr(self, "_" + action.kind.lower())(action)
-            if action.kind in ("F", "B", "I", "W"):
-                self.trace.span("forward" if action.kind == "F" else "backward", str(action), begin)
+            if action.kind in ("F", "B", "I", "W"):     # from the end of its receive wait, if any
+                self.trace.span("forward" if action.kind == "F" else "backward", str(action), self._compute_begin)
 
     def _wait(self, works, name: str) -> None:
         begin = self.trace.now()
         for work in works:
             work.wait()
         self.trace.span("recv", name, begin)
+        self._compute_begin = self.trace.now()
 
     def _recv_f(self, action) -> None:
         names = self.staged.boundaries[action.stage - 1]

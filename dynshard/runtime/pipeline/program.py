@@ -255,8 +255,16 @@ class PipelineProgram:
         group = self.plan.groups.pp_group
         if group is None:
             return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for tensor in tensors:
-            dist.broadcast(tensor, src=self.last_stage_rank(), group=group)
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        for same in by_dtype.values():      # one broadcast per dtype
+            flat = torch.cat([t.reshape(-1) for t in same])
+            dist.broadcast(flat, src=self.last_stage_rank(), group=group)
+            offset = 0
+            for tensor in same:
+                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                offset += tensor.numel()
 
     def whole_outputs(self, run: StepRun, args) -> list[Any]:
         """The whole batch's outputs on every rank, from the micro-batches' on the last stage's rank."""
