@@ -73,7 +73,7 @@ def test_a_batch_that_does_not_split_into_the_micro_batches_is_an_error():
         _one_process(model)(make(6, 0))
 
 
-def test_a_graph_break_inside_the_pipelined_model_is_an_error_under_train_step():
+def test_a_graph_break_inside_the_pipelined_model_is_an_error():
     class Broken(EndToEndMLP):
         def forward(self, batch):
             x = batch["x"] + self.blocks[0](batch["x"])
@@ -85,6 +85,8 @@ def test_a_graph_break_inside_the_pipelined_model_is_an_error_under_train_step()
     model, make = Broken(), build("mlp")[1]
     with pytest.raises(RuntimeError, match="must compile into one graph"):
         dynshard.train_step(_one_process(model), [make(2, i) for i in range(4)])
+    with pytest.raises(Exception, match="a graph break splits the model into several graphs"):
+        _one_process(Broken())(make(8, 0)).backward()
 
 
 @pytest.mark.parametrize("scheduler, nchunks", [("1f1b", 1), ("1f1b_interleaved", 2), ("zb1p", 1)])

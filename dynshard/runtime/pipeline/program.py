@@ -188,6 +188,11 @@ class PipelineProgram:
         recorder = active_recorder()
         if recorder is not None:
             return recorder.record(self, args)
+        if torch.is_grad_enabled() and any(args[i.index].requires_grad for i in plan.inputs if i.kind == "input"):
+            raise RuntimeError(
+                "dynshard: a pipelined graph received an input that needs a gradient: a graph break splits the "
+                "model into several graphs, and gradients do not flow between separately pipelined graphs yet. "
+                "Remove the graph break (TORCH_LOGS=graph_breaks shows where it is)")
         runner, mb_args = self.micro_batches(args)
         if plan.config.inference_only or not torch.is_grad_enabled():
             run = runner.run(runner.plan.forward_only, mb_args, train=False)
