@@ -2,7 +2,8 @@
 
 Three jobs share one directory of checkpoints: a 2-rank job (tp2 -> pp2 -> tp2, a data2 save, two straight
 AdamW runs that save halfway), a 4-rank job (hybrid, tp2 x dp2, ZeRO-1 in 2 groups) and a new 2-rank job that
-loads the 4-rank saves under other plans, data2 under ZeRO-3, and resumes the AdamW runs. Every checkpoint is
+loads the 4-rank saves under other plans, data2 under ZeRO-3, and resumes the tp2, ZeRO-2 and pp2 runs (AdamW)
+under their own plans, bit for bit. Every checkpoint is
 exported with ``dcp_to_torch_save``: it must hold exactly what the saving plan held, a plan that loads it must
 hold exactly that before it steps, and its next steps must match one process continuing from the export.
 """
@@ -11,16 +12,19 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+import dynshard
 from distributed import run_ranks
 from workers_checkpoint_matrix import (ADAMW, CFG, SGD, STATE_KEYS, EndToEndGPT, batch, four_rank_sources,
-                                       make_optimizer, two_rank_loads, two_rank_sources_and_pipeline)
+                                       make_optimizer, pipeline_zero_load, pipeline_zero_save, two_rank_loads,
+                                       two_rank_sources_and_pipeline)
 
 # from -> to: (checkpoint directory, step it was saved at, optimizer), the job and key of the result
-MATRIX = [("tp2", "pp2", SGD, "tp2 -> pp2"), ("pp2", "tp2", SGD, "pp2 -> tp2"),
+MATRIX = [("adamw_tp2", "pp2", ADAMW, "tp2 -> pp2"), ("pp2", "tp2", ADAMW, "pp2 -> tp2"),
           ("hybrid4", "dp", ADAMW, "hybrid4 -> dp"), ("tp2_dp2", "data2", SGD, "tp2_dp2 -> data2"),
           ("zero1_ngroups2", "tp2", ADAMW, "zero1_ngroups2 -> tp2"), ("data2", "zero3", SGD, "data2 -> zero3")]
 SAVED_AT = {"pp2": 4}
@@ -95,13 +99,27 @@ def _check_case(result: dict, saved: dict, optimizer, start: int) -> list[str]:
     for name, expected in ref["params"].items():
         update, ref_update = result["params"][name] - saved["model"][name], expected - saved["model"][name]
         torch_norms = (torch.linalg.vector_norm(update), torch.linalg.vector_norm(ref_update))
-        if not torch.allclose(*torch_norms, rtol=1e-3, atol=1e-7):
+        if not torch.allclose(*torch_norms, rtol=1e-4, atol=1e-7):
             problems.append(f"update norm {name}: {float(torch_norms[0]):.6g} vs {float(torch_norms[1]):.6g}")
     steps = {k: v for k, v in ref["state"].items() if k.endswith(".step")}
     problems += _check_equal({k: result["state"][k] for k in steps}, steps, "state")
     moments = {k: v for k, v in ref["state"].items() if not k.endswith(".step")}
     problems += _check_close(result["state"], moments, "state", rtol=1e-4, atol=1e-6)
     return problems
+
+
+def _check_layouts(results: list[dict]) -> None:
+    """Each plan of the matrix is the one it is meant to be (c_attn: 32 x 96 = 3072 elements, wpe 15 x 32)."""
+    attn, wpe = "blocks.0.attn.c_attn.weight", "wpe.weight"
+    layouts = {key[len("saved "):]: [r[key]["layout"] for r in results if key in r]
+               for key in results[0] if key.startswith("saved ")}
+    assert all("_StridedShard" in r[attn]["placements"] and r[attn]["numel"] == 1536 for r in layouts["adamw_tp2"])
+    assert [r[wpe]["zero"] for r in layouts["adamw_zero2"]] == [(2, 1, 1)] * 2       # one padding row
+    assert [r[attn]["numel"] for r in layouts["pp2"]] == [3072, 0]                   # stage 0 on rank 0 only
+    assert [r[attn]["numel"] for r in layouts["hybrid4"]] == [1536, 1536, 0, 0]      # stage 0 split over tp
+    assert [r[attn]["numel"] for r in layouts["tp2_dp2"]] == [1536] * 4
+    assert [r[wpe]["zero"] for r in layouts["zero1_ngroups2"]] == [(2, 2, 1)] * 4    # 2 groups of 2
+    assert [r[attn]["numel"] for r in layouts["data2"]] == [3072] * 2
 
 
 def test_checkpoint_resharding_matrix(tmp_path):
@@ -113,11 +131,12 @@ def test_checkpoint_resharding_matrix(tmp_path):
     for rank, more in enumerate(loads):
         results[rank].update(more)
 
+    _check_layouts(results)
     exported = {}
-    table, failures = [], []
+    table = []
     # every checkpoint holds exactly what its plan held when it saved (the same on every rank)
-    for name, optimizer in (("tp2", SGD), ("pp2", SGD), ("data2", SGD), ("hybrid4", ADAMW), ("tp2_dp2", SGD),
-                            ("zero1_ngroups2", ADAMW)):
+    for name, optimizer in (("adamw_tp2", ADAMW), ("adamw_zero2", ADAMW), ("pp2", ADAMW), ("data2", SGD),
+                            ("hybrid4", ADAMW), ("tp2_dp2", SGD), ("zero1_ngroups2", ADAMW)):
         saved = exported[name] = _export(root, name, SAVED_AT.get(name, 2))
         problems = []
         for rank, result in enumerate(results):
@@ -125,10 +144,7 @@ def test_checkpoint_resharding_matrix(tmp_path):
                 continue
             held = result[f"saved {name}"]
             problems += _check_equal(held["params"], saved["model"], f"rank {rank} param")
-            # (AdamW's step is a scalar each rank has for the parameters it holds; pipelines hold some)
-            expected = {k: v for k, v in _flat_state(saved["optim"], optimizer[0]).items()
-                        if k in held["state"] or not k.endswith(".step")}
-            problems += _check_equal(held["state"], expected, f"rank {rank} state")
+            problems += _check_equal(held["state"], _flat_state(saved["optim"], optimizer[0]), f"rank {rank} state")
         table.append((name, "(export)", problems))
     for source, target, optimizer, key in MATRIX:
         problems = []
@@ -139,21 +155,83 @@ def test_checkpoint_resharding_matrix(tmp_path):
 
     # the same plan, a new job: bitwise equal to the straight run (parameters, AdamW state with its step,
     # losses, the GradScaler's scale and growth tracker)
-    for plan in ("tp2", "zero2"):
+    for name, plan, start in (("adamw tp2", "tp2", 2), ("adamw zero2", "zero2", 2), ("pp2", "pp2", 4)):
         problems = []
         for rank, result in enumerate(results[:2]):
-            straight, resumed = result[f"straight adamw {plan}"], result[f"resumed adamw {plan}"]
-            if resumed["extra"] != {"step": 2}:
+            straight, resumed = result[f"straight {name.replace(' ', '_')}"], result[f"resumed {name}"]
+            if resumed["extra"] != {"step": start}:
                 problems.append(f"rank {rank} extra {resumed['extra']}")
-            if resumed["losses"] != straight["losses"][2:]:
-                problems.append(f"rank {rank} losses {resumed['losses']} vs {straight['losses'][2:]}")
+            if resumed["losses"] != straight["losses"][-2:]:
+                problems.append(f"rank {rank} losses {resumed['losses']} vs {straight['losses'][-2:]}")
             problems += _check_equal(resumed["params"], straight["params"], f"rank {rank} param")
             problems += _check_equal(resumed["state"], straight["state"], f"rank {rank} state")
             if resumed["scaler"] != straight["scaler"]:
                 problems.append(f"rank {rank} scaler {resumed['scaler']} vs {straight['scaler']}")
-        table.append((f"adamw {plan} step 2", f"{plan} (new job, bitwise)", problems))
+        table.append((f"{name} step {start}", f"{plan} (new job, bitwise)", problems))
 
     report = "\n".join(f"{a:>22} -> {b:<26} {'ok' if not p else p[0] + f' (+{len(p) - 1} more)'}"
                        for a, b, p in table)
     print("\n" + report)
     assert not any(p for _, _, p in table), report
+
+
+@pytest.mark.slow
+def test_a_pipeline_zero_checkpoint_loads_under_the_pipeline_on_two_ranks(tmp_path):
+    """pp 2 x dp 2 with ZeRO-1 rows of the stages' parameters (4 ranks) -> pp 2 (2 ranks), AdamW."""
+    root = str(tmp_path)
+    saves = run_ranks(pipeline_zero_save, 4, root)
+    assert [r["saved pp2_zero1"]["layout"]["blocks.0.attn.c_attn.weight"]["numel"] for r in saves] == [1536, 0] * 2
+    assert saves[0]["saved pp2_zero1"]["layout"]["wpe.weight"]["zero"] == (2, 1, 1)
+    saved = _export(root, "pp2_zero1", 2)
+    problems = []
+    for rank, result in enumerate(saves):
+        problems += _check_equal(result["saved pp2_zero1"]["params"], saved["model"], f"rank {rank} param")
+        problems += _check_equal(result["saved pp2_zero1"]["state"], _flat_state(saved["optim"], "adamw"),
+                                 f"rank {rank} state")
+    for rank, result in enumerate(run_ranks(pipeline_zero_load, 2, root)):
+        problems += [f"rank {rank} {p}" for p in _check_case(result["pp2_zero1 -> pp2"], saved, ADAMW, 2)]
+    assert not problems, problems
+
+
+def test_grad_scaler_state_is_saved_with_scaler_and_exported(tmp_path):
+    model = EndToEndGPT(CFG)
+    opt = make_optimizer(ADAMW, model.parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=2)
+    for step in range(3):
+        scaler.scale(model(batch(step))).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    path = str(tmp_path / "step3")
+    dynshard.checkpoint.save(path, model, opt, extra={"step": 3}, scaler=scaler)
+    other = torch.amp.GradScaler("cpu")
+    assert dynshard.checkpoint.load(path, EndToEndGPT(CFG), scaler=other) == {"step": 3}
+    assert other.state_dict() == scaler.state_dict() == {"scale": 512.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                                                        "growth_interval": 2, "_growth_tracker": 1}
+    # the plain torch.save conversion holds it as scaler.state_dict() gave it: torch's scaler loads it
+    dcp_to_torch_save(path, str(tmp_path / "full.pt"))
+    plain = torch.amp.GradScaler("cpu")
+    plain.load_state_dict(torch.load(str(tmp_path / "full.pt"), weights_only=False)["scaler"])
+    assert plain.state_dict() == scaler.state_dict()
+
+    # a checkpoint without scaler state: an enabled scaler is refused (nothing is loaded), a disabled one is not
+    bare = str(tmp_path / "bare")
+    dynshard.checkpoint.save(bare, model, opt, scaler=torch.amp.GradScaler("cpu", enabled=False))
+    with pytest.raises(ValueError, match="holds no GradScaler state"):
+        dynshard.checkpoint.load(bare, EndToEndGPT(CFG), scaler=torch.amp.GradScaler("cpu"))
+    dynshard.checkpoint.load(bare, EndToEndGPT(CFG), scaler=torch.amp.GradScaler("cpu", enabled=False))
+    dynshard.checkpoint.load(path, EndToEndGPT(CFG))       # saved scaler state, none asked for: ignored
+
+
+def test_a_scalar_state_of_another_stages_parameter_keeps_its_scalar_size():
+    """Adam's step of a parameter another pipeline rank holds: no piece to write or read, and the scalar
+    size DCP compares with the saved one (it used to take the parameter's shape: a load failed)."""
+    from dynshard.checkpoint.state import Pieces, describe
+    from dynshard.runtime.sharding import ShardTag, StageOwnership
+
+    owner = StageOwnership(stages=(1,), src=1, group=None, held=False)
+    tag = ShardTag(fqn="w", global_shape=torch.Size((4, 3)), global_stride=(3, 1), placements=(), layout=None,
+                   owner=owner)
+    step, moment = describe(torch.tensor(2.0), tag), describe(torch.empty(0), tag)
+    assert isinstance(step, Pieces) and step.size() == torch.Size(()) and step.chunks == []
+    assert isinstance(moment, Pieces) and moment.size() == torch.Size((4, 3)) and moment.chunks == []

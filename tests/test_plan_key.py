@@ -66,10 +66,10 @@ def test_the_key_holds_autocast_per_device_and_dtype_and_grad_mode():
     assert keys[3] == keys[0]
 
 
-def test_the_key_holds_every_config_field_but_where_plans_are_stored():
-    assert set(json.loads(Config().cache_token())) == set(Config.fields()) - {"cache_dir"}
+def test_the_key_holds_every_config_field_but_where_plans_and_traces_are_stored():
+    assert set(json.loads(Config().cache_token())) == set(Config.fields()) - {"cache_dir", "trace_dir"}
     variants = [Config(), Config(compiler="aot_eager"), Config(policy="data"), Config(user_config={"a": 1}),
                 Config(pas_config={"b": 2}), Config(inference_only=True), Config(recompute_modules="ROOT"),
-                Config(mixed_precision={"param_dtype": "bfloat16"}), Config(use_zero=1)]
+                Config(mixed_precision={"param_dtype": "bfloat16"}), Config(use_zero=1), Config(use_end2end=True)]
     assert len({_key(c) for c in variants}) == len(variants)
-    assert _key(Config(cache_dir="/tmp/plans")) == _key()
+    assert _key(Config(cache_dir="/tmp/plans")) == _key() == _key(Config(trace_dir="/tmp/traces"))

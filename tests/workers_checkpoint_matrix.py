@@ -26,7 +26,7 @@ ADAMW = ("adamw", {"lr": 0.01, "weight_decay": 0.01})
 STATE_KEYS = {"sgd": ("momentum_buffer",), "adamw": ("step", "exp_avg", "exp_avg_sq")}
 PP = {"pipeline_nmicros": 2}
 
-# the plans of the matrix: Config options (compiler aot_eager added by build)
+# the plans of the matrix: Config options (Run adds compiler="aot_eager")
 PLANS = {
     "tp2": dict(policy="tp", plan_ngpus=2),
     "pp2": dict(policy="pp", plan_ngpus=2, use_end2end=True, pas_config=PP),
@@ -38,6 +38,7 @@ PLANS = {
     "zero3": dict(policy="dp", plan_ngpus=1, use_zero=3),
     "tp2_dp2": dict(policy="tp", plan_ngpus=2),                       # on 4 ranks
     "zero1_ngroups2": dict(policy="dp", plan_ngpus=1, use_zero=1, zero_ngroups=2),   # on 4 ranks
+    "pp2_zero1": dict(policy="pp", plan_ngpus=2, use_end2end=True, pas_config=PP, use_zero=1),   # on 4 ranks
 }
 
 
@@ -112,15 +113,28 @@ class Run:
             entries = self.opt.state.get(param, {})
             for key in STATE_KEYS[self.kind]:
                 value = entries.get(key)
-                if key == "step":       # a scalar on every rank holding the parameter
-                    if value is not None:
-                        state[f"{name}.{key}"] = value.clone()
+                if key == "step":       # a scalar on every rank holding the parameter (none elsewhere)
+                    if tag is not None and tag.owner is not None:
+                        value = value.clone() if tag.owner.held else torch.zeros((), dtype=torch.float32)
+                        dist.broadcast(value, src=tag.owner.src, group=tag.owner.group)
+                    state[f"{name}.{key}"] = value.clone()
                     continue
                 value = torch.empty(0) if value is None else value.detach().clone()   # another stage's
                 if tag is not None:
                     setattr(value, TAG_ATTR, tag)
                 state[f"{name}.{key}"] = full_tensor(value).clone()
-        return {"params": params, "state": state}
+        return {"params": params, "state": state, "layout": self.layout()}
+
+    def layout(self) -> dict:
+        """How two parameters sit on this rank (the test checks each plan is the one it means to be)."""
+        out = {}
+        for name in ("wpe.weight", "blocks.0.attn.c_attn.weight"):
+            param = self.model.get_parameter(name)
+            tag = get_tag(param)
+            zero = tag.zero if tag is not None else None
+            out[name] = {"numel": param.numel(), "placements": str(tag.placements) if tag is not None else "",
+                         "zero": (zero.group_size, zero.ngroups, zero.padded_rows - zero.rows) if zero else None}
+        return out
 
     def local(self) -> dict:
         """What this rank holds: its pieces of the parameters and of the optimizer state (bitwise checks)."""
@@ -152,24 +166,29 @@ def _train_and_save(run: Run, root: str, name: str, steps: int = 2) -> dict:
     return {"losses": losses, **run.full()}
 
 
+def _straight(run: Run, root: str, name: str, steps: int = 4) -> dict:
+    """``steps`` steps with a save halfway (what a resumed job must reproduce bit for bit)."""
+    losses = [run.step(i) for i in range(steps // 2)]
+    run.save(_path(root, name, steps // 2), steps // 2)
+    saved = run.full()
+    losses += [run.step(i) for i in range(steps // 2, steps)]
+    return {f"saved {name}": saved, f"straight {name}": {"losses": losses, **run.local()}}
+
+
 def two_rank_sources_and_pipeline(rank: int, world: int, root: str) -> dict:
-    """tp2 -> pp2 -> tp2 (SGD), data2 saved for data2 -> zero3, and the straight AdamW runs (4 steps, a
-    save after 2) under tp2 (with a GradScaler) and ZeRO-2 that the other job resumes bit for bit."""
+    """The straight AdamW runs (4 steps, a save after 2) under tp2 (with a GradScaler) and ZeRO-2 that the
+    other job resumes bit for bit; tp2 -> pp2 -> tp2 (AdamW, from the tp2 run's save); a data2 save (SGD)."""
     _short_timeouts()
     out = {}
-    out["saved tp2"] = _train_and_save(Run("tp2", SGD), root, "tp2")
-    pp = Run("pp2", SGD, seed=1)
-    out["tp2 -> pp2"] = _continue(pp, _path(root, "tp2", 2), 2)
+    out.update(_straight(Run("tp2", ADAMW, scaler=True), root, "adamw_tp2"))
+    out.update(_straight(Run("zero2", ADAMW), root, "adamw_zero2"))
+    pp = Run("pp2", ADAMW, seed=1)
+    out["tp2 -> pp2"] = _continue(pp, _path(root, "adamw_tp2", 2), 2)       # after a step of its own
     pp.save(_path(root, "pp2", 4), 4)
     out["saved pp2"] = pp.full()
-    out["pp2 -> tp2"] = _continue(Run("tp2", SGD, seed=2), _path(root, "pp2", 4), 4, load_first=True)
+    out["straight pp2"] = {"losses": [pp.step(i) for i in (4, 5)], **pp.local()}
+    out["pp2 -> tp2"] = _continue(Run("tp2", ADAMW, seed=2), _path(root, "pp2", 4), 4, load_first=True)
     out["saved data2"] = _train_and_save(Run("data2", SGD), root, "data2")
-    for plan, scaler in (("tp2", True), ("zero2", False)):
-        run = Run(plan, ADAMW, scaler=scaler)
-        losses = [run.step(i) for i in range(2)]
-        run.save(_path(root, f"adamw_{plan}", 2), 2)
-        losses += [run.step(i) for i in range(2, 4)]
-        out[f"straight adamw {plan}"] = {"losses": losses, **run.local()}
     return out
 
 
@@ -182,18 +201,33 @@ def four_rank_sources(rank: int, world: int, root: str) -> dict:
 
 
 def two_rank_loads(rank: int, world: int, root: str) -> dict:
-    """A new 2-rank job: the 4-rank saves under other plans, data2 -> zero3, and the bitwise AdamW resumes."""
+    """A new 2-rank job: the 4-rank saves under other plans, data2 -> zero3, and the bitwise resumes (AdamW
+    under tp2 and ZeRO-2, and under pp2 from the pipeline's own save)."""
     _short_timeouts()
     out = {}
     out["hybrid4 -> dp"] = _continue(Run("dp", ADAMW, seed=3), _path(root, "hybrid4", 2), 2, load_first=True)
     out["tp2_dp2 -> data2"] = _continue(Run("data2", SGD, seed=4), _path(root, "tp2_dp2", 2), 2)
     out["zero1_ngroups2 -> tp2"] = _continue(Run("tp2", ADAMW, seed=5), _path(root, "zero1_ngroups2", 2), 2)
     out["data2 -> zero3"] = _continue(Run("zero3", SGD, seed=6), _path(root, "data2", 2), 2, load_first=True)
-    for plan, scaler, load_first in (("tp2", True, False), ("zero2", False, True)):
-        run = Run(plan, ADAMW, seed=7, scaler=scaler)
+    for name, plan, optimizer, scaler, load_first, start in (
+            ("adamw tp2", "tp2", ADAMW, True, False, 2), ("adamw zero2", "zero2", ADAMW, False, True, 2),
+            ("pp2", "pp2", ADAMW, False, True, 4)):
+        run = Run(plan, optimizer, seed=7, scaler=scaler)
         if not load_first:
             run.step(100)
-        extra = run.load(_path(root, f"adamw_{plan}", 2))
-        losses = [run.step(i) for i in range(2, 4)]
-        out[f"resumed adamw {plan}"] = {"extra": extra, "losses": losses, **run.local()}
+        extra = run.load(_path(root, name.replace(" ", "_"), start))
+        losses = [run.step(i) for i in range(start, start + 2)]
+        out[f"resumed {name}"] = {"extra": extra, "losses": losses, **run.local()}
     return out
+
+
+def pipeline_zero_save(rank: int, world: int, root: str) -> dict:
+    """pp 2 x dp 2 with ZeRO-1 rows of each stage's parameters (4 ranks, AdamW)."""
+    _short_timeouts()
+    return {"saved pp2_zero1": _train_and_save(Run("pp2_zero1", ADAMW), root, "pp2_zero1")}
+
+
+def pipeline_zero_load(rank: int, world: int, root: str) -> dict:
+    """The pp x ZeRO save under pp on 2 ranks, loaded after a step of its own."""
+    _short_timeouts()
+    return {"pp2_zero1 -> pp2": _continue(Run("pp2", ADAMW, seed=3), _path(root, "pp2_zero1", 2), 2)}

@@ -184,10 +184,10 @@ class PlanChannel:
             message = self._agreement.broadcast(None, timeout)
         except RuntimeError as error:
             raise PlanMismatchError(
-                f"dynshard: rank {dist.get_rank()} waited (up to {timeout.total_seconds():.0f}s) at its dynshard "
-                f"compile #{self.compile} for the plan rank 0 makes, and rank 0 did not send it (gloo: "
-                f"{_first_line(error)}). Rank 0 exited or hangs; its own output says why. To wait longer, set "
-                "dynshard.backend.agreement.PLAN_TIMEOUT (a timedelta)") from error
+                f"dynshard: rank {dist.get_rank()} was waiting at its dynshard compile #{self.compile} for the "
+                f"plan rank 0 makes, and rank 0 did not send it (gloo: {_first_line(error)}). Rank 0 exited, or "
+                f"planned for longer than {timeout.total_seconds():.0f}s; its own output says why. To wait "
+                "longer, set dynshard.backend.agreement.PLAN_TIMEOUT (a timedelta)") from error
         kind, body = message[:1], message[1:].decode()
         if kind == self._ERROR:
             raise PlanningFailedError(f"dynshard: rank 0 failed while planning compile #{self.compile}, so this "

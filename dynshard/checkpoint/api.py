@@ -123,6 +123,8 @@ def _load_placeholders(model: torch.nn.Module, optimizer: torch.optim.Optimizer 
             if param is None:
                 raise ValueError(f"dynshard.checkpoint: the checkpoint has optimizer state for {name}, "
                                  "which this optimizer does not hold")
+            if _not_held(param):     # pipeline: another rank's stage; this rank keeps no state for it
+                continue
             current = dict(optimizer.state.get(param, {}))
             for key, md in entries.items():
                 if key in current:
@@ -149,17 +151,26 @@ def _load_placeholders(model: torch.nn.Module, optimizer: torch.optim.Optimizer 
     return state, created
 
 
+def _not_held(param: torch.Tensor) -> bool:
+    tag = get_tag(param)
+    return tag is not None and tag.not_held
+
+
 def _cut_whole_state_at_first_step(optimizer: torch.optim.Optimizer) -> None:
     """Optimizer state loaded before the first compiled step is whole; the first step has made each
     parameter this rank's piece, so before the optimizer steps, cut its state the same way (no
-    communication: every rank holds the whole state)."""
+    communication: every rank holds the whole state), and drop the state of parameters another pipeline
+    rank holds (a plain optimizer never creates any for them)."""
     if getattr(optimizer, _PRE_HOOK_ATTR, None) is not None:
         return
 
     def cut(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         pending = False
-        for param, entries in opt.state.items():
+        for param, entries in list(opt.state.items()):
             tag = get_tag(param)
+            if tag is not None and tag.not_held:     # another pipeline rank's: no state here, as without a load
+                del opt.state[param]
+                continue
             for key, value in list(entries.items()):
                 if not isinstance(value, torch.Tensor) or value.shape == param.shape:
                     continue

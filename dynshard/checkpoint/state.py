@@ -116,8 +116,10 @@ def describe(value: torch.Tensor, tag: ShardTag | None = None) -> torch.Tensor |
     value = value.detach()
     if tag is None or not tag.is_split:
         return value
-    if tag.not_held:       # pipeline: another rank's stage holds it
-        return Pieces(tag.global_shape, value.dtype, [])
+    if tag.not_held:       # pipeline: another rank's stage holds it; this rank writes and reads nothing of it
+        # a scalar state (Adam's step) keeps its own (scalar) size, which DCP checks against the saved one;
+        # this rank's copy is not written: it stops counting once the stages own their parameters
+        return Pieces(value.shape if value.dim() == 0 else tag.global_shape, value.dtype, [])
     stored = stored_shape(tag.global_shape, tag.layout, tag.placements, tag.zero)
     if value.shape != stored:
         if value.dim() and value.shape != tag.global_shape:

@@ -128,12 +128,15 @@ def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
-@functools.lru_cache(maxsize=None)
 def layout_for(plan_ngpus: int, device_type: str, pp_size: int = 1) -> Layout:
     """The layout for a plan of ``plan_ngpus`` ranks per unit, ``pp_size`` pipeline ranks of them; built
-    once per job (it creates groups)."""
+    once per job and world (it creates groups)."""
     ensure_process_group(device_type)
-    world = world_size()
+    return _layout(plan_ngpus, device_type, pp_size, world_size())
+
+
+@functools.lru_cache(maxsize=None)
+def _layout(plan_ngpus: int, device_type: str, pp_size: int, world: int) -> Layout:
     rank = dist.get_rank() if dist.is_initialized() else 0
     sizes = {"dp": world // plan_ngpus, "pp": pp_size, "tp": plan_ngpus // pp_size}
     names = tuple(name for name in MESH_DIMS if sizes[name] > 1)
