@@ -2,7 +2,9 @@
 Conv1D, a fused c_attn and a tied LM head, BERT's masked LM): training matches one process, every
 parameter but norms, row-split biases, position tables and BERT's MLM transform is halved, and a step
 sends Megatron's collectives (2 all-reduces per layer each way, the vocab-parallel embedding's and LM
-head's, and 3 of one value per row for the vocab-parallel cross-entropy).
+head's, and 3 of one value per row for the vocab-parallel cross-entropy). Llama with one kv head
+(multi-query attention) splits q and o_proj by heads and keeps k_proj/v_proj whole; their gradients add
+one small all-reduce each per layer in the backward.
 
 Each model is one 2-rank job (plan_ngpus=2) whose result all of its tests read, and one more with sequence
 parallelism (its split logits returned as DTensors, never gathered); Llama also runs as tp x dp x sequence

@@ -12,6 +12,10 @@ matmuls gets an identity whose backward reduces a partial gradient (Megatron's `
 has summed the gradients of all its uses; left to DTensor, a partial gradient would flow on into the
 previous layer's matmuls and be gathered there.
 
+A whole operand that propagation sliced like the other operand of its batched matmul (``MatchedSlice``:
+multi-query attention's repeated k/v) is sliced for that one reader by :class:`SliceKeepingGradient`,
+whose gradient stays sliced rather than being gathered.
+
 Across units (mesh dimension "dp") each trainable parameter first passes through
 :class:`~.grad_sync.SyncOverDP`, so the graphs themselves do what DDP's reducer and ZeRO do: gather a
 ZeRO-split parameter, average (and reduce-scatter) the gradient.

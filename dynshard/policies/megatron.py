@@ -6,7 +6,9 @@
    propagation shows it adds no collective except at most one all-reduce: the column-split output then
    flows (through GELU, through the head reshape of attention, ...) to a matmul that contracts over the
    split dimension and leaves a partial sum, reduced once. A split that would need an all-gather (e.g.
-   an LM head before a softmax over the vocabulary) is undone.
+   an LM head before a softmax over the vocabulary) is undone. A group that is undone is tried member by
+   member: with one k/v head (multi-query attention) q alone stands, and propagation slices the repeated
+   k/v locally like q's heads (:class:`~..passes.propagate_sharding.MatchedSlice`).
 2. Row pass: a replicated parameter that DTensor re-shards locally before use (the second matmul of a
    pair, the bias of a column-split linear) is stored in that split instead, which keeps its gradient
    local. It stands when the plan's communication does not grow.
