@@ -114,7 +114,11 @@ def test_one_process_pipelines_train_like_gradient_accumulation(scheduler, nchun
 def test_plain_calls_of_a_graph_holding_its_batch_size_trace_it_again_per_micro_batch():
     """The test GPT views its input as (B, T, heads, -1): B is traced as a number, so the whole batch's
     graph cannot run a micro-batch; Dynamo traces the model again at the micro-batch shape."""
-    model, make = build("gpt")
+    _plain_call_matches_one_process("gpt")
+
+
+def _plain_call_matches_one_process(name: str):
+    model, make = build(name)
     reference = copy.deepcopy(model)
     batch = make(8, 0)
     loss = _one_process(model, "1f1b")(batch)
@@ -122,21 +126,13 @@ def test_plain_calls_of_a_graph_holding_its_batch_size_trace_it_again_per_micro_
     ref_loss = reference(batch)
     ref_loss.backward()
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    for (param_name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=param_name)
+    return model, reference, batch
 
 
 def test_plain_calls_combine_the_micro_batches_into_the_whole_batch():
-    model, make = build("mlp")
-    reference = copy.deepcopy(model)
-    batch = make(8, 0)
-    loss = _one_process(model, "1f1b")(batch)
-    loss.backward()
-    ref_loss = reference(batch)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    model, reference, batch = _plain_call_matches_one_process("mlp")
     with torch.no_grad():
         torch.testing.assert_close(_one_process(model, "1f1b")(batch), reference(batch), rtol=1e-5, atol=0)
 
