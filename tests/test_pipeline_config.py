@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 
 import dynshard
 from dynshard import Config, ConfigError
-from workers_pipeline import EndToEndGPT, EndToEndMLP, build
+from workers_pipeline import EndToEndMLP, build
 
 PP = dict(policy="pp", use_end2end=True)
 
@@ -87,71 +85,3 @@ def test_a_graph_break_inside_the_pipelined_model_is_an_error():
         dynshard.train_step(_one_process(model), [make(2, i) for i in range(4)])
     with pytest.raises(Exception, match="a graph break splits the model into several graphs"):
         _one_process(Broken())(make(8, 0)).backward()
-
-
-@pytest.mark.parametrize("scheduler, nchunks", [("1f1b", 1), ("1f1b_interleaved", 2), ("zb1p", 1)])
-def test_one_process_pipelines_train_like_gradient_accumulation(scheduler, nchunks):
-    """Two stages on one rank (interleaved) hand activations and gradients over without transfers."""
-    torch.manual_seed(0)
-    model = EndToEndGPT(build("gpt")[0].cfg)
-    make = build("gpt")[1]
-    reference = copy.deepcopy(model)
-    compiled = _one_process(model, scheduler, nchunks)
-    samples = [make(2, i) for i in range(4)]
-    losses = dynshard.train_step(compiled, samples)
-    ref_losses = []
-    for sample in samples:
-        loss = reference(sample)
-        loss.backward()
-        ref_losses.append(loss.detach())
-    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=0)
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
-    report = dynshard.explain(compiled).pipelines[0]
-    assert len(report.stages) == nchunks and report.p2p_bytes == 0
-
-
-def test_plain_calls_of_a_graph_holding_its_batch_size_trace_it_again_per_micro_batch():
-    """The test GPT views its input as (B, T, heads, -1): B is traced as a number, so the whole batch's
-    graph cannot run a micro-batch; Dynamo traces the model again at the micro-batch shape."""
-    _plain_call_matches_one_process("gpt")
-
-
-def _plain_call_matches_one_process(name: str):
-    model, make = build(name)
-    reference = copy.deepcopy(model)
-    batch = make(8, 0)
-    loss = _one_process(model, "1f1b")(batch)
-    loss.backward()
-    ref_loss = reference(batch)
-    ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
-    for (param_name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=param_name)
-    return model, reference, batch
-
-
-def test_plain_calls_combine_the_micro_batches_into_the_whole_batch():
-    model, reference, batch = _plain_call_matches_one_process("mlp")
-    with torch.no_grad():
-        torch.testing.assert_close(_one_process(model, "1f1b")(batch), reference(batch), rtol=1e-5, atol=0)
-
-
-def test_recompute_modules_inside_pipeline_stages_keeps_fewer_activations():
-    saved = {}
-    for names in ("", "Block"):
-        torch._dynamo.reset()
-        model, make = build("gpt")
-        reference = copy.deepcopy(model)
-        compiled = torch.compile(model, backend="dynshard", options=Config(
-            **PP, compiler="aot_eager", recompute_modules=names,
-            pas_config={"pipeline_nmicros": 2, "pipeline_scheduler": "1f1b_interleaved", "pipeline_nchunks": 2}))
-        samples = [make(2, i) for i in range(2)]
-        dynshard.train_step(compiled, samples)
-        for sample in samples:
-            reference(sample).backward()
-        for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
-        saved[names] = [s.saved_bytes for s in dynshard.explain(compiled).pipelines[0].stages]
-    assert all(after < before / 4 for before, after in zip(saved[""], saved["Block"])), saved
-

@@ -1,0 +1,76 @@
+"""One-process pipelines, run in a spawned one-rank job (tests/test_pipeline_one_process.py): the pass-level
+tests' fake 2-rank process group lives for the whole pytest session, and a compile in that process would
+see a world of 2 (a data-parallel unit that never communicates)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import dynshard
+from dynshard import Config
+from workers_pipeline import EndToEndGPT, build
+
+PP = dict(policy="pp", use_end2end=True)
+
+
+def _one_process(model, scheduler="gpipe", nchunks=1, m=4, **options):
+    return torch.compile(model, backend="dynshard", options=Config(**PP, compiler="aot_eager", **options, pas_config={
+        "pipeline_nmicros": m, "pipeline_scheduler": scheduler, "pipeline_nchunks": nchunks}))
+
+
+def _assert_grads_match(model, reference) -> None:
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def train_step_parity(rank: int, world: int, scheduler: str, nchunks: int) -> int:
+    """Two stages on one rank (interleaved) hand activations and gradients over without transfers."""
+    torch.manual_seed(0)
+    model = EndToEndGPT(build("gpt")[0].cfg)
+    make = build("gpt")[1]
+    reference = copy.deepcopy(model)
+    compiled = _one_process(model, scheduler, nchunks)
+    samples = [make(2, i) for i in range(4)]
+    losses = dynshard.train_step(compiled, samples)
+    ref_losses = []
+    for sample in samples:
+        loss = reference(sample)
+        loss.backward()
+        ref_losses.append(loss.detach())
+    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=0)
+    _assert_grads_match(model, reference)
+    report = dynshard.explain(compiled).pipelines[0]
+    assert report.p2p_bytes == 0
+    return len(report.stages)
+
+
+def plain_call_parity(rank: int, world: int, name: str) -> None:
+    model, make = build(name)
+    reference = copy.deepcopy(model)
+    batch = make(8, 0)
+    loss = _one_process(model, "1f1b")(batch)
+    loss.backward()
+    ref_loss = reference(batch)
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    _assert_grads_match(model, reference)
+    with torch.no_grad():
+        torch.testing.assert_close(_one_process(model, "1f1b")(batch), reference(batch), rtol=1e-5, atol=0)
+
+
+def recompute_saved_bytes(rank: int, world: int) -> dict:
+    saved = {}
+    for names in ("", "Block"):
+        torch._dynamo.reset()
+        model, make = build("gpt")
+        reference = copy.deepcopy(model)
+        compiled = _one_process(model, "1f1b_interleaved", 2, 2, recompute_modules=names)
+        samples = [make(2, i) for i in range(2)]
+        dynshard.train_step(compiled, samples)
+        for sample in samples:
+            reference(sample).backward()
+        _assert_grads_match(model, reference)
+        saved[names] = [s.saved_bytes for s in dynshard.explain(compiled).pipelines[0].stages]
+    return saved
