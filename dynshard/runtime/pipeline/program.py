@@ -65,7 +65,7 @@ class PipelinePlan:
     _combine: list | None = None
     _programs: dict = dataclasses.field(default_factory=dict)
     compiled: dict = dataclasses.field(default_factory=dict)    # stage -> its latest CompiledProgram here
-    _runs_on: dict = dataclasses.field(default_factory=dict)
+    _metas: dict = dataclasses.field(default_factory=dict)   # input shapes -> boundary metas, or the failure
 
     @property
     def nmicros(self) -> int:
@@ -102,38 +102,42 @@ class PipelinePlan:
                 total += size * (2 if meta.requires_grad and not self.config.inference_only else 1)
         return total * self.nmicros
 
-    def runs_micro_batches(self, mb_args: list[list[Any]]) -> bool:
-        """Whether the stage graphs run on micro-batches shaped like ``mb_args[0]`` (they do not when the
-        graph holds sizes of the batch it was traced with)."""
-        shapes = tuple(tuple(mb_args[0][i.index].shape) for i in self.inputs if i.kind == "input")
-        if shapes not in self._runs_on:
+    def _input_shapes(self, mb_args: list[list[Any]]) -> tuple:
+        return tuple(tuple(mb_args[0][i.index].shape) for i in self.inputs if i.kind == "input")
+
+    def boundary_metas(self, mb_args: list[list[Any]]) -> dict[str, ValueMeta] | Exception:
+        """The boundary metadata for micro-batches shaped like ``mb_args[0]``, found once per shape: or
+        why the stage graphs do not run at that shape (a graph holding sizes of the batch it was traced with)."""
+        shapes = self._input_shapes(mb_args)
+        if shapes not in self._metas:
             fake_log = logging.getLogger("torch._subclasses.fake_tensor")
             level = fake_log.level
-            fake_log.setLevel(logging.CRITICAL)      # the failure is the answer, not an error to report
+            fake_log.setLevel(logging.CRITICAL)      # a failure is an answer, not an error to report
             try:
-                _boundary_metas(self, mb_args[0])
-                self._runs_on[shapes] = True
-            except Exception:   # noqa: BLE001 (any failure of the fake run means the same)
-                self._runs_on[shapes] = False
+                self._metas[shapes] = _boundary_metas(self, mb_args[0])
+            except Exception as error:   # noqa: BLE001 (any failure of the fake run means the same)
+                self._metas[shapes] = error
             finally:
                 fake_log.setLevel(level)
-        return self._runs_on[shapes]
+        return self._metas[shapes]
+
+    def runs_micro_batches(self, mb_args: list[list[Any]]) -> bool:
+        """Whether the stage graphs run on micro-batches shaped like ``mb_args[0]``."""
+        return not isinstance(self.boundary_metas(mb_args), Exception)
 
     def programs_for(self, mb_args: list[list[Any]]) -> tuple[dict[int, Callable], dict[str, ValueMeta]]:
         """This rank's compiled stages and the boundary metadata for micro-batches shaped like ``mb_args[0]``."""
         # aot_autograd compiles an inference program without grad mode: one set of programs per mode
-        shapes = (torch.is_grad_enabled(),) + tuple(tuple(mb_args[0][i.index].shape) for i in self.inputs
-                                                    if i.kind == "input")
+        shapes = (torch.is_grad_enabled(),) + self._input_shapes(mb_args)
         if shapes not in self._programs:
             start = time.perf_counter()
-            try:
-                metas = _boundary_metas(self, mb_args[0])
-            except Exception as error:
+            metas = self.boundary_metas(mb_args)
+            if isinstance(metas, Exception):
                 raise RuntimeError(
                     "dynshard: the captured graph does not run on micro-batches of its batch; it was traced with "
                     "the whole batch and holds sizes taken from it (e.g. x.view(B, T, ...) with B = x.shape[0]). "
                     "Call the model once per micro-batch through dynshard.train_step(model, samples), or write "
-                    f"such sizes as -1 ({type(error).__name__}: {error})") from None
+                    f"such sizes as -1 ({type(metas).__name__}: {metas})")
             programs = {}
             for s in self.schedule.stages_of(self.groups.pp_rank):
                 stage = self.staged.stages[s]
