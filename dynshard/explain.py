@@ -34,7 +34,7 @@ class ProgramReport:
 @dataclasses.dataclass(frozen=True)
 class StageReport:
     index: int
-    rank: int                 # pipeline rank (in the plan unit) that runs it
+    ranks: tuple[int, ...]    # pipeline ranks (in the plan unit) that run it: two under chimera_direct
     modules: tuple[str, ...]
     flops: int                # forward FLOPs of one whole batch, as measured for the cut
     receives: int             # tensors it receives per micro-batch
@@ -58,7 +58,7 @@ class PipelineReport:
         lines = [f"pipeline {self.key}: {len(self.stages)} stages, schedule {self.schedule}, "
                  f"{self.nmicros} micro-batches, compiled in {self.compile_seconds:.1f}s, cache hits {self.cache_hits}"]
         rows = [("stage", "rank", "forward FLOPs", "receives", "saved for backward", "modules")] + [
-            (str(s.index), str(s.rank), str(s.flops), str(s.receives), str(s.saved_bytes) if s.saved_bytes else "-",
+            (str(s.index), ",".join(map(str, s.ranks)), str(s.flops), str(s.receives), str(s.saved_bytes) if s.saved_bytes else "-",
              ", ".join(s.modules)) for s in self.stages]
         lines += _table(rows)
         lines.append(f"  p2p per step (all ranks of a unit, forward + backward): {self.p2p_bytes} bytes; "
@@ -168,7 +168,7 @@ def explain(model: torch.nn.Module) -> Explanation:
 
 def _pipeline_report(plan) -> PipelineReport:
     staged = plan.staged
-    stages = tuple(StageReport(s.index, plan.schedule.stage_to_rank[s.index], s.modules, staged.flops[s.index],
+    stages = tuple(StageReport(s.index, plan.schedule.ranks_of(s.index), s.modules, staged.flops[s.index],
                                len(staged.boundaries[s.index - 1]) if s.index else 0,
                                plan.compiled[s.index].saved_bytes if s.index in plan.compiled else 0)
                    for s in staged.stages)

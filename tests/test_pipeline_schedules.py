@@ -30,18 +30,22 @@ def test_every_schedule_is_deadlock_free_and_complete(name, p):
             try:
                 schedule = build_schedule(name, k * p, m, p)
             except ValueError as error:
-                # only the interleaved rounds rule may refuse a configuration here
-                assert name == "1f1b_interleaved" and k > 1 and m % max(1, m // p), error
+                # only the interleaved rounds rule and chimera's 4 stages / pairs may refuse one here
+                assert (name == "1f1b_interleaved" and k > 1 and m % max(1, m // p)) or (
+                    name == "chimera_direct" and (p != 4 or m % 2)), error
                 continue
             built += 1
             check_deadlock_free(schedule)       # build_schedule ran it too; it must stay idempotent
             assert fifo_mismatches(schedule) == []
-            assert schedule.stage_to_rank == tuple(s % p for s in range(k * p))
-            per_stage = {"gpipe": "FB", "1f1b": "FB", "1f1b_interleaved": "FB", "infer_pipe": "F", "zb1p": "FIW"}
+            loop = tuple(s % p for s in range(k * p))
+            assert schedule.lanes == ((loop, loop[::-1]) if name == "chimera_direct" else (loop,))
+            per_stage = {"gpipe": "FB", "1f1b": "FB", "1f1b_interleaved": "FB", "infer_pipe": "F", "zb1p": "FIW",
+                         "chimera_direct": "FB"}
             for rank in range(p):
                 computes = schedule.compute_actions(rank)
                 assert sorted((a.kind, a.stage, a.mb) for a in computes) == sorted(
-                    (kind, s, mb) for kind in per_stage[name] for s in schedule.stages_of(rank) for mb in range(m))
+                    (kind, s, mb) for kind in per_stage[name] for s in schedule.stages_of(rank) for mb in range(m)
+                    if schedule.rank_of(s, mb) == rank)
                 if p == 1:
                     assert all(not a.is_comm for a in schedule.actions[rank])
                 # the part before the first backward action needs nothing from a backward, and for
@@ -51,7 +55,7 @@ def test_every_schedule_is_deadlock_free_and_complete(name, p):
                 assert all(a.kind in ("F", "SEND_F", "RECV_F") for a in actions[:cut])
                 if name in ("gpipe", "infer_pipe"):
                     assert all(a.kind in ("B", "SEND_B", "RECV_B") for a in actions[cut:])
-    assert built
+    assert built or (name == "chimera_direct" and p != 4)
 
 
 class TestPrintouts(expecttest.TestCase):
@@ -166,6 +170,20 @@ step  rank 0  rank 1  rank 2  rank 3
 16    0I5     1W4     2W4     3W4
 17    0W5     1W5     2W5     3W5""")
 
+    def test_chimera_direct_runs_two_pipelines_in_opposite_directions(self):
+        # even micro-batches go down (stage s on rank s), odd ones up (stage s on rank 3 - s)
+        self.assertExpectedInline(build_schedule("chimera_direct", 4, 4, 4).format(comms=False), """\
+chimera_direct: 4 stages on 4 ranks, 4 micro-batches (rank 0: [0, 3]  rank 1: [1, 2]  rank 2: [1, 2]  rank 3: [0, 3])
+step  rank 0  rank 1  rank 2  rank 3
+0     0F0     1F0     1F1     0F1
+1     0F2     2F1     2F0     0F3
+2     3F1     1F2     1F3     3F0
+3     3B1     2F3     2F2     3B0
+4     3F3     2B1     2B0     3F2
+5     3B3     1B0     1B1     3B2
+6     0B0     2B3     2B2     0B1
+7     0B2     1B2     1B3     0B3""")
+
     def test_1f1b_with_fewer_micro_batches_than_stages(self):
         # warm-up is capped at m: rank 0 runs both forwards first, torch's Schedule1F1B refuses m < p
         self.assertExpectedInline(build_schedule("1f1b", 3, 2, 3).format(comms=False), """\
@@ -182,6 +200,18 @@ def test_actions_print_like_torch():
         "1F3", "0SEND_F2", "2RECV_B0"]
     schedule = build_schedule("1f1b_interleaved", 8, 4, 4)
     assert schedule.stages_of(1) == (1, 5) and schedule.stages_of(3) == (3, 7)
+
+
+def test_chimera_direct_halves_the_bubble_of_1f1b_and_holds_two_stages_per_rank():
+    # F = 1, B = 2: with 4 micro-batches (Chimera's basic unit, N = D) 16 time units against 1F1B's 21
+    bubbles = {}
+    for m in (4, 8, 16):
+        chimera, one_f_one_b = build_schedule("chimera_direct", 4, m, 4), build_schedule("1f1b", 4, m, 4)
+        bubbles[m] = (simulate(chimera).bubble_fraction, simulate(one_f_one_b).bubble_fraction)
+        assert simulate(chimera).makespan < simulate(one_f_one_b).makespan, m
+    assert bubbles[4][0] <= 0.6 * bubbles[4][1], bubbles
+    assert [chimera.stages_of(r) for r in range(4)] == [(0, 3), (1, 2), (1, 2), (0, 3)]
+    assert chimera.ranks_of(0) == (0, 3) and chimera.rank_of(0, 1) == 3 and chimera.rank_of(2, 4) == 2
 
 
 def test_zb1p_stage_0_input_grad_sends_nothing():
@@ -229,7 +259,9 @@ def test_simulate_timeline_and_latency():
 
 @pytest.mark.parametrize("args, message", [
     (("pipedream", 2, 4, 2), "unknown pipeline schedule 'pipedream'; choose one of gpipe, 1f1b, "
-                             "1f1b_interleaved, infer_pipe, zb1p"),
+                             "1f1b_interleaved, chimera_direct, infer_pipe, zb1p"),
+    (("chimera_direct", 4, 3, 4), "chimera_direct sends micro-batches down and up the pipeline in pairs"),
+    (("chimera_direct", 2, 4, 2), "chimera_direct runs exactly 4 stages on 4 pipeline ranks"),
     (("gpipe", 2, 0, 2), "gpipe: nmicros must be a positive integer, got 0"),
     (("1f1b", 0, 4, 2), "1f1b: nstages must be a positive integer, got 0"),
     (("1f1b_interleaved", 6, 4, 4), "1f1b_interleaved: 6 stages cannot be spread evenly over 4 pipeline ranks; "
@@ -256,7 +288,7 @@ def _two_ranks(rank0: str, rank1: str, nmicros: int) -> Schedule:
             kind, *numbers = item.split()
             actions.append(Action(kind, *map(int, numbers)))
         return tuple(actions)
-    return Schedule("hand", 2, nmicros, 2, (0, 1), (parse(rank0), parse(rank1)))
+    return Schedule("hand", 2, nmicros, 2, ((0, 1),), (parse(rank0), parse(rank1)))
 
 
 class TestRejections(expecttest.TestCase):

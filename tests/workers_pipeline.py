@@ -84,7 +84,8 @@ def pipeline_parity(rank: int, world: int, model_name: str, plan_ngpus: int, pas
     """Train with the pipeline and, on the same data, a single-process eager model; report both.
 
     entry "train_step": nnScaler's semantics, gradient = sum over the micro-batches (averaged over the
-    data-parallel units); "plain": ``loss = model(batch); loss.backward()`` (the whole batch's mean)."""
+    data-parallel units); "plain": ``loss = model(batch); loss.backward()`` (the whole batch's mean);
+    "alternate": train_step on even steps, plain calls on odd ones."""
     _short_timeouts()
     model, make = build(model_name)
     reference = copy.deepcopy(model)
@@ -99,7 +100,8 @@ def pipeline_parity(rank: int, world: int, model_name: str, plan_ngpus: int, pas
     for step in range(steps):
         whole = make(batch * dp_size, step)
         mine = _rows(whole, dp_rank * batch, batch)
-        if entry == "train_step":
+        mode = entry if entry != "alternate" else ("train_step", "plain")[step % 2]
+        if mode == "train_step":
             samples = [_rows(mine, i * (batch // m), batch // m) for i in range(m)]
             out = dynshard.train_step(compiled, samples)
             losses.append([float(v) for v in out])

@@ -14,12 +14,11 @@ from typing import Any, Mapping
 
 from ..config import Config, ConfigError
 
-TRAINING_SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved", "zb1p")
+TRAINING_SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved", "chimera_direct", "zb1p")
 INFERENCE_SCHEDULES = ("infer_pipe",)
 NOT_YET = {
     "1f1b_plus": "needs segments that span every rank of the unit (tensor parallel inside a pipeline, "
                  "the 'hybrid' policy), which dynshard does not build yet",
-    "chimera_direct": "runs every stage on two ranks in two directions, which dynshard does not build yet",
 }
 
 
@@ -115,6 +114,11 @@ class PipelineOptions:
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"dynshard: pas_config['sequence_parallel'] must be True or False, "
                               f"got {self.sequence_parallel!r}")
+        if name == "chimera_direct" and (nstages != 4 or self.pipeline_nmicros % 2):
+            raise ConfigError(
+                f"dynshard: chimera_direct runs exactly 4 stages (each on two ranks, in two directions) and sends "
+                f"micro-batches down and up in pairs; got pipeline_nstages={nstages}, pipeline_nmicros="
+                f"{self.pipeline_nmicros}. Use 4 stages and an even pipeline_nmicros, or another schedule")
         if self.pipeline_nchunks > 1 and name != "1f1b_interleaved":
             raise ConfigError(f"dynshard: pipeline_nchunks={self.pipeline_nchunks} needs pipeline_scheduler "
                               f"'1f1b_interleaved' ({name!r} runs one stage per rank)")

@@ -31,9 +31,9 @@ from .trace import StepTrace
 class StepRun:
     """The state of one pipeline step on this rank: what each micro-batch's stages keep between actions."""
 
-    def __init__(self, plan, programs: dict[int, Callable], metas: dict[str, Any], args: list[list[Any]],
+    def __init__(self, plan, schedule, programs: dict[int, Callable], metas: dict[str, Any], args: list[list[Any]],
                  train: bool, seed_fn: Callable | None = None):
-        self.plan, self.staged, self.programs, self.metas = plan, plan.staged, programs, metas
+        self.plan, self.schedule, self.staged, self.programs, self.metas = plan, schedule, plan.staged, programs, metas
         self.args, self.train, self.seed_fn = args, train, seed_fn
         self.nstages = len(self.staged.stages)
         self.width = 1 + max([len(b) for b in self.staged.boundaries] + [0])
@@ -56,8 +56,8 @@ class StepRun:
     def _peer(self, pp_rank: int) -> int:
         return self.plan.groups.global_rank(pp_rank)
 
-    def _local(self, stage: int) -> bool:
-        return self.plan.schedule.stage_to_rank[stage] == self.plan.groups.pp_rank
+    def _local(self, stage: int, mb: int) -> bool:
+        return self.schedule.rank_of(stage, mb) == self.plan.groups.pp_rank
 
     def _grad_names(self, boundary: int) -> list[str]:
         return [n for n in self.staged.boundaries[boundary] if self.metas[n].requires_grad]
@@ -114,7 +114,7 @@ class StepRun:
         if stage == 0:
             return {}
         names = self.staged.boundaries[stage - 1]
-        if self._local(stage - 1):
+        if self._local(stage - 1, mb):
             key = (stage - 1, mb)
             values = self.outgoing[key] if self.train else self.outgoing.pop(key)
         else:
@@ -139,7 +139,7 @@ class StepRun:
             self.leaves[(s, mb)] = incoming
 
     def _output_grads(self, stage: int, mb: int) -> list[torch.Tensor]:
-        if self._local(stage + 1):
+        if self._local(stage + 1, mb):
             return self.grads_out.pop((stage + 1, mb))
         works, grads = self.recv_b.pop((stage, mb))
         self._wait(works, f"recv B{stage} mb{mb}")

@@ -45,12 +45,16 @@ class Ownership:
             replicas = {i: full_rows(self.held[i]) for i in self.zero}
         return [[replicas.get(i, value) for i, value in enumerate(args)] for args in mb_args]
 
-    def gradient(self, index: int) -> torch.Tensor | None:
-        """The gradient this step accumulated for a held tensor (a ZeRO tensor's is its replica's)."""
+    def gradient(self, index: int, zeros: bool = False) -> torch.Tensor | None:
+        """The gradient this step accumulated for a held tensor (a ZeRO tensor's is its replica's). With
+        ``zeros``, a trainable tensor that got none gets zeros: the copy of a stage that ran no micro-batch
+        (a plain call runs one lane of chimera_direct) still takes part in the sum over its owners."""
         tensor = self.held[index]
         if index in self.zero:
             entry = ACCUMULATION.replicas.get(id(tensor))
             return entry[1].grad if entry is not None else None
+        if tensor.grad is None and zeros and tensor.requires_grad:
+            tensor.grad = torch.zeros_like(tensor)
         return tensor.grad
 
     def settle(self) -> None:
@@ -83,7 +87,7 @@ def take_ownership(args, plan) -> Ownership:
                 f"dynshard: {inp.name} is on the meta device; pipeline policies do not initialise meta-built models "
                 "yet. Build the model on the CPU (each rank then keeps only its stages' tensors after the first step)")
         stages = tuple(readers[inp.index])
-        owner_ranks = sorted({plan.schedule.stage_to_rank[s] for s in stages})
+        owner_ranks = sorted({r for s in stages for r in plan.schedule.ranks_of(s)})
         owns = bool(mine & set(stages))
         if len(owner_ranks) > 1:
             tie_sets.setdefault(tuple(owner_ranks), []).append(inp.index)
@@ -166,7 +170,7 @@ def reduce_gradients(ownership: Ownership, groups: PipelineGroups) -> None:
     every gradient over the data-parallel units."""
     with torch.no_grad():
         for group, indices in ownership.shared:
-            grads = [g for g in (ownership.gradient(i) for i in indices) if g is not None]
+            grads = [g for g in (ownership.gradient(i, zeros=True) for i in indices) if g is not None]
             if not ownership.ties_checked:
                 _check_same_pieces(group, grads)
             if grads:

@@ -94,13 +94,15 @@ class PipelinePlan:
         metas = next(reversed(self._programs.values()))[1]
         total = 0
         for s, boundary in enumerate(self.staged.boundaries):
-            if self.schedule.stage_to_rank[s] == self.schedule.stage_to_rank[s + 1]:
-                continue      # handed over inside the rank
+            size = 0
             for name in boundary:
                 meta = metas[name]
-                size = meta.shape.numel() * meta.dtype.itemsize
-                total += size * (2 if meta.requires_grad and not self.config.inference_only else 1)
-        return total * self.nmicros
+                size += meta.shape.numel() * meta.dtype.itemsize * (
+                    2 if meta.requires_grad and not self.config.inference_only else 1)
+            # a micro-batch whose two stages share a rank hands the values over inside it
+            total += size * sum(self.schedule.rank_of(s, mb) != self.schedule.rank_of(s + 1, mb)
+                                for mb in range(self.nmicros))
+        return total
 
     def _input_shapes(self, mb_args: list[list[Any]]) -> tuple:
         return tuple(tuple(mb_args[0][i.index].shape) for i in self.inputs if i.kind == "input")
@@ -250,26 +252,28 @@ class PipelineProgram:
         mb_args = self.plan.ownership.with_replicas(mb_args, train)
         with torch.set_grad_enabled(train):
             programs, metas = self.plan.programs_for(mb_args)
-            run = StepRun(self.plan, programs, metas, mb_args, train, seed_fn)
+            run = StepRun(self.plan, schedule, programs, metas, mb_args, train, seed_fn)
             run.run(schedule.actions[self.plan.groups.pp_rank] if actions is None else actions)
         run.finish()
         return run
 
-    def last_stage_rank(self) -> int:
+    def last_stage_rank(self, schedule, mb: int) -> int:
+        """The global rank that runs micro-batch ``mb``'s last stage under ``schedule``."""
         plan = self.plan
-        return plan.groups.global_rank(plan.schedule.stage_to_rank[len(plan.staged.stages) - 1])
+        return plan.groups.global_rank(schedule.rank_of(len(plan.staged.stages) - 1, mb))
 
-    def broadcast(self, tensors: list[torch.Tensor]) -> None:
-        """From the rank of the last stage to every rank of the unit, in place."""
+    def broadcast(self, tensors: list[torch.Tensor], sources: list[int]) -> None:
+        """Each tensor from its source (global rank: that of the last stage which computed it) to every rank
+        of the unit, in place."""
         group = self.plan.groups.pp_group
         if group is None:
             return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for tensor in tensors:
-            by_dtype.setdefault(tensor.dtype, []).append(tensor)
-        for same in by_dtype.values():      # one broadcast per dtype
+        batches: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
+        for tensor, source in zip(tensors, sources):
+            batches.setdefault((source, tensor.dtype), []).append(tensor)
+        for (source, _), same in batches.items():      # one broadcast per source and dtype
             flat = torch.cat([t.reshape(-1) for t in same])
-            dist.broadcast(flat, src=self.last_stage_rank(), group=group)
+            dist.broadcast(flat, src=source, group=group)
             offset = 0
             for tensor in same:
                 tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
@@ -293,7 +297,8 @@ class PipelineProgram:
                 value = torch.empty(meta.shape, dtype=meta.dtype, device=plan.device)
             outputs.append(value)
             tensors.append(value)
-        self.broadcast(tensors)
+        # plain calls run single-lane schedules (gpipe, infer_pipe): every micro-batch ends on one rank
+        self.broadcast(tensors, [self.last_stage_rank(plan.forward_only, 0)] * len(tensors))
         return outputs
 
 

@@ -14,7 +14,11 @@ that Megatron, torch's ``ScheduleInterleaved1F1B`` and nnScaler's ``sched_1f1b_i
 test compares it with torch's.
 
 Stage placement is torch's "loop" style: stage ``s`` lives on rank ``s % nranks``, so with ``k`` stages
-per rank, rank ``r`` holds stages ``r, r + nranks, ..., r + (k-1) nranks``.
+per rank, rank ``r`` holds stages ``r, r + nranks, ..., r + (k-1) nranks``. ``chimera_direct`` runs two
+pipelines in opposite directions (Chimera, Li and Hoefler, SC'21): a *lane* is one stage -> rank map, and
+micro-batch ``mb`` travels lane ``mb % nlanes``; its lanes are stage ``s`` on rank ``s`` (down) and on rank
+``3 - s`` (up), so every rank holds two stages and every stage lives on two ranks. Every other schedule
+has one lane.
 
 Lowering (:func:`_lower`) writes the messages in:
 - after the F of stage ``s``, ``SEND_F(s)`` to the rank of ``s+1`` if that is another rank; the consuming
@@ -47,7 +51,7 @@ from collections import defaultdict
 
 __all__ = ["Action", "Schedule", "SCHEDULES", "COMPUTE_KINDS", "COMM_KINDS", "build_schedule"]
 
-SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved", "infer_pipe", "zb1p")   # infer_pipe: forward only
+SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved", "chimera_direct", "infer_pipe", "zb1p")   # infer_pipe: forward only
 COMPUTE_KINDS = ("F", "B", "I", "W")
 COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
 # schedules that need exactly one stage per rank
@@ -84,12 +88,20 @@ class Schedule:
     nstages: int
     nmicros: int
     nranks: int
-    stage_to_rank: tuple[int, ...]
+    lanes: tuple[tuple[int, ...], ...]        # per lane, the rank of each stage; micro-batch mb takes lane mb % n
     actions: tuple[tuple[Action, ...], ...]
+
+    def rank_of(self, stage: int, mb: int) -> int:
+        """The rank that runs ``stage`` for micro-batch ``mb``."""
+        return self.lanes[mb % len(self.lanes)][stage]
+
+    def ranks_of(self, stage: int) -> tuple[int, ...]:
+        """The ranks that hold ``stage`` (two under chimera_direct), in increasing order."""
+        return tuple(sorted({lane[stage] for lane in self.lanes}))
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages that ``rank`` holds, in increasing order."""
-        return tuple(s for s, r in enumerate(self.stage_to_rank) if r == rank)
+        return tuple(s for s in range(self.nstages) if rank in self.ranks_of(s))
 
     @property
     def splits_backward(self) -> bool:
@@ -146,10 +158,14 @@ def build_schedule(name: str, nstages: int, nmicros: int, nranks: int) -> Schedu
                          f"use nstages == nranks, or '1f1b_interleaved' for {nchunks} stages per rank")
     if name == "1f1b_interleaved":
         _interleaved_rounds(nranks, nchunks, nmicros)  # validates
-    orders = [_GENERATORS[name](rank, nranks, nchunks, nmicros) for rank in range(nranks)]
-    stage_to_rank = tuple(s % nranks for s in range(nstages))
-    actions = tuple(_lower(order, stage_to_rank) for order in orders)
-    schedule = Schedule(name, nstages, nmicros, nranks, stage_to_rank, actions)
+    if name == "chimera_direct":
+        lanes = _chimera_lanes(nstages, nmicros, nranks)
+        orders = _list_scheduled(lanes, nmicros, nranks)
+    else:
+        lanes = (tuple(s % nranks for s in range(nstages)),)
+        orders = [_GENERATORS[name](rank, nranks, nchunks, nmicros) for rank in range(nranks)]
+    actions = _in_send_order([_lower(order, lanes) for order in orders])
+    schedule = Schedule(name, nstages, nmicros, nranks, lanes, actions)
     check_deadlock_free(schedule)
     return schedule
 
@@ -258,13 +274,77 @@ def _one_f_one_b_interleaved(rank: int, p: int, k: int, m: int) -> list[tuple[st
     return order + [backward(step) for step in range(total, total + warmup)]
 
 
+def _chimera_lanes(nstages: int, m: int, p: int) -> tuple[tuple[int, ...], ...]:
+    """chimera_direct's two lanes, or ValueError: nnScaler defines it for 4 stages and pairs of micro-batches."""
+    if nstages != 4 or p != 4:
+        raise ValueError(f"chimera_direct runs exactly 4 stages on 4 pipeline ranks (each rank holds stage r and "
+                         f"stage 3 - r), got {nstages} stages on {p} ranks; use pipeline_nstages=4 with 4 pipeline "
+                         "ranks, or another schedule")
+    if m % 2:
+        raise ValueError(f"chimera_direct sends micro-batches down and up the pipeline in pairs, so the number of "
+                         f"micro-batches must be even; got nmicros={m}; use {m - 1 or 2} or {m + 1}")
+    return tuple(range(nstages)), tuple(p - 1 - s for s in range(nstages))
+
+
+def _list_scheduled(lanes: tuple[tuple[int, ...], ...], m: int, p: int, f: float = 1.0,
+                    b: float = 2.0) -> list[list[tuple[str, int, int]]]:
+    """Compute orders found by running the pipeline in time (F costs ``f``, B ``b``): whenever a rank is free
+    it starts its ready action of highest priority, backwards first (they free activations and unblock the
+    ranks behind), then the earliest micro-batch. A forward waits while the rank already holds ``cap``
+    micro-batches' activations, as 1F1B's warm-up bounds them; the smallest cap that finishes is used.
+    Chimera's "direct" concatenation of its basic units comes out of this by itself, and no unit waits for
+    the previous one to drain."""
+    nstages = len(lanes[0])
+    for cap in range(nstages, 2 * m * nstages + 1):
+        orders = _greedy(lanes, m, p, f, b, cap)
+        if orders is not None:
+            return orders
+    raise AssertionError("unreachable: an unbounded cap runs every forward first")
+
+
+def _greedy(lanes, m: int, p: int, f: float, b: float, cap: int) -> list[list[tuple[str, int, int]]] | None:
+    last = len(lanes[0]) - 1
+    rank_of = {(s, mb): lanes[mb % len(lanes)][s] for s in range(last + 1) for mb in range(m)}
+    todo = [sorted([(k, s, mb) for (s, mb), r in rank_of.items() if r == rank for k in "FB"],
+                   key=lambda a: (a[0] != "B", a[2], -a[1] if a[0] == "B" else a[1])) for rank in range(p)]
+    done: dict[tuple[str, int, int], float] = {}
+    free, held = [0.0] * p, [0] * p
+    orders: list[list[tuple[str, int, int]]] = [[] for _ in range(p)]
+    now = 0.0
+
+    def ready(action: tuple[str, int, int]) -> bool:
+        kind, s, mb = action
+        needs = [("F", s - 1, mb)] if kind == "F" and s > 0 else []
+        if kind == "B":
+            needs = [("F", s, mb)] + ([("B", s + 1, mb)] if s < last else [])
+        return all(n in done and done[n] <= now for n in needs)
+
+    while any(todo):
+        for rank in range(p):
+            if free[rank] > now:
+                continue
+            choice = next((a for a in todo[rank] if ready(a) and (a[0] == "B" or held[rank] < cap)), None)
+            if choice is None:
+                continue
+            todo[rank].remove(choice)
+            held[rank] += 1 if choice[0] == "F" else -1
+            free[rank] = done[choice] = now + (f if choice[0] == "F" else b)
+            orders[rank].append(choice)
+        later = [t for t in free + list(done.values()) if t > now]
+        if not later:
+            return None if any(todo) else orders     # stuck: every remaining action waits on a capped rank
+        now = min(later)
+    return orders
+
+
 _GENERATORS = {"gpipe": _gpipe, "1f1b": _one_f_one_b, "1f1b_interleaved": _one_f_one_b_interleaved,
                "infer_pipe": _infer_pipe, "zb1p": _zb1p}
 
 
 # -- lowering: write the messages in -------------------------------------------------------------------------
-def _comms(kind: str, stage: int, mb: int, stage_to_rank: tuple[int, ...]) -> tuple[list[Action], list[Action]]:
+def _comms(kind: str, stage: int, mb: int, lanes: tuple[tuple[int, ...], ...]) -> tuple[list[Action], list[Action]]:
     """(receives before, sends after) the compute action ``kind`` of ``stage`` for ``mb``."""
+    stage_to_rank = lanes[mb % len(lanes)]
     rank, last = stage_to_rank[stage], len(stage_to_rank) - 1
     recvs: list[Action] = []
     sends: list[Action] = []
@@ -281,10 +361,46 @@ def _comms(kind: str, stage: int, mb: int, stage_to_rank: tuple[int, ...]) -> tu
     return recvs, sends
 
 
-def _lower(order: list[tuple[str, int, int]], stage_to_rank: tuple[int, ...]) -> tuple[Action, ...]:
+def _message(a: Action) -> tuple[str, int, int]:
+    """(direction, sending stage, micro-batch): what a SEND and its matching RECV both name."""
+    if a.kind in ("SEND_F", "SEND_B"):
+        return a.kind[-1], a.stage, a.mb
+    return a.kind[-1], a.stage + (-1 if a.kind == "RECV_F" else 1), a.mb
+
+
+def _in_send_order(lists: list[tuple[Action, ...]]) -> tuple[tuple[Action, ...], ...]:
+    """Post each rank's receives from a peer in the order that peer sends (moving a receive earlier when
+    needed), so that p2p matched in order per pair of ranks (NCCL ignores tags) pairs the right messages.
+    Posting earlier never blocks: an irecv returns at once. Only chimera_direct's two lanes need it."""
+    sent: dict[tuple[int, int], list[tuple]] = {}
+    for rank, actions in enumerate(lists):
+        for a in actions:
+            if a.kind.startswith("SEND_"):
+                sent.setdefault((rank, a.peer), []).append(_message(a))
+    out = []
+    for rank, actions in enumerate(lists):
+        recvs = {(a.peer, _message(a)): a for a in actions if a.kind.startswith("RECV_")}
+        posted: set[tuple] = set()
+        fixed: list[Action] = []
+        for a in actions:
+            if not a.kind.startswith("RECV_"):
+                fixed.append(a)
+                continue
+            if (a.peer, _message(a)) in posted:
+                continue
+            order = sent[(a.peer, rank)]
+            for message in order[:order.index(_message(a)) + 1]:     # everything the peer sends before it
+                if (a.peer, message) not in posted:
+                    posted.add((a.peer, message))
+                    fixed.append(recvs[(a.peer, message)])
+        out.append(tuple(fixed))
+    return tuple(out)
+
+
+def _lower(order: list[tuple[str, int, int]], lanes: tuple[tuple[int, ...], ...]) -> tuple[Action, ...]:
     """One rank's compute order with its SENDs right after the producer and its RECVs one compute early,
     except those of the first backward (see the module docstring)."""
-    comms = [_comms(kind, stage, mb, stage_to_rank) for kind, stage, mb in order]
+    comms = [_comms(kind, stage, mb, lanes) for kind, stage, mb in order]
     first_backward = next((i for i, (kind, _, _) in enumerate(order) if kind in ("B", "I")), len(order))
     out: list[Action] = list(comms[0][0]) if comms else []
     for i, (kind, stage, mb) in enumerate(order):

@@ -126,10 +126,10 @@ def _fail(cls: type, title: str, problems: list[str]) -> None:
 
 def _check_actions(schedule: Schedule) -> None:
     """Shape, placement and peers of every action, and exactly-once compute coverage."""
-    s2r, n, m, p = schedule.stage_to_rank, schedule.nstages, schedule.nmicros, schedule.nranks
+    n, m, p = schedule.nstages, schedule.nmicros, schedule.nranks
     name = schedule.name
-    if len(s2r) != n or any(not 0 <= r < p for r in s2r):
-        raise ScheduleError(f"{name}: stage_to_rank {s2r} must give a rank in [0, {p}) for each of {n} stages")
+    if not schedule.lanes or any(len(lane) != n or any(not 0 <= r < p for r in lane) for lane in schedule.lanes):
+        raise ScheduleError(f"{name}: lanes {schedule.lanes} must give a rank in [0, {p}) for each of {n} stages")
     if len(schedule.actions) != p:
         raise ScheduleError(f"{name}: {len(schedule.actions)} action lists for {p} ranks")
     problems: list[str] = []
@@ -139,8 +139,9 @@ def _check_actions(schedule: Schedule) -> None:
             if a.kind not in _KINDS or not 0 <= a.stage < n or not 0 <= a.mb < m:
                 problems.append(f"{where}: needs a kind in {_KINDS}, a stage in [0, {n}), a micro-batch in [0, {m})")
                 continue
-            if s2r[a.stage] != rank:
-                problems.append(f"{where}: stage {a.stage} lives on rank {s2r[a.stage]}")
+            owner = schedule.rank_of(a.stage, a.mb)
+            if owner != rank:
+                problems.append(f"{where}: stage {a.stage} runs micro-batch {a.mb} on rank {owner}")
             if a.kind in ("F", "B", "I", "W"):
                 if a.peer is not None:
                     problems.append(f"{where}: a compute action has no peer")
@@ -148,10 +149,11 @@ def _check_actions(schedule: Schedule) -> None:
             other = a.stage + (1 if a.kind in ("SEND_F", "RECV_B") else -1)
             if not 0 <= other < n:
                 problems.append(f"{where}: stage {a.stage} has no neighbour stage {other} to talk to")
-            elif s2r[other] == s2r[a.stage]:
+            elif schedule.rank_of(other, a.mb) == owner:
                 problems.append(f"{where}: stage {other} is on the same rank; hand the data over locally")
-            elif a.peer != s2r[other]:
-                problems.append(f"{where}: the peer must be rank {s2r[other]} (stage {other}), not {a.peer}")
+            elif a.peer != schedule.rank_of(other, a.mb):
+                problems.append(f"{where}: the peer must be rank {schedule.rank_of(other, a.mb)} (stage {other}), "
+                                f"not {a.peer}")
     if problems:
         _fail(ScheduleError, f"schedule {name!r} has misplaced actions", problems)
     count = Counter((a.kind, a.stage, a.mb) for actions in schedule.actions for a in actions)
@@ -173,19 +175,19 @@ def _check_actions(schedule: Schedule) -> None:
 
 def _dependencies(schedule: Schedule, a: Action) -> tuple[list[tuple[str, int, int]], tuple | None]:
     """(compute actions that must run earlier on the same rank, message consumed or None)."""
-    s2r, last = schedule.stage_to_rank, schedule.nstages - 1
-    rank, s, mb = s2r[a.stage], a.stage, a.mb
+    last, s, mb = schedule.nstages - 1, a.stage, a.mb
+    rank = schedule.rank_of(s, mb)
     local: list[tuple[str, int, int]] = []
     message = None
     if a.kind == "F" and s > 0:
-        if s2r[s - 1] == rank:
+        if schedule.rank_of(s - 1, mb) == rank:
             local.append(("F", s - 1, mb))
         else:
             message = ("F", s - 1, mb)
     elif a.kind in ("B", "I"):
         local.append(("F", s, mb))
         if s < last:
-            if s2r[s + 1] == rank:
+            if schedule.rank_of(s + 1, mb) == rank:
                 local.append(("BI", s + 1, mb))
             else:
                 message = ("B", s + 1, mb)

@@ -60,18 +60,20 @@ def _recorded_program(recorder, samples):
     return recorder.calls[0].program
 
 
-def _fill(program, run, recorder) -> None:
-    """Write each micro-batch's outputs (from the last stage's rank) into what the calls returned."""
+def _fill(program, run, recorder, schedule) -> None:
+    """Write each micro-batch's outputs (from the rank of its last stage) into what the calls returned."""
     plan = program.plan
-    tensors = []
+    tensors, sources = [], []
     for mb, call in enumerate(recorder.calls):
+        source = program.last_stage_rank(schedule, mb)
         for position, (ref, out) in enumerate(zip(plan.staged.outputs, call.outputs)):
             if ref[0] != "value":
                 continue
-            if run.outputs:
+            if mb in run.outputs:
                 out.copy_(run.outputs[mb][position].detach())
             tensors.append(out)
-    program.broadcast(tensors)
+            sources.append(source)
+    program.broadcast(tensors, sources)
 
 
 def train_step(model: torch.nn.Module, samples: Sequence[Any], is_dummy_batch: Sequence[bool] | None = None,
@@ -111,7 +113,7 @@ def train_step(model: torch.nn.Module, samples: Sequence[Any], is_dummy_batch: S
 
     run = program.run(plan.schedule, [call.args for call in recorder.calls], train=True, seed_fn=seed)
     reduce_gradients(plan.ownership, plan.groups)
-    _fill(program, run, recorder)
+    _fill(program, run, recorder, plan.schedule)
     plan.finish_step(run)
     return returned
 
@@ -129,7 +131,7 @@ def infer_step(model: torch.nn.Module, samples: Sequence[Any]) -> list[Any]:
         returned = [model(sample) for sample in samples]
     program = _recorded_program(recorder, samples)
     run = program.run(program.plan.forward_only, [call.args for call in recorder.calls], train=False)
-    _fill(program, run, recorder)
+    _fill(program, run, recorder, program.plan.forward_only)
     program.plan.finish_step(run)
     return returned
 
