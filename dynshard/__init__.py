@@ -3,7 +3,7 @@
     model = torch.compile(model, backend="dynshard", options=dynshard.Config(policy="tp", plan_ngpus=2))
 """
 
-from .backend.agreement import PlanMismatchError
+from .backend.agreement import PlanMismatchError, PlanningFailedError
 from .config import Config, ConfigError
 from .explain import Explanation, explain
 from .policies import PlanBuilder, PlanError, tensor_parallel
@@ -33,6 +33,7 @@ def data_parallel_rank(plan_ngpus: int = 1) -> tuple[int, int]:
 
 __all__ = ["broadcast_weights", "deduped_state_dict", "load_deduped_state_dict", "load_merged_state_dicts",
            "merge_state_dicts", "Config", "ConfigError", "Explanation", "GradScaler", "Layout", "ParallelOptimizer", "PlanBuilder",
-           "PlanError", "PlanMismatchError", "Reducer", "build_optimizer", "clip_grad_norm_", "collect_state_dict",
+           "PlanError", "PlanMismatchError", "PlanningFailedError", "Reducer", "build_optimizer", "clip_grad_norm_",
+           "collect_state_dict",
            "data_parallel_rank", "explain", "get_parallel_dim", "infer_step", "no_sync", "register_ddp_parameters_to_ignore",
            "register_parallel_attribute", "register_parallel_dim", "relocate_state_dict", "slice", "tensor_parallel", "train_step"]

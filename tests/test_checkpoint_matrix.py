@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 import dynshard
 from distributed import run_ranks
 from workers_checkpoint_matrix import (ADAMW, CFG, SGD, STATE_KEYS, EndToEndGPT, batch, four_rank_sources,
-                                       make_optimizer, pipeline_zero_load, pipeline_zero_save, two_rank_loads,
-                                       two_rank_sources_and_pipeline)
+                                       make_optimizer, pipeline_zero_load, pipeline_zero_save, resumed_runs,
+                                       straight_runs, two_rank_loads, two_rank_sources_and_pipeline)
 
 # from -> to: (checkpoint directory, step it was saved at, optimizer), the job and key of the result
 MATRIX = [("adamw_tp2", "pp2", ADAMW, "tp2 -> pp2"), ("pp2", "tp2", ADAMW, "pp2 -> tp2"),
@@ -173,6 +173,39 @@ def test_checkpoint_resharding_matrix(tmp_path):
                        for a, b, p in table)
     print("\n" + report)
     assert not any(p for _, _, p in table), report
+
+
+def _bitwise_problems(straight: list[dict], resumed: list[dict], plans: list[str]) -> list[str]:
+    problems = []
+    for rank, (a, b) in enumerate(zip(straight, resumed)):
+        for plan in plans:
+            ref, got = a[f"straight bitwise_{plan}"], b[f"resumed bitwise_{plan}"]
+            if got["extra"] != {"step": 2}:
+                problems.append(f"{plan} rank {rank}: extra {got['extra']}")
+            if got["losses"] != ref["losses"][-2:]:
+                problems.append(f"{plan} rank {rank}: losses {got['losses']} vs {ref['losses'][-2:]}")
+            problems += _check_equal(got["params"], ref["params"], f"{plan} rank {rank} param")
+            problems += _check_equal(got["state"], ref["state"], f"{plan} rank {rank} AdamW state")
+    return problems
+
+
+def test_a_new_job_resumes_bit_for_bit_under_dp_data_and_every_zero_level(tmp_path):
+    """4 AdamW steps straight against 2 + save + a new job + load (before its first step) + 2: the same
+    parameters, AdamW state (its step included) and losses, bit for bit, on each rank. (tp, ZeRO-2 and pp
+    are in the matrix test.)"""
+    plans = ["dp", "data2", "zero1", "zero3"]
+    straight = run_ranks(straight_runs, 2, str(tmp_path), plans)
+    resumed = run_ranks(resumed_runs, 2, str(tmp_path), plans)
+    problems = _bitwise_problems(straight, resumed, plans)
+    assert not problems, problems
+
+
+def test_a_new_job_resumes_bit_for_bit_under_hybrid(tmp_path):
+    """2 stages x tp 2 on 4 ranks, as above."""
+    straight = run_ranks(straight_runs, 4, str(tmp_path), ["hybrid4"])
+    resumed = run_ranks(resumed_runs, 4, str(tmp_path), ["hybrid4"])
+    problems = _bitwise_problems(straight, resumed, ["hybrid4"])
+    assert not problems, problems
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from distributed import run_ranks
 from test_parity import assert_trains_like_one_process
-from workers_plan_once import failures, tp_job
+from test_pipeline import _assert_parity
+from workers_plan_once import failures, pipeline_job, tp_job
 
 
 def test_rank_0_plans_alone_the_others_train_on_its_plan_and_a_new_job_reads_it_from_cache_dir(tmp_path):
@@ -50,3 +51,18 @@ def test_a_failing_planner_fails_every_rank_at_once_and_the_ranks_stay_in_step()
     kinds = [{kind for _, kind, _, _ in r["collectives"]} for r in sequence_parallel]
     assert {"all_gather", "reduce_scatter"} <= kinds[0], kinds[0]
     assert sequence_parallel[0]["collectives"] == sequence_parallel[1]["collectives"]
+
+
+def test_rank_0_cuts_the_pipeline_stages_the_others_install_its_cut_and_a_new_job_reads_it(tmp_path):
+    env = {"DYNSHARD_CACHE_DIR": str(tmp_path)}
+    first = run_ranks(pipeline_job, 2, env=env, timeout=240)
+    assert [r["cuts_made"] for r in first] == [1, 0]          # FLOPs measured on rank 0 only
+    assert "receive_plan" in first[1]["pass_timings"][0] and "receive_plan" not in first[0]["pass_timings"][0]
+    _assert_parity(first)
+    assert first[0]["modules"] == first[1]["modules"]
+    assert len(list(tmp_path.glob("plan-*.json"))) == 1
+
+    again = run_ranks(pipeline_job, 2, env=env, timeout=240)
+    assert [r["cuts_made"] for r in again] == [0, 0]
+    _assert_parity(again)
+    assert again[0]["modules"] == first[0]["modules"]

@@ -34,6 +34,7 @@ PLANS = {
                     pas_config={**PP, "pipeline_nstages": 2}),
     "dp": dict(policy="dp", plan_ngpus=1),
     "data2": dict(policy="data", plan_ngpus=2),
+    "zero1": dict(policy="dp", plan_ngpus=1, use_zero=1),
     "zero2": dict(policy="dp", plan_ngpus=1, use_zero=2),
     "zero3": dict(policy="dp", plan_ngpus=1, use_zero=3),
     "tp2_dp2": dict(policy="tp", plan_ngpus=2),                       # on 4 ranks
@@ -231,3 +232,24 @@ def pipeline_zero_load(rank: int, world: int, root: str) -> dict:
     """The pp x ZeRO save under pp on 2 ranks, loaded after a step of its own."""
     _short_timeouts()
     return {"pp2_zero1 -> pp2": _continue(Run("pp2", ADAMW, seed=3), _path(root, "pp2_zero1", 2), 2)}
+
+
+def straight_runs(rank: int, world: int, root: str, plans: list[str]) -> dict:
+    """Per plan: 4 AdamW steps with a save after 2 (what a new job must reproduce bit for bit)."""
+    _short_timeouts()
+    out = {}
+    for plan in plans:
+        out.update(_straight(Run(plan, ADAMW), root, f"bitwise_{plan}"))
+    return out
+
+
+def resumed_runs(rank: int, world: int, root: str, plans: list[str]) -> dict:
+    """A new job per plan: load the halfway save before the first step, train the last 2 steps."""
+    _short_timeouts()
+    out = {}
+    for plan in plans:
+        run = Run(plan, ADAMW, seed=11)
+        extra = run.load(_path(root, f"bitwise_{plan}", 2))
+        losses = [run.step(i) for i in (2, 3)]
+        out[f"resumed bitwise_{plan}"] = {"extra": extra, "losses": losses, **run.local()}
+    return out

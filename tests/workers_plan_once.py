@@ -90,3 +90,26 @@ def _innermost(error: BaseException) -> tuple[str, str]:
     while getattr(error, "inner_exception", None) is not None:
         error = error.inner_exception
     return type(error).__name__, str(error)
+
+
+def pipeline_job(rank: int, world: int) -> dict:
+    """The tied GPT under pp (2 stages, 1f1b) with the stage cut counted on this rank (``cache_dir`` from
+    the environment): parity with one process, the cuts made here, the stages' modules."""
+    from dynshard.passes import cut_stages
+    from workers_pipeline import pipeline_parity
+
+    calls = []
+    choose = cut_stages._choose_cuts
+
+    def counted(*args):
+        calls.append(1)
+        return choose(*args)
+
+    cut_stages._choose_cuts = counted
+    try:
+        result = pipeline_parity(rank, world, "gpt", 2, {"pipeline_nmicros": 2}, "train_step", 2)
+    finally:
+        cut_stages._choose_cuts = choose
+    result["cuts_made"] = len(calls)
+    result["pass_timings"] = [dict(plan.pass_timings) for plan in PLANS._memory.values()]
+    return result

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
+import time
 
 import torch
 import torch.fx as fx
@@ -41,7 +43,7 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
     from . import copy_graph
 
     ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode())
-    run_passes(copy_graph(gm), ctx, PIPELINE_PASSES)
+    _cut_once(copy_graph(gm), ctx, key)
     options = config.pipeline
     nstages, nranks, m = options.nstages(config), layout.pp_size, options.pipeline_nmicros
     schedule = build_schedule(options.pipeline_scheduler, nstages, m, nranks)
@@ -84,6 +86,37 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
         forward_only=forward_only, groups=PipelineGroups(layout), layout=layout, device=device,
         output_metas=[_meta(o) for o in outputs], compile_stage=compile_stage, combine_fn=combine,
         pass_timings=ctx.timings)
+
+
+def _cut_once(gm: fx.GraphModule, ctx: PassContext, key: str) -> None:
+    """The pipeline passes, with the stage cut planned once per job: rank 0 measures and cuts (or reads the
+    cut in ``cache_dir``) and sends it; the other ranks install it and measure nothing (as placements are
+    sent under the other policies, see ``backend._plan_once_and_compile``)."""
+    from .agreement import plan_channel
+    from . import PLANS
+
+    config = ctx.config
+    planned = PIPELINE_PASSES.index(assign_stages) + 1      # the passes up to the cut, then the rest
+    channel = plan_channel()
+    try:
+        if channel is not None and not channel.planner:
+            start = time.perf_counter()
+            ctx.stage_info = json.loads(channel.receive())
+            ctx.timings.append(("receive_plan", time.perf_counter() - start))
+            run_passes(gm, ctx, PIPELINE_PASSES)
+            return
+        stored = PLANS.load_text(config, key)
+        if stored is not None:
+            ctx.stage_info = json.loads(stored)
+        gm = run_passes(gm, ctx, PIPELINE_PASSES[:planned])
+        if channel is not None:
+            channel.send(json.dumps(ctx.stage_info))
+        run_passes(gm, ctx, PIPELINE_PASSES[planned:])
+    except BaseException as error:
+        if channel is not None:
+            channel.abandon(error)
+        raise
+    PLANS.save_text(config, key, json.dumps(ctx.stage_info), ctx.layout)
 
 
 def _tensor_parallel_stage(stage, args, config: Config, layout: Layout, key: str, device_type: str):

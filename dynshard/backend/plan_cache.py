@@ -52,27 +52,36 @@ class PlanCache:
 
     # -- placements on disk -----------------------------------------------------------------------
     @staticmethod
-    def load_plan(config: Config, key: str) -> dict[str, Any] | None:
-        """A stored plan (see :func:`decode_plan`), None when ``cache_dir`` holds none for ``key``."""
+    def load_text(config: Config, key: str) -> str | None:
+        """The JSON text stored for ``key`` in ``cache_dir`` (placements, or a pipeline's stage cut), or None."""
         if not config.cache_dir:
             return None
         path = os.path.join(config.cache_dir, f"plan-{key}.json")
         if not os.path.exists(path):
             return None
         with open(path) as f:
-            return decode_plan(f.read())
+            return f.read()
 
     @staticmethod
-    def save_plan(config: Config, key: str, placements: dict[int, tuple[Placement, ...]], over_dp: set[int],
-                  constraints: dict[str, ActivationPlacement], layout: Layout) -> None:
+    def save_text(config: Config, key: str, text: str, layout: Layout) -> None:
+        """Rank 0 keeps ``text`` for ``key`` in ``cache_dir`` (written atomically)."""
         if not config.cache_dir or layout.rank != 0:
             return
         os.makedirs(config.cache_dir, exist_ok=True)
         path = os.path.join(config.cache_dir, f"plan-{key}.json")
         tmp = f"{path}.tmp{os.getpid()}"
         with open(tmp, "w") as f:
-            f.write(encode_plan(placements, over_dp, constraints))
+            f.write(text)
         os.replace(tmp, path)
+
+    def load_plan(self, config: Config, key: str) -> dict[str, Any] | None:
+        """A stored plan (see :func:`decode_plan`), None when ``cache_dir`` holds none for ``key``."""
+        text = self.load_text(config, key)
+        return None if text is None else decode_plan(text)
+
+    def save_plan(self, config: Config, key: str, placements: dict[int, tuple[Placement, ...]], over_dp: set[int],
+                  constraints: dict[str, ActivationPlacement], layout: Layout) -> None:
+        self.save_text(config, key, encode_plan(placements, over_dp, constraints), layout)
 
 
 def encode_plan(placements: dict[int, tuple[Placement, ...]], over_dp: set[int],

@@ -104,25 +104,22 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
     return path
 
 
-def _load_placeholders(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                       metadata: Any) -> tuple[dict[str, Any], dict[int, tuple[torch.Tensor, dict[str, Any]]]]:
+def _load_placeholders(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, metadata: Any
+                       ) -> tuple[dict[str, Any], dict[int, tuple[torch.Tensor, dict[str, Any]]]]:
     """The state dict to load into (model tensors in place) and, per parameter, the optimizer state
-    tensors loaded into (created where the optimizer has none yet)."""
+    tensors loaded into (created where the optimizer has none yet). Raises ValueError, before anything
+    is read, where the checkpoint does not hold what ``model`` or ``optimizer`` needs."""
     state: dict[str, Any] = {"model": _model_state(model), "extra": b""}
+    _check_model(path, state["model"], metadata)
     created: dict[int, tuple[torch.Tensor, dict[str, Any]]] = {}
     if optimizer is not None:
         names = _param_names(model)
         by_name = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
-        saved: dict[str, dict[str, Any]] = {}
-        for key, path in metadata.planner_data.items():
-            if len(path) == 4 and path[0] == "optim" and path[1] == "state":
-                saved.setdefault(path[2], {})[path[3]] = metadata.state_dict_metadata[key]
+        saved = _saved_optimizer_state(metadata)
+        _check_optimizer(path, optimizer, by_name, saved, metadata)
         optim_state = {}
         for name, entries in saved.items():
-            param = by_name.get(name)
-            if param is None:
-                raise ValueError(f"dynshard.checkpoint: the checkpoint has optimizer state for {name}, "
-                                 "which this optimizer does not hold")
+            param = by_name[name]
             if _not_held(param):     # pipeline: another rank's stage; this rank keeps no state for it
                 continue
             current = dict(optimizer.state.get(param, {}))
@@ -149,6 +146,113 @@ def _load_placeholders(model: torch.nn.Module, optimizer: torch.optim.Optimizer 
         if isinstance(md, TensorStorageMetadata):
             state[key] = torch.zeros(md.size, dtype=md.properties.dtype)
     return state, created
+
+
+def _saved_optimizer_state(metadata: Any) -> dict[str, dict[str, Any]]:
+    """Parameter name -> state name -> DCP's metadata of that saved optimizer state."""
+    saved: dict[str, dict[str, Any]] = {}
+    for key, path in metadata.planner_data.items():
+        if len(path) == 4 and path[0] == "optim" and path[1] == "state":
+            saved.setdefault(path[2], {})[path[3]] = metadata.state_dict_metadata[key]
+    return saved
+
+
+def _some(names: list[str], limit: int = 5) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+def _check_model(path: str, model_state: dict[str, Any], metadata: Any) -> None:
+    saved = {p[1] for p in metadata.planner_data.values() if len(p) >= 2 and p[0] == "model"}
+    missing = [key for key in model_state if key not in saved]
+    if not missing:
+        return
+    instead = sorted(saved - set(model_state))
+    raise ValueError(f"dynshard.checkpoint: {path} holds no {_some(missing)} of this model"
+                     + (f" (it holds {_some(instead)} instead)" if instead else "")
+                     + ": load it into the model it was saved from (the same modules and names), or export it "
+                     "with torch.distributed.checkpoint.format_utils.dcp_to_torch_save and load what matches "
+                     "with load_state_dict(strict=False)")
+
+
+def _optimizer_mismatch(path: str, optimizer: torch.optim.Optimizer, what: str) -> ValueError:
+    return ValueError(f"dynshard.checkpoint: {path} does not match this {type(optimizer).__name__}: {what}. Build "
+                      "the optimizer the checkpoint was saved with (the same class, options and parameters), or "
+                      "call load(path, model) without the optimizer to load only the weights")
+
+
+def _check_optimizer(path: str, optimizer: torch.optim.Optimizer, by_name: dict[str, torch.Tensor],
+                     saved: dict[str, dict[str, Any]], metadata: Any) -> None:
+    """Every rank raises the same error: not-held (pipeline) parameters are checked too."""
+    foreign = [name for name in saved if name not in by_name]
+    if foreign:
+        raise _optimizer_mismatch(path, optimizer, f"the checkpoint has optimizer state for {_some(foreign)}, "
+                                  "which this optimizer does not hold")
+    stateless = [p for name, p in by_name.items() if name in saved and not optimizer.state.get(p)]
+    first_step = (_first_step_keys(optimizer, stateless) if stateless else None) or {}
+    mismatched = []
+    for name, param in by_name.items():
+        if name not in saved:        # the saving optimizer had none yet (no step, or no gradient)
+            continue
+        wanted = set(optimizer.state[param]) if optimizer.state.get(param) else first_step.get(id(param), set())
+        missing = sorted(wanted - set(saved[name]))
+        if missing:
+            mismatched.append(f"parameter {name} needs optimizer state {', '.join(missing)}, but the checkpoint "
+                              f"holds {', '.join(sorted(saved[name]))} for it")
+    if mismatched:
+        more = f" (and {len(mismatched) - 1} more parameters)" if len(mismatched) > 1 else ""
+        raise _optimizer_mismatch(path, optimizer, mismatched[0] + more)
+    _check_param_groups(path, optimizer, metadata)
+
+
+def _check_param_groups(path: str, optimizer: torch.optim.Optimizer, metadata: Any) -> None:
+    saved: dict[int, set[str]] = {}
+    for p in metadata.planner_data.values():
+        if len(p) >= 4 and p[0] == "optim" and p[1] == "param_groups":
+            saved.setdefault(p[2], set()).add(p[3])
+    if not saved:
+        raise _optimizer_mismatch(path, optimizer, "the checkpoint holds no optimizer (it was saved without one)")
+    if len(saved) != len(optimizer.param_groups):
+        raise _optimizer_mismatch(path, optimizer, f"it has {len(optimizer.param_groups)} parameter groups, the "
+                                  f"checkpoint {len(saved)}")
+    for i, group in enumerate(optimizer.param_groups):
+        options = sorted(saved[i] - {"params"})
+        missing = sorted(set(group) - {"params"} - set(options))
+        if missing:
+            raise _optimizer_mismatch(path, optimizer, f"its parameter group {i} has options {', '.join(missing)}, "
+                                      f"which the checkpoint's group lacks (it has {', '.join(options)})")
+
+
+def _first_step_keys(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> dict[int, set[str]] | None:
+    """The state names ``optimizer`` will create for each of ``params`` (by id) at its first step, or None
+    when that cannot be found. A torch optimizer has no other way to tell than stepping: a new one of its
+    class and options steps once over one-element stand-ins with zero gradients."""
+    wanted = {id(p) for p in params}
+    stand_ins: dict[int, torch.Tensor] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        mine = [stand_ins.setdefault(id(p), _stand_in(p)) for p in group["params"] if id(p) in wanted]
+        if mine:
+            options = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            groups.append({**options, "params": mine})
+    try:
+        probe = type(optimizer)(groups)
+        probe.step()
+    except Exception:       # the check only words an error better: an optimizer we cannot imitate loads unchecked
+        return None
+    return {key: set(probe.state.get(t, {})) for key, t in stand_ins.items()}
+
+
+def _stand_in(param: torch.Tensor) -> torch.Tensor:
+    """A one-element tensor with ``param``'s number of dimensions (its global one: a pipeline rank holds an
+    empty tensor in place of another stage's parameter), dtype, device and gradient."""
+    tag = get_tag(param)
+    ndim = len(tag.global_shape) if tag is not None else param.dim()
+    device = "cpu" if param.is_meta else param.device
+    stand_in = torch.zeros((1,) * ndim, dtype=param.dtype, device=device, requires_grad=param.requires_grad)
+    if param.requires_grad:
+        stand_in.grad = torch.zeros_like(stand_in)
+    return stand_in
 
 
 def _not_held(param: torch.Tensor) -> bool:
@@ -204,10 +308,16 @@ def load(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
     """Load the checkpoint ``path`` (written by :func:`save` under any plan and world size) into
     ``model`` and ``optimizer`` in place, and restore this rank's RNG state if it was saved. Works before
     the first compiled step (whole tensors) and after (this rank's pieces). ``scaler`` gets the
-    ``GradScaler`` state saved with ``save(..., scaler=)`` (``load_state_dict``). Returns ``extra``."""
+    ``GradScaler`` state saved with ``save(..., scaler=)`` (``load_state_dict``). Returns ``extra``.
+
+    A ``path`` that does not exist because a save over it was killed midway reads the checkpoint that
+    save moved aside. Raises ValueError on every rank, before reading any tensor, when the checkpoint
+    lacks a key of ``model``'s state dict, or state or options ``optimizer`` needs (another optimizer
+    class, other options or other parameters)."""
+    path = io.resolve(path)
     reader = dcp.FileSystemReader(path)
     metadata = reader.read_metadata()
-    state, created = _load_placeholders(model, optimizer, metadata)
+    state, created = _load_placeholders(path, model, optimizer, metadata)
     scaler_state = _scaler_placeholder(path, metadata, scaler)
     if scaler_state is not None:
         state[_SCALER] = scaler_state

@@ -133,10 +133,36 @@ def _balanced_cuts(weights: list[int], candidates: list[int], nstages: int) -> l
 
 
 def assign_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Give every op a stage (``node.meta["pipeline_stage"]``) and drop the ``pipe_split`` markers."""
+    """Give every op a stage (``node.meta["pipeline_stage"]``) and drop the ``pipe_split`` markers.
+
+    The cut is the pipeline's plan (``ctx.stage_info``: the positions among the compute nodes where stages
+    start, how they were found, each stage's FLOPs). A cut installed before this pass (rank 0's, or one
+    read from ``cache_dir``) is used as it is: nothing is measured.
+    """
+    nodes = _compute_nodes(gm)
+    if "cuts" not in ctx.stage_info:
+        ctx.stage_info = _choose_cuts(gm, nodes, ctx)
+    cuts = ctx.stage_info["cuts"]
+    nstages = ctx.config.pipeline.nstages(ctx.config)
+    if len(cuts) != nstages - 1 or cuts != sorted(cuts) or not all(0 < c < len(nodes) for c in cuts):
+        raise ValueError(f"dynshard: the stored pipeline cut {cuts} does not fit this graph ({len(nodes)} ops, "
+                         f"{nstages} stages); remove the plan file from cache_dir")
+    stage = 0
+    for position, node in enumerate(nodes):
+        while stage < len(cuts) and position >= cuts[stage]:
+            stage += 1
+        node.meta["pipeline_stage"] = stage
+    for node in [n for n in nodes if _is_pipe_split(n)]:
+        gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
+
+
+def _choose_cuts(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> dict[str, Any]:
+    """The policy: at pipe_split() markers, else before pivots, else before the repeated layers, balanced
+    by FLOPs measured on FakeTensors."""
     options = ctx.config.pipeline
     nstages = options.nstages(ctx.config)
-    nodes = _compute_nodes(gm)
     markers = [i for i, n in enumerate(nodes) if _is_pipe_split(n)]
     flops = _node_flops(gm, ctx)
     weights = [flops.get(n, 0) for n in nodes]
@@ -166,18 +192,9 @@ def assign_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             raise ValueError(f"dynshard: only {len(candidates) + 1} stage(s) can be cut {how}, but "
                              f"pipeline_nstages is {nstages}; lower pipeline_nstages or choose other pivots")
         cuts = _balanced_cuts(weights, candidates, nstages)
-    stage = 0
-    stage_flops = [0] * nstages
-    for position, node in enumerate(nodes):
-        while stage < len(cuts) and position >= cuts[stage]:
-            stage += 1
-        node.meta["pipeline_stage"] = stage
-        stage_flops[stage] += flops.get(node, 0)
-    ctx.stage_info = {"flops": stage_flops, "how": how}
-    for node in [n for n in nodes if _is_pipe_split(n)]:
-        gm.graph.erase_node(node)
-    gm.recompile()
-    return gm
+    bounds = [0, *cuts, len(nodes)]
+    stage_flops = [sum(flops.get(n, 0) for n in nodes[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return {"cuts": list(cuts), "how": how, "flops": stage_flops}
 
 
 def split_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
