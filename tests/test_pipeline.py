@@ -102,6 +102,32 @@ def test_chimera_direct_runs_each_stage_on_two_ranks_in_two_directions():
     assert sum(r["sent_bytes"][0] for r in results) == results[0]["p2p_bytes"][0] == 4 * 3 * 2 * (2 * 16 * 32 * 4)
 
 
+def test_1f1b_plus_runs_the_embedding_on_every_rank_and_pipelines_the_layers():
+    """nnScaler's 1f1b_plus: the ops before the first layer (both embeddings) are a segment split over both
+    ranks (vocab parallel), run for each micro-batch just before stage 1; the layers are two 1F1B stages."""
+    results = run_ranks(pipeline_parity, 2, "untied_gpt", 2, {"pipeline_nmicros": 4, "pipeline_scheduler": "1f1b_plus"},
+                        "alternate", 2)
+    _assert_parity(results)
+    for result in results:
+        assert result["held"]["wte.weight"] == 64 * 32 // 2         # vocab parallel over both ranks
+        assert result["modules"][0][0] == ("wte", "wpe")
+    assert [_layer_fraction(r) for r in results] == [0.5, 0.5]
+    # per micro-batch: stage 1 -> 2 forward and backward, and the embedding's output gradient broadcast once
+    ran = [i for i, p2p in enumerate(results[0]["p2p_bytes"]) if p2p]     # the plans that ran micro-batches
+    assert ran and all(results[0]["p2p_bytes"][i] == 4 * 3 * (2 * 16 * 32 * 4) for i in ran), results[0]["p2p_bytes"]
+    assert sum(r["sent_bytes"][ran[-1]] for r in results) == results[0]["p2p_bytes"][ran[-1]]
+
+
+def test_1f1b_plus_under_hybrid_splits_the_embedding_over_the_whole_unit():
+    """2 stages x tp 2 on 4 ranks; the all-device segment is tensor parallel over all 4."""
+    results = run_ranks(pipeline_parity, 4, "untied_gpt", 4, {"pipeline_nmicros": 2, "pipeline_nstages": 2,
+                                                              "pipeline_scheduler": "1f1b_plus"}, "train_step", 2, 8,
+                        "hybrid")
+    _assert_parity(results)
+    assert [r["held"]["wte.weight"] for r in results] == [64 * 32 // 4] * 4
+    assert [r["held"]["blocks.0.fc1.weight"] for r in results] == [128 * 32 // 2] * 2 + [0, 0]
+
+
 def test_a_pipeline_checkpoint_loads_under_data_parallelism_and_under_the_pipeline(tmp_path):
     results = run_ranks(pipeline_checkpoint, 2, str(tmp_path))
     for result in results:

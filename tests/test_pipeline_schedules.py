@@ -12,7 +12,7 @@ import expecttest
 import pytest
 
 from dynshard import compat
-from dynshard.runtime.pipeline.schedules import SCHEDULES, Action, Schedule, build_schedule
+from dynshard.runtime.pipeline.schedules import ALL, SCHEDULES, Action, Schedule, build_schedule
 from dynshard.runtime.pipeline.simulate import (DeadlockError, ScheduleError, check_deadlock_free, fifo_mismatches,
                                                 simulate)
 
@@ -28,7 +28,7 @@ def test_every_schedule_is_deadlock_free_and_complete(name, p):
     for k in ((1, 2, 3) if name in ("1f1b_interleaved", "infer_pipe") else (1,)):
         for m in _micro_batch_counts(p):
             try:
-                schedule = build_schedule(name, k * p, m, p)
+                schedule = build_schedule(name, k * p + (name == "1f1b_plus"), m, p)
             except ValueError as error:
                 # only the interleaved rounds rule and chimera's 4 stages / pairs may refuse one here
                 assert (name == "1f1b_interleaved" and k > 1 and m % max(1, m // p)) or (
@@ -38,20 +38,22 @@ def test_every_schedule_is_deadlock_free_and_complete(name, p):
             check_deadlock_free(schedule)       # build_schedule ran it too; it must stay idempotent
             assert fifo_mismatches(schedule) == []
             loop = tuple(s % p for s in range(k * p))
-            assert schedule.lanes == ((loop, loop[::-1]) if name == "chimera_direct" else (loop,))
+            assert schedule.lanes == {"chimera_direct": (loop, loop[::-1]), "1f1b_plus": ((ALL,) + loop,)}.get(
+                name, (loop,))
             per_stage = {"gpipe": "FB", "1f1b": "FB", "1f1b_interleaved": "FB", "infer_pipe": "F", "zb1p": "FIW",
-                         "chimera_direct": "FB"}
+                         "chimera_direct": "FB", "1f1b_plus": "FB"}
             for rank in range(p):
                 computes = schedule.compute_actions(rank)
                 assert sorted((a.kind, a.stage, a.mb) for a in computes) == sorted(
                     (kind, s, mb) for kind in per_stage[name] for s in schedule.stages_of(rank) for mb in range(m)
-                    if schedule.rank_of(s, mb) == rank)
-                if p == 1:
-                    assert all(not a.is_comm for a in schedule.actions[rank])
+                    if schedule.rank_of(s, mb) in (rank, ALL))
+                if p == 1:       # (a broadcast to the only rank does nothing)
+                    assert all(not a.is_comm or a.kind == "BCAST_B" for a in schedule.actions[rank])
                 # the part before the first backward action needs nothing from a backward, and for
                 # gpipe it is the whole forward (transparent GPipe runs it in the autograd forward)
                 actions = schedule.actions[rank]
-                cut = next((i for i, a in enumerate(actions) if a.kind in ("B", "I", "W", "RECV_B")), len(actions))
+                cut = next((i for i, a in enumerate(actions) if a.kind in ("B", "I", "W", "RECV_B", "BCAST_B")),
+                           len(actions))
                 assert all(a.kind in ("F", "SEND_F", "RECV_F") for a in actions[:cut])
                 if name in ("gpipe", "infer_pipe"):
                     assert all(a.kind in ("B", "SEND_B", "RECV_B") for a in actions[cut:])
@@ -214,6 +216,49 @@ def test_chimera_direct_halves_the_bubble_of_1f1b_and_holds_two_stages_per_rank(
     assert chimera.ranks_of(0) == (0, 3) and chimera.rank_of(0, 1) == 3 and chimera.rank_of(2, 4) == 2
 
 
+@pytest.mark.parametrize("p", [1, 2, 4])
+@pytest.mark.parametrize("name", ["1f1b_plus", "gpipe", "infer_pipe"])
+def test_an_all_device_first_stage_runs_its_collectives_in_one_order_on_every_rank(name, p):
+    for m in _micro_batch_counts(p):
+        schedule = build_schedule(name, p + 1, m, p, all_device_first=True)
+        assert schedule.lanes == ((ALL,) + tuple(range(p)),) and schedule.ranks_of(0) == tuple(range(p))
+        collectives = [[str(a) for a in actions if a.stage == 0 and a.kind in ("F", "B", "BCAST_B")]
+                       for actions in schedule.actions]
+        assert all(c == collectives[0] for c in collectives)
+        assert collectives[0][:m] == [f"0F{mb}" for mb in range(m)] or name == "1f1b_plus"
+        for actions in schedule.actions:    # no p2p to or from the all-device stage; BCAST_B right before 0B
+            assert not any(a.kind in ("SEND_F", "RECV_F", "SEND_B", "RECV_B") and a.stage in (0, 1)
+                           and a.kind in ("RECV_F", "SEND_B") for a in actions)
+            for i, a in enumerate(actions):
+                if a.kind == "B" and a.stage == 0:
+                    assert actions[i - 1].kind == "BCAST_B" and actions[i - 1].mb == a.mb
+
+
+class TestAllDeviceFirstPrintout(expecttest.TestCase):
+    def test_1f1b_plus_inserts_the_all_device_stage_around_stage_1(self):
+        # nnScaler's picture: every rank runs the all-device segment's forward of a micro-batch just before
+        # stage 1's forward of it, and its backward just after stage 1's backward
+        self.assertExpectedInline(build_schedule("1f1b_plus", 3, 4, 2).format(comms=False), """\
+1f1b_plus: 3 stages on 2 ranks, 4 micro-batches (rank 0: [0, 1]  rank 1: [0, 2])
+step  rank 0  rank 1
+0     0F0     0F0
+1     1F0     0F1
+2     0F1     2F0
+3     1F1     2B0
+4     1B0     2F1
+5     0F2     2B1
+6     0B0     0F2
+7     1F2     0B0
+8     1B1     2F2
+9     0F3     2B2
+10    0B1     0F3
+11    1F3     0B1
+12    1B2     2F3
+13    0B2     2B3
+14    1B3     0B2
+15    0B3     0B3""")
+
+
 def test_zb1p_stage_0_input_grad_sends_nothing():
     schedule = build_schedule("zb1p", 4, 4, 4)
     assert not any(a.kind == "SEND_B" and a.stage == 0 for a in schedule.actions[0])
@@ -259,7 +304,7 @@ def test_simulate_timeline_and_latency():
 
 @pytest.mark.parametrize("args, message", [
     (("pipedream", 2, 4, 2), "unknown pipeline schedule 'pipedream'; choose one of gpipe, 1f1b, "
-                             "1f1b_interleaved, chimera_direct, infer_pipe, zb1p"),
+                             "1f1b_interleaved, 1f1b_plus, chimera_direct, infer_pipe, zb1p"),
     (("chimera_direct", 4, 3, 4), "chimera_direct sends micro-batches down and up the pipeline in pairs"),
     (("chimera_direct", 2, 4, 2), "chimera_direct runs exactly 4 stages on 4 pipeline ranks"),
     (("gpipe", 2, 0, 2), "gpipe: nmicros must be a positive integer, got 0"),
@@ -304,6 +349,20 @@ class TestRejections(expecttest.TestCase):
 schedule 'hand' deadlocks (2 of 2 ranks cannot finish):
   rank 0 is stuck at step 3 (0B0): it waits for 1SEND_B0, step 7 of rank 1, which is stuck at step 1 (1F1)
   rank 1 is stuck at step 1 (1F1): it waits for 0SEND_F1, step 5 of rank 0, which is stuck at step 3 (0B0)""")
+
+    def test_collectives_in_another_order_on_two_ranks_deadlock(self):
+        def parse(text):
+            return tuple(Action(k, int(st), int(mb)) for k, st, mb in (item.split() for item in text.split(",")))
+        lanes = ((ALL, 0, 1),)
+        schedule = Schedule("hand", 3, 2, 2, lanes, (
+            parse("F 0 0, F 0 1, F 1 0, F 1 1") + (Action("SEND_F", 1, 0, 1), Action("SEND_F", 1, 1, 1)),
+            parse("F 0 1, F 0 0") + (Action("RECV_F", 2, 0, 0), Action("RECV_F", 2, 1, 0)) + parse("F 2 0, F 2 1")))
+        with self.assertRaises(DeadlockError) as info:
+            check_deadlock_free(schedule)
+        self.assertExpectedInline(str(info.exception), """\
+schedule 'hand' deadlocks (2 of 2 ranks cannot finish):
+  rank 0 is stuck at step 0 (0F0), a collective of every rank: rank 1 at 0F1
+  rank 1 is stuck at step 0 (0F1), a collective of every rank: rank 0 at 0F0""")
 
     def test_a_missing_backward_is_incomplete(self):
         schedule = _two_ranks("F 0 0, SEND_F 0 0 1, RECV_B 0 0 1, B 0 0",

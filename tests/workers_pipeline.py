@@ -40,6 +40,14 @@ class EndToEndGPT(GPT):
         return super().forward(batch["idx"], batch["tgt"])
 
 
+class UntiedEndToEndGPT(EndToEndGPT):
+    """The test GPT with its own LM head weight (1f1b_plus: the embedding runs on every rank)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__(cfg)
+        self.lm_head.weight = nn.Parameter(self.wte.weight.detach().clone())
+
+
 class SkipMLP(nn.Module):
     """A skip connection from the first layer to the last crosses every stage boundary."""
 
@@ -64,6 +72,8 @@ def build(name: str):
     if name == "skip":
         return SkipMLP(), lambda n, seed: dict(zip(("x", "y"), mlp_batch(n, seed)))
     cfg = GPTConfig(layers=4)
+    if name == "untied_gpt":
+        return UntiedEndToEndGPT(cfg), lambda n, seed: dict(zip(("idx", "tgt"), gpt_batch(cfg, n, seed)))
     return EndToEndGPT(cfg), lambda n, seed: dict(zip(("idx", "tgt"), gpt_batch(cfg, n, seed)))
 
 

@@ -74,3 +74,25 @@ def recompute_saved_bytes(rank: int, world: int) -> dict:
         _assert_grads_match(model, reference)
         saved[names] = [s.saved_bytes for s in dynshard.explain(compiled).pipelines[0].stages]
     return saved
+
+
+def all_device_first(rank: int, world: int) -> dict:
+    """1f1b_plus on one rank: the untied GPT trains like one process (the all-device segment and one
+    stage); the tied GPT is refused (its embedding would be shared by the segment and the last stage)."""
+    import pytest
+
+    from workers_pipeline import UntiedEndToEndGPT
+
+    torch.manual_seed(0)
+    make = build("gpt")[1]
+    model = UntiedEndToEndGPT(build("gpt")[0].cfg)
+    reference = copy.deepcopy(model)
+    samples = [make(2, i) for i in range(4)]
+    losses = dynshard.train_step(_one_process(model, "1f1b_plus"), samples)
+    for sample in samples:
+        reference(sample).backward()
+    _assert_grads_match(model, reference)
+    torch._dynamo.reset()
+    with pytest.raises(NotImplementedError) as info:
+        dynshard.train_step(_one_process(EndToEndGPT(build("gpt")[0].cfg), "1f1b_plus"), samples)
+    return {"losses": len(losses), "error": str(info.value)}

@@ -17,7 +17,7 @@ from ..config import Config
 from ..passes import PassContext, cast_to_compute_dtype, run_passes
 from ..passes.cut_stages import assign_stages, split_stages
 from ..passes.tag_recompute import tag_single_process
-from ..runtime.mesh import Layout
+from ..runtime.mesh import Layout, layout_for
 from ..runtime.pipeline.groups import PipelineGroups
 from ..runtime.pipeline.program import PipelinePlan, ValueMeta
 from ..runtime.pipeline.retrace import FrameCall
@@ -45,18 +45,22 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
     ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode())
     _cut_once(copy_graph(gm), ctx, key)
     options = config.pipeline
-    nstages, nranks, m = options.nstages(config), layout.pp_size, options.pipeline_nmicros
-    schedule = build_schedule(options.pipeline_scheduler, nstages, m, nranks)
-    forward_only = build_schedule("infer_pipe", nstages, m, nranks)
+    nstages, nranks, m = options.nsegments(config), layout.pp_size, options.pipeline_nmicros
+    first = options.all_device_first
+    schedule = build_schedule(options.pipeline_scheduler, nstages, m, nranks, first)
+    forward_only = build_schedule("infer_pipe", nstages, m, nranks, first)
     gpipe = None
     if not config.inference_only:
-        gpipe = schedule if options.pipeline_nchunks > 1 else build_schedule("gpipe", nstages, m, nranks)
+        gpipe = schedule if options.pipeline_nchunks > 1 else build_schedule("gpipe", nstages, m, nranks, first)
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     outputs = output_node.args[0] if isinstance(output_node.args[0], (tuple, list)) else [output_node.args[0]]
     log.info("pipeline: %s\n%s", ctx.staged.describe(), schedule.format())
     device = default_device(device_type)
 
     def compile_stage(stage, args):
+        if schedule.on_every_rank(stage.index):     # 1f1b_plus: tensor parallel over the whole unit
+            unit = layout_for(config.plan_ngpus, device_type)
+            return _tensor_parallel_stage(stage, args, config, unit, key, device_type)
         if layout.tp_size > 1:
             return _tensor_parallel_stage(stage, args, config, layout, key, device_type)
         # (what it compiled, what the executor calls)

@@ -143,7 +143,7 @@ def assign_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if "cuts" not in ctx.stage_info:
         ctx.stage_info = _choose_cuts(gm, nodes, ctx)
     cuts = ctx.stage_info["cuts"]
-    nstages = ctx.config.pipeline.nstages(ctx.config)
+    nstages = ctx.config.pipeline.nsegments(ctx.config)
     if len(cuts) != nstages - 1 or cuts != sorted(cuts) or not all(0 < c < len(nodes) for c in cuts):
         raise ValueError(f"dynshard: the stored pipeline cut {cuts} does not fit this graph ({len(nodes)} ops, "
                          f"{nstages} stages); remove the plan file from cache_dir")
@@ -162,7 +162,7 @@ def _choose_cuts(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> 
     """The policy: at pipe_split() markers, else before pivots, else before the repeated layers, balanced
     by FLOPs measured on FakeTensors."""
     options = ctx.config.pipeline
-    nstages = options.nstages(ctx.config)
+    nstages = options.nsegments(ctx.config)
     markers = [i for i, n in enumerate(nodes) if _is_pipe_split(n)]
     flops = _node_flops(gm, ctx)
     weights = [flops.get(n, 0) for n in nodes]
@@ -170,9 +170,10 @@ def _choose_cuts(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> 
         weights = [1] * len(nodes)
     if markers:
         if len(markers) != nstages - 1:
+            extra = " (1f1b_plus: one more, ending the all-device segment)" if options.all_device_first else ""
             raise ValueError(f"dynshard: the model calls pipe_split() {len(markers)} time(s), which cuts it into "
-                             f"{len(markers) + 1} stages, but pipeline_nstages is {nstages}; call it "
-                             f"{nstages - 1} time(s) or set pipeline_nstages={len(markers) + 1}")
+                             f"{len(markers) + 1} segments, but {nstages} are needed{extra}; call it "
+                             f"{nstages - 1} time(s) or set pipeline_nstages={len(markers) + 1 - int(options.all_device_first)}")
         cuts, how = markers, "at pipe_split()"
     else:
         if options.pivots:
@@ -191,7 +192,13 @@ def _choose_cuts(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> 
         if len(candidates) < nstages - 1:
             raise ValueError(f"dynshard: only {len(candidates) + 1} stage(s) can be cut {how}, but "
                              f"pipeline_nstages is {nstages}; lower pipeline_nstages or choose other pivots")
-        cuts = _balanced_cuts(weights, candidates, nstages)
+        if options.all_device_first:    # the all-device segment: what runs before the first layer
+            first = candidates[0]
+            weights = [0] * first + weights[first:]
+            cuts = [first] + _balanced_cuts(weights, candidates[1:], nstages - 1)
+            how += "; the ops before the first cut run on every rank (1f1b_plus)"
+        else:
+            cuts = _balanced_cuts(weights, candidates, nstages)
     bounds = [0, *cuts, len(nodes)]
     stage_flops = [sum(flops.get(n, 0) for n in nodes[a:b]) for a, b in zip(bounds, bounds[1:])]
     return {"cuts": list(cuts), "how": how, "flops": stage_flops}
@@ -199,7 +206,7 @@ def _choose_cuts(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> 
 
 def split_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """One GraphModule per stage (``ctx.staged``); the captured graph itself is returned unchanged."""
-    nstages = ctx.config.pipeline.nstages(ctx.config)
+    nstages = ctx.config.pipeline.nsegments(ctx.config)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     index_of = {n: i for i, n in enumerate(placeholders)}
     output = next(n for n in gm.graph.nodes if n.op == "output")

@@ -14,12 +14,8 @@ from typing import Any, Mapping
 
 from ..config import Config, ConfigError
 
-TRAINING_SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved", "chimera_direct", "zb1p")
+TRAINING_SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved", "1f1b_plus", "chimera_direct", "zb1p")
 INFERENCE_SCHEDULES = ("infer_pipe",)
-NOT_YET = {
-    "1f1b_plus": "needs segments that span every rank of the unit (tensor parallel inside a pipeline, "
-                 "the 'hybrid' policy), which dynshard does not build yet",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,8 +25,9 @@ class PipelineOptions:
     pipeline_nmicros: micro-batches per step (required); ``train_step`` takes exactly this many samples,
         a plain call splits its batch into this many along dim 0.
     pipeline_nstages: stages in all (pp default: plan_ngpus x pipeline_nchunks; required by hybrid).
-    pipeline_scheduler: gpipe, 1f1b (default), 1f1b_interleaved, zb1p (zero bubble), or infer_pipe
-        (inference_only).
+    pipeline_scheduler: gpipe, 1f1b (default), 1f1b_interleaved, 1f1b_plus (1F1B over the stages after
+        a first segment run tensor-parallel on every rank of the unit), chimera_direct, zb1p (zero bubble),
+        or infer_pipe (inference_only).
     pipeline_nchunks: stages each rank runs (the interleaved schedule); stage s runs on rank s % plan_ngpus.
     pipeline_pivots: comma-separated module class names a stage may start at (cut before an instance).
     """
@@ -77,14 +74,22 @@ class PipelineOptions:
         return {"sequence_parallel": self.sequence_parallel}
 
     def nstages(self, config: Config) -> int:
+        """Pipeline stages (not counting 1f1b_plus's all-device segment)."""
         return self.pipeline_nstages if self.pipeline_nstages is not None else config.plan_ngpus * self.pipeline_nchunks
+
+    @property
+    def all_device_first(self) -> bool:
+        """1f1b_plus: the graph's first segment (before the first stage's layers) runs on every rank of the
+        unit, tensor parallel, and the pipeline stages follow it."""
+        return self.pipeline_scheduler == "1f1b_plus"
+
+    def nsegments(self, config: Config) -> int:
+        """The graphs the captured graph is cut into: the stages, and 1f1b_plus's all-device segment."""
+        return self.nstages(config) + int(self.all_device_first)
 
     def check(self, config: Config) -> None:
         """nnScaler's rules, and what dynshard does not build yet, as errors that say what to change."""
         name = self.pipeline_scheduler
-        if name in NOT_YET:
-            raise ConfigError(f"dynshard: pipeline_scheduler {name!r} {NOT_YET[name]}; use one of "
-                              f"{', '.join(TRAINING_SCHEDULES + INFERENCE_SCHEDULES)}")
         if name not in TRAINING_SCHEDULES + INFERENCE_SCHEDULES:
             raise ConfigError(f"dynshard: unknown pipeline_scheduler {name!r}; use one of "
                               f"{', '.join(TRAINING_SCHEDULES + INFERENCE_SCHEDULES)}")
@@ -122,6 +127,9 @@ class PipelineOptions:
         if self.pipeline_nchunks > 1 and name != "1f1b_interleaved":
             raise ConfigError(f"dynshard: pipeline_nchunks={self.pipeline_nchunks} needs pipeline_scheduler "
                               f"'1f1b_interleaved' ({name!r} runs one stage per rank)")
+        if name == "1f1b_plus" and config.use_zero:
+            raise ConfigError("dynshard: use_zero with pipeline_scheduler '1f1b_plus' is not built yet (its "
+                              "all-device segment is tensor parallel over the unit); use '1f1b' with use_zero")
         if config.use_zero and config.policy == "hybrid":
             raise ConfigError("dynshard: use_zero with policy 'hybrid' is not built yet; use policy 'pp' with "
                               "use_zero, or hybrid without it")

@@ -9,7 +9,10 @@ Every action of the rank's list (:mod:`.schedules`) is executed in order:
 - ``B`` waits for the gradients of the stage's outputs and runs ``torch.autograd.backward`` through the
   compiled program; parameter gradients accumulate in ``.grad`` (summed over micro-batches), the
   gradients of the received tensors are what the previous stage gets;
-- ``SEND_F`` / ``SEND_B`` post a non-blocking ``isend``; sends are waited for at the end of the step.
+- ``SEND_F`` / ``SEND_B`` post a non-blocking ``isend``; sends are waited for at the end of the step;
+- ``BCAST_B`` (1f1b_plus) broadcasts the gradients of the all-device stage's outputs from the rank of
+  stage 1 to the unit's pipeline ranks (every rank runs it at the same place in its list). The all-device
+  stage's outputs need no transfer: every rank computed them.
 
 Transfers stay outside the compiled graphs (Inductor may reorder a compiled recv before a send, and a
 gloo send completes only when its receiver has posted the recv). Each message has its own tag
@@ -25,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ...backend.split_backward import DeferredWeightGradients
+from .schedules import ALL
 from .trace import StepTrace
 
 
@@ -42,6 +46,7 @@ class StepRun:
         self.outgoing: dict[tuple[int, int], list[torch.Tensor]] = {}
         self.leaves: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
         self.grads_out: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self.broadcast: dict[tuple[int, int], list[torch.Tensor]] = {}   # BCAST_B's gradients, by (stage, mb)
         self.outputs: dict[int, list[Any]] = {}
         self.sends: list = []
         self.trace = StepTrace(plan.steps)
@@ -57,7 +62,7 @@ class StepRun:
         return self.plan.groups.global_rank(pp_rank)
 
     def _local(self, stage: int, mb: int) -> bool:
-        return self.schedule.rank_of(stage, mb) == self.plan.groups.pp_rank
+        return self.schedule.rank_of(stage, mb) in (self.plan.groups.pp_rank, ALL)
 
     def _grad_names(self, boundary: int) -> list[str]:
         return [n for n in self.staged.boundaries[boundary] if self.metas[n].requires_grad]
@@ -110,6 +115,23 @@ class StepRun:
             self.sends.append((dist.isend(buffer, dst=self._peer(action.peer),
                                           tag=self._tag(True, action.stage - 1, action.mb, i)), buffer))
 
+    def _bcast_b(self, action) -> None:
+        """From stage ``action.stage + 1``'s rank (``action.peer``) to every pipeline rank of the unit: the
+        gradients of the all-device stage's outputs. A collective: every rank is here in the same order."""
+        key = (action.stage, action.mb)
+        if action.peer == self.plan.groups.pp_rank:
+            tensors = [g.contiguous() for g in self.grads_out.pop((action.stage + 1, action.mb))]
+            self.sent_bytes += sum(t.numel() * t.element_size() for t in tensors) * (self.plan.groups.pp_size - 1)
+        else:
+            tensors = [self._empty(n) for n in self._grad_names(action.stage)]
+        group = self.plan.groups.pp_group
+        if group is not None:
+            begin = self.trace.now()
+            for tensor in tensors:
+                dist.broadcast(tensor, src=self._peer(action.peer), group=group)
+            self.trace.span("recv", f"broadcast B{action.stage} mb{action.mb}", begin)
+        self.broadcast[key] = tensors
+
     def _incoming(self, stage: int, mb: int) -> dict[str, torch.Tensor]:
         if stage == 0:
             return {}
@@ -139,6 +161,8 @@ class StepRun:
             self.leaves[(s, mb)] = incoming
 
     def _output_grads(self, stage: int, mb: int) -> list[torch.Tensor]:
+        if self.schedule.rank_of(stage, mb) == ALL:
+            return self.broadcast.pop((stage, mb))
         if self._local(stage + 1, mb):
             return self.grads_out.pop((stage + 1, mb))
         works, grads = self.recv_b.pop((stage, mb))

@@ -87,6 +87,9 @@ def take_ownership(args, plan) -> Ownership:
                 f"dynshard: {inp.name} is on the meta device; pipeline policies do not initialise meta-built models "
                 "yet. Build the model on the CPU (each rank then keeps only its stages' tensors after the first step)")
         stages = tuple(readers[inp.index])
+        if any(plan.schedule.on_every_rank(s) for s in stages):
+            held[inp.index] = _all_device_tensor(inp, tensor, stages, plan)
+            continue
         owner_ranks = sorted({r for s in stages for r in plan.schedule.ranks_of(s)})
         owns = bool(mine & set(stages))
         if len(owner_ranks) > 1:
@@ -133,6 +136,24 @@ def take_ownership(args, plan) -> Ownership:
                 if (unit, tp_rank) == (groups.dp_rank, groups.layout.tp_rank) and groups.pp_rank in owner_ranks:
                     shared.append((group, [i for i in indices if i in held]))
     return Ownership(held, shared, pending, zero=zero)
+
+
+def _all_device_tensor(inp, tensor: torch.Tensor, stages: tuple[int, ...], plan) -> torch.Tensor:
+    """A tensor of 1f1b_plus's all-device stage: every rank holds it, and the stage's tensor-parallel program
+    cuts it into its shards and tags it, as a plain tp plan does (no stage ownership, no tie)."""
+    if len(stages) > 1:
+        raise NotImplementedError(
+            f"dynshard: {inp.name} is read by the all-device segment of 1f1b_plus and by pipeline stage(s) "
+            f"{', '.join(str(s) for s in stages[1:])} (a tied embedding and LM head?); sharing a tensor between them "
+            "is not built yet. Untie it, or use pipeline_scheduler '1f1b'")
+    if get_tag(tensor) is not None:          # an earlier plan of the model placed it
+        get_tag(tensor).add_plan(plan)
+        return tensor
+    if dist.is_initialized() and not getattr(tensor, ALIKE_ATTR, False):
+        with torch.no_grad():
+            dist.broadcast(tensor.data, src=0)
+    setattr(tensor, ALIKE_ATTR, True)
+    return tensor
 
 
 def full_rows(tensor: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from .executor import StepRun
 from .ownership import FreshGradients, Ownership, reduce_gradients, take_ownership
 from .recorder import active_recorder, recording
+from .schedules import ALL
 from .trace import idle_fraction, writer_for
 
 
@@ -88,20 +89,23 @@ class PipelinePlan:
 
     def p2p_bytes(self) -> int:
         """Bytes a step sends between the stages of a unit: every boundary tensor once per micro-batch
-        forward, and its gradient once backward (those that need one); 0 before the first step."""
+        forward, and its gradient once backward (those that need one); after an all-device stage, only the
+        gradients, broadcast to the other ranks; 0 before the first step."""
         if not self._programs:
             return 0
         metas = next(reversed(self._programs.values()))[1]
+        schedule, train = self.schedule, not self.config.inference_only
         total = 0
         for s, boundary in enumerate(self.staged.boundaries):
-            size = 0
-            for name in boundary:
-                meta = metas[name]
-                size += meta.shape.numel() * meta.dtype.itemsize * (
-                    2 if meta.requires_grad and not self.config.inference_only else 1)
-            # a micro-batch whose two stages share a rank hands the values over inside it
-            total += size * sum(self.schedule.rank_of(s, mb) != self.schedule.rank_of(s + 1, mb)
-                                for mb in range(self.nmicros))
+            values = [metas[name] for name in boundary]
+            forward = sum(m.shape.numel() * m.dtype.itemsize for m in values)
+            backward = sum(m.shape.numel() * m.dtype.itemsize for m in values if m.requires_grad) if train else 0
+            for mb in range(self.nmicros):
+                here, there = schedule.rank_of(s, mb), schedule.rank_of(s + 1, mb)
+                if here == ALL:
+                    total += backward * (self.groups.pp_size - 1)
+                elif here != there:    # (a micro-batch whose two stages share a rank hands them over inside it)
+                    total += forward + backward
         return total
 
     def _input_shapes(self, mb_args: list[list[Any]]) -> tuple:
@@ -178,7 +182,7 @@ def _boundary_metas(plan: PipelinePlan, args: list[Any]) -> dict[str, ValueMeta]
 
 
 def _first_backward(actions) -> int:
-    return next((i for i, a in enumerate(actions) if a.kind in ("B", "I", "W", "RECV_B")), len(actions))
+    return next((i for i, a in enumerate(actions) if a.kind in ("B", "I", "W", "RECV_B", "BCAST_B")), len(actions))
 
 
 class PipelineProgram:

@@ -18,7 +18,12 @@ per rank, rank ``r`` holds stages ``r, r + nranks, ..., r + (k-1) nranks``. ``ch
 pipelines in opposite directions (Chimera, Li and Hoefler, SC'21): a *lane* is one stage -> rank map, and
 micro-batch ``mb`` travels lane ``mb % nlanes``; its lanes are stage ``s`` on rank ``s`` (down) and on rank
 ``3 - s`` (up), so every rank holds two stages and every stage lives on two ranks. Every other schedule
-has one lane.
+has one lane. ``1f1b_plus`` (and the gpipe / infer_pipe orders of a model planned for it) adds a stage 0
+that runs on every rank (``ALL`` in the lanes): nnScaler's segment spanning all devices, tensor parallel
+over the unit. Its forward for micro-batch ``mb`` runs on every rank just before stage 1's forward of
+``mb``, its backward just after stage 1's backward, at the same place in every rank's list (they hold
+collectives); stage 1 reads its outputs locally, and the gradients of those outputs go from stage 1's
+rank to every rank by a broadcast (``BCAST_B``, placed right before the backward that needs it).
 
 Lowering (:func:`_lower`) writes the messages in:
 - after the F of stage ``s``, ``SEND_F(s)`` to the rank of ``s+1`` if that is another rank; the consuming
@@ -49,11 +54,13 @@ from __future__ import annotations
 import dataclasses
 from collections import defaultdict
 
-__all__ = ["Action", "Schedule", "SCHEDULES", "COMPUTE_KINDS", "COMM_KINDS", "build_schedule"]
+__all__ = ["ALL", "Action", "Schedule", "SCHEDULES", "COMPUTE_KINDS", "COMM_KINDS", "build_schedule"]
 
-SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved", "chimera_direct", "infer_pipe", "zb1p")   # infer_pipe: forward only
+SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved", "1f1b_plus", "chimera_direct", "infer_pipe",
+             "zb1p")   # infer_pipe: forward only
 COMPUTE_KINDS = ("F", "B", "I", "W")
-COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B")
+COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "BCAST_B")
+ALL = -1          # in a lane: the stage runs on every rank (1f1b_plus's all-device segment)
 # schedules that need exactly one stage per rank
 _ONE_STAGE_PER_RANK = ("gpipe", "1f1b", "zb1p")
 
@@ -92,12 +99,16 @@ class Schedule:
     actions: tuple[tuple[Action, ...], ...]
 
     def rank_of(self, stage: int, mb: int) -> int:
-        """The rank that runs ``stage`` for micro-batch ``mb``."""
+        """The rank that runs ``stage`` for micro-batch ``mb`` (``ALL``: every rank)."""
         return self.lanes[mb % len(self.lanes)][stage]
 
     def ranks_of(self, stage: int) -> tuple[int, ...]:
-        """The ranks that hold ``stage`` (two under chimera_direct), in increasing order."""
-        return tuple(sorted({lane[stage] for lane in self.lanes}))
+        """The ranks that hold ``stage`` (two under chimera_direct, all for an all-device stage), in order."""
+        ranks = {lane[stage] for lane in self.lanes}
+        return tuple(range(self.nranks)) if ALL in ranks else tuple(sorted(ranks))
+
+    def on_every_rank(self, stage: int) -> bool:
+        return ALL in (lane[stage] for lane in self.lanes)
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages that ``rank`` holds, in increasing order."""
@@ -135,11 +146,12 @@ class Schedule:
         return self.format()
 
 
-def build_schedule(name: str, nstages: int, nmicros: int, nranks: int) -> Schedule:
+def build_schedule(name: str, nstages: int, nmicros: int, nranks: int, all_device_first: bool = False) -> Schedule:
     """The schedule ``name`` for ``nstages`` stages on ``nranks`` pipeline ranks and ``nmicros`` micro-batches.
 
-    Raises ValueError for an unknown name or an impossible configuration, saying what to change. The
-    result has passed :func:`.simulate.check_deadlock_free`.
+    With ``all_device_first`` (implied by ``1f1b_plus``), stage 0 runs on every rank and ``name``'s order
+    is laid out over the other ``nstages - 1``. Raises ValueError for an unknown name or an impossible
+    configuration, saying what to change. The result has passed :func:`.simulate.check_deadlock_free`.
     """
     # simulate imports this module for Action and Schedule, so import it here, not at the top
     from .simulate import check_deadlock_free
@@ -149,6 +161,21 @@ def build_schedule(name: str, nstages: int, nmicros: int, nranks: int) -> Schedu
     for label, value in (("nstages", nstages), ("nmicros", nmicros), ("nranks", nranks)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name}: {label} must be a positive integer, got {value!r}")
+    all_device_first = all_device_first or name == "1f1b_plus"
+    base = "1f1b" if name == "1f1b_plus" else name
+    if all_device_first and base not in ("1f1b", "gpipe", "infer_pipe"):
+        raise ValueError(f"{name}: an all-device first stage goes with 1f1b_plus, gpipe or infer_pipe only")
+    lanes, orders = _orders(base, nstages - int(all_device_first), nmicros, nranks)
+    if all_device_first:
+        lanes, orders = _all_device_first(base, lanes, orders, nmicros, nranks)
+    actions = _in_send_order([_lower(order, lanes) for order in orders])
+    schedule = Schedule(name, nstages, nmicros, nranks, lanes, actions)
+    check_deadlock_free(schedule)
+    return schedule
+
+
+def _orders(name: str, nstages: int, nmicros: int, nranks: int):
+    """(lanes, compute order per rank) of ``name`` over ``nstages`` stages, or ValueError."""
     if nstages % nranks:
         raise ValueError(f"{name}: {nstages} stages cannot be spread evenly over {nranks} pipeline ranks; "
                          f"use a multiple of {nranks} stages (each rank holds nstages // nranks of them)")
@@ -160,14 +187,29 @@ def build_schedule(name: str, nstages: int, nmicros: int, nranks: int) -> Schedu
         _interleaved_rounds(nranks, nchunks, nmicros)  # validates
     if name == "chimera_direct":
         lanes = _chimera_lanes(nstages, nmicros, nranks)
-        orders = _list_scheduled(lanes, nmicros, nranks)
-    else:
-        lanes = (tuple(s % nranks for s in range(nstages)),)
-        orders = [_GENERATORS[name](rank, nranks, nchunks, nmicros) for rank in range(nranks)]
-    actions = _in_send_order([_lower(order, lanes) for order in orders])
-    schedule = Schedule(name, nstages, nmicros, nranks, lanes, actions)
-    check_deadlock_free(schedule)
-    return schedule
+        return lanes, _list_scheduled(lanes, nmicros, nranks)
+    lanes = (tuple(s % nranks for s in range(nstages)),)
+    return lanes, [_GENERATORS[name](rank, nranks, nchunks, nmicros) for rank in range(nranks)]
+
+
+def _all_device_first(name: str, lanes, orders, m: int, p: int):
+    """``orders`` (over stages 1..) with stage 0 on every rank, where nnScaler's 1f1b_plus puts it: its
+    forward of ``mb`` just before stage 1's, its backward just after stage 1's. "Before" and "after" are
+    times of the order run with F = 1, B = 2 (:func:`.simulate.simulate`), the same on every rank, so every
+    rank runs stage 0's actions (collectives) in one order and between the same neighbours."""
+    from .simulate import simulate
+
+    base = Schedule(name, len(lanes[0]), m, p, lanes, tuple(_lower(order, lanes) for order in orders))
+    timeline = simulate(base).timeline
+    first_f = {a.mb: start for actions in timeline for start, _, a in actions if a.kind == "F" and a.stage == 0}
+    first_b = {a.mb: end for actions in timeline for _, end, a in actions if a.kind == "B" and a.stage == 0}
+    placed = []
+    for rank in range(p):
+        keyed = [((start, 1, 0, a.mb), (a.kind, a.stage + 1, a.mb)) for start, _, a in timeline[rank]]
+        keyed += [((first_f[mb], 0, 0, mb), ("F", 0, mb)) for mb in range(m)]
+        keyed += [((first_b[mb], 0, 1, mb), ("B", 0, mb)) for mb in first_b]
+        placed.append([action for _, action in sorted(keyed)])
+    return tuple((ALL,) + tuple(lane) for lane in lanes), placed
 
 
 # -- compute orders: one list of (kind, stage, mb) per rank --------------------------------------------------
@@ -348,21 +390,24 @@ def _comms(kind: str, stage: int, mb: int, lanes: tuple[tuple[int, ...], ...]) -
     rank, last = stage_to_rank[stage], len(stage_to_rank) - 1
     recvs: list[Action] = []
     sends: list[Action] = []
+    # an all-device stage's outputs are on every rank already; the gradients of its outputs are broadcast
     if kind == "F":
-        if stage > 0 and stage_to_rank[stage - 1] != rank:
+        if stage > 0 and stage_to_rank[stage - 1] not in (rank, ALL):
             recvs.append(Action("RECV_F", stage, mb, stage_to_rank[stage - 1]))
-        if stage < last and stage_to_rank[stage + 1] != rank:
+        if stage < last and rank != ALL and stage_to_rank[stage + 1] != rank:
             sends.append(Action("SEND_F", stage, mb, stage_to_rank[stage + 1]))
     elif kind in ("B", "I"):
         if stage < last and stage_to_rank[stage + 1] != rank:
-            recvs.append(Action("RECV_B", stage, mb, stage_to_rank[stage + 1]))
-        if stage > 0 and stage_to_rank[stage - 1] != rank:
+            kind = "BCAST_B" if rank == ALL else "RECV_B"
+            recvs.append(Action(kind, stage, mb, stage_to_rank[stage + 1]))
+        if stage > 0 and stage_to_rank[stage - 1] not in (rank, ALL):
             sends.append(Action("SEND_B", stage, mb, stage_to_rank[stage - 1]))
     return recvs, sends
 
 
 def _message(a: Action) -> tuple[str, int, int]:
-    """(direction, sending stage, micro-batch): what a SEND and its matching RECV both name."""
+    """(direction, sending stage, micro-batch): what a SEND and its matching RECV both name (BCAST_B is
+    a collective, not a message)."""
     if a.kind in ("SEND_F", "SEND_B"):
         return a.kind[-1], a.stage, a.mb
     return a.kind[-1], a.stage + (-1 if a.kind == "RECV_F" else 1), a.mb
@@ -402,13 +447,16 @@ def _lower(order: list[tuple[str, int, int]], lanes: tuple[tuple[int, ...], ...]
     except those of the first backward (see the module docstring)."""
     comms = [_comms(kind, stage, mb, lanes) for kind, stage, mb in order]
     first_backward = next((i for i, (kind, _, _) in enumerate(order) if kind in ("B", "I")), len(order))
-    out: list[Action] = list(comms[0][0]) if comms else []
+    posted = [[a for a in recvs if a.kind != "BCAST_B"] for recvs, _ in comms]   # irecvs, posted early
+    blocking = [[a for a in recvs if a.kind == "BCAST_B"] for recvs, _ in comms]  # a collective: in place
+    out: list[Action] = list(posted[0]) if comms else []
     for i, (kind, stage, mb) in enumerate(order):
         early = i + 1 < len(order) and i + 1 != first_backward
         if early:
-            out += comms[i + 1][0]
+            out += posted[i + 1]
+        out += blocking[i]
         out.append(Action(kind, stage, mb))
         out += comms[i][1]
         if i + 1 == first_backward < len(order):
-            out += comms[i + 1][0]
+            out += posted[i + 1]
     return tuple(out)

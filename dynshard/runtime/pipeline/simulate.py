@@ -11,7 +11,10 @@ Execution model (what the executor does, and what is checked):
 - a compute action that consumes a RECV blocks until the peer has executed the matching SEND;
 - messages are matched by (kind, stage, micro-batch), so their order between a pair of ranks does not
   matter for this check (see :func:`fifo_mismatches` for executors that match in order);
-- a neighbour stage on the same rank is handed its input locally, so it must have run earlier in the list.
+- a neighbour stage on the same rank is handed its input locally, so it must have run earlier in the list;
+- an all-device stage (``schedules.ALL``) runs on every rank, and its F and B, and the BCAST_B before its
+  B, are collectives: a rank that reaches one waits until every rank is at the same one (ranks at
+  different collectives deadlock), then all start together.
 
 Completeness is checked too: every stage's F, and B (or I and W), for every micro-batch exactly once, on
 the stage's rank; backward after forward, W after I; each RECV before the compute that consumes it;
@@ -29,11 +32,11 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from .schedules import Action, Schedule
+from .schedules import ALL, Action, Schedule
 
 __all__ = ["ScheduleError", "DeadlockError", "SimResult", "check_deadlock_free", "simulate", "fifo_mismatches"]
 
-_KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B")
+_KINDS = ("F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "BCAST_B")
 _MAX_LISTED = 12   # problems listed in one error message
 
 
@@ -128,7 +131,8 @@ def _check_actions(schedule: Schedule) -> None:
     """Shape, placement and peers of every action, and exactly-once compute coverage."""
     n, m, p = schedule.nstages, schedule.nmicros, schedule.nranks
     name = schedule.name
-    if not schedule.lanes or any(len(lane) != n or any(not 0 <= r < p for r in lane) for lane in schedule.lanes):
+    if not schedule.lanes or any(len(lane) != n or any(not (0 <= r < p or r == ALL) for r in lane)
+                                 for lane in schedule.lanes):
         raise ScheduleError(f"{name}: lanes {schedule.lanes} must give a rank in [0, {p}) for each of {n} stages")
     if len(schedule.actions) != p:
         raise ScheduleError(f"{name}: {len(schedule.actions)} action lists for {p} ranks")
@@ -140,11 +144,16 @@ def _check_actions(schedule: Schedule) -> None:
                 problems.append(f"{where}: needs a kind in {_KINDS}, a stage in [0, {n}), a micro-batch in [0, {m})")
                 continue
             owner = schedule.rank_of(a.stage, a.mb)
-            if owner != rank:
+            if owner not in (rank, ALL):
                 problems.append(f"{where}: stage {a.stage} runs micro-batch {a.mb} on rank {owner}")
             if a.kind in ("F", "B", "I", "W"):
                 if a.peer is not None:
                     problems.append(f"{where}: a compute action has no peer")
+                continue
+            if a.kind == "BCAST_B":
+                if owner != ALL or a.stage + 1 >= n or a.peer != schedule.rank_of(a.stage + 1, a.mb):
+                    problems.append(f"{where}: BCAST_B carries the gradients of an all-device stage's outputs "
+                                    f"from the rank of the next stage")
                 continue
             other = a.stage + (1 if a.kind in ("SEND_F", "RECV_B") else -1)
             if not 0 <= other < n:
@@ -159,15 +168,20 @@ def _check_actions(schedule: Schedule) -> None:
     count = Counter((a.kind, a.stage, a.mb) for actions in schedule.actions for a in actions)
     training = any(k in ("B", "I", "W") for k, _, _ in count)
     for stage in range(n):
+        copies = p if schedule.on_every_rank(stage) else 1
         for mb in range(m):
             f, b, i, w = (count[k, stage, mb] for k in "FBIW")
-            if f != 1:
-                problems.append(f"{stage}F{mb} appears {f} times, not once")
-            if training and not ((b, i, w) == (1, 0, 0) or (b, i, w) == (0, 1, 1)):
+            if f != copies:
+                problems.append(f"{stage}F{mb} appears {f} times, not {copies}")
+            if training and copies > 1 and (b, i, w) != (copies, 0, 0):
+                problems.append(f"stage {stage} runs on every rank, so micro-batch {mb} needs one B per rank")
+            elif training and copies == 1 and not ((b, i, w) == (1, 0, 0) or (b, i, w) == (0, 1, 1)):
                 problems.append(f"stage {stage} micro-batch {mb} has {b} B, {i} I, {w} W; "
                                 f"it needs one B, or one I and one W")
     for key, c in count.items():
-        if key[0] in ("SEND_F", "RECV_F", "SEND_B", "RECV_B") and c > 1:
+        if key[0] == "BCAST_B" and c != p:
+            problems.append(f"{key[1]}{key[0]}{key[2]} appears {c} times, not on every rank")
+        elif key[0] in ("SEND_F", "RECV_F", "SEND_B", "RECV_B") and c > 1:
             problems.append(f"{key[1]}{key[0]}{key[2]} appears {c} times")
     if problems:
         _fail(ScheduleError, f"schedule {name!r} is incomplete", problems)
@@ -180,14 +194,16 @@ def _dependencies(schedule: Schedule, a: Action) -> tuple[list[tuple[str, int, i
     local: list[tuple[str, int, int]] = []
     message = None
     if a.kind == "F" and s > 0:
-        if schedule.rank_of(s - 1, mb) == rank:
+        if schedule.rank_of(s - 1, mb) in (rank, ALL):
             local.append(("F", s - 1, mb))
         else:
             message = ("F", s - 1, mb)
     elif a.kind in ("B", "I"):
         local.append(("F", s, mb))
         if s < last:
-            if schedule.rank_of(s + 1, mb) == rank:
+            if rank == ALL:
+                local.append(("C", s, mb))        # the BCAST_B of the gradients it needs
+            elif schedule.rank_of(s + 1, mb) == rank:
                 local.append(("BI", s + 1, mb))
             else:
                 message = ("B", s + 1, mb)
@@ -200,6 +216,11 @@ def _dependencies(schedule: Schedule, a: Action) -> tuple[list[tuple[str, int, i
     return local, message
 
 
+def _source_dependency(schedule: Schedule, a: Action, rank: int) -> list[tuple[str, int, int]]:
+    """BCAST_B on the rank that holds the gradients: the backward that produced them."""
+    return [("BI", a.stage + 1, a.mb)] if a.kind == "BCAST_B" and a.peer == rank else []
+
+
 def _check_order(schedule: Schedule) -> list[dict[int, tuple]]:
     """Per rank, {position of a compute action: the message it consumes}; raises on ordering problems."""
     problems: list[str] = []
@@ -210,7 +231,7 @@ def _check_order(schedule: Schedule) -> list[dict[int, tuple]]:
         consumed: dict[int, tuple] = {}
         for pos, a in enumerate(actions):
             local, message = _dependencies(schedule, a)
-            for kind, stage, mb in local:
+            for kind, stage, mb in local + _source_dependency(schedule, a, rank):
                 if not any((k, stage, mb) in done for k in kind):
                     need = "/".join(f"{stage}{k}{mb}" for k in kind)
                     problems.append(f"rank {rank} step {pos}: {a} needs {need} earlier on the same rank")
@@ -224,6 +245,8 @@ def _check_order(schedule: Schedule) -> list[dict[int, tuple]]:
                                     f"posted before it on rank {rank}")
             if a.kind.startswith("RECV_"):
                 posted[_message(a)] = pos
+            elif a.kind == "BCAST_B":
+                done.add(("C", a.stage, a.mb))
             elif not a.is_comm:
                 done.add((a.kind, a.stage, a.mb))
         for message, pos in posted.items():
@@ -244,6 +267,10 @@ def _check_order(schedule: Schedule) -> list[dict[int, tuple]]:
 _Timeline = tuple[tuple[tuple[float, float, Action], ...], ...]
 
 
+def _is_collective(schedule: Schedule, a: Action) -> bool:
+    return a.kind == "BCAST_B" or (not a.is_comm and schedule.rank_of(a.stage, a.mb) == ALL)
+
+
 def _run(schedule: Schedule, cost: dict[str, float], comm: float) -> _Timeline:
     """Execute every rank's list under the execution model; the compute timeline per rank, or an error."""
     _check_actions(schedule)
@@ -259,6 +286,17 @@ def _run(schedule: Schedule, cost: dict[str, float], comm: float) -> _Timeline:
         for rank, todo in enumerate(actions):
             while pcs[rank] < len(todo):
                 pos, a = pcs[rank], todo[pcs[rank]]
+                if _is_collective(schedule, a):
+                    if not all(pcs[q] < len(actions[q]) and actions[q][pcs[q]] == a for q in range(len(actions))):
+                        break    # waits for every rank to reach it
+                    start = max(clocks)
+                    for q in range(len(actions)):
+                        if not a.is_comm:
+                            clocks[q] = start + cost[a.kind]
+                            timeline[q].append((start, clocks[q], a))
+                        pcs[q] += 1
+                    progress = True
+                    continue
                 start = clocks[rank]
                 message = consumers[rank].get(pos)
                 if message is not None:
@@ -280,6 +318,12 @@ def _run(schedule: Schedule, cost: dict[str, float], comm: float) -> _Timeline:
         for rank in stuck:
             pos = pcs[rank]
             a = actions[rank][pos]
+            if _is_collective(schedule, a):
+                others = [f"rank {q} at {actions[q][pcs[q]] if pcs[q] < len(actions[q]) else 'its end'}"
+                          for q in range(len(actions)) if q != rank]
+                lines.append(f"rank {rank} is stuck at step {pos} ({a}), a collective of every rank: "
+                             + ", ".join(others))
+                continue
             kind, stage, mb = consumers[rank][pos]
             peer, peer_pos = send_pos[kind, stage, mb]
             lines.append(f"rank {rank} is stuck at step {pos} ({a}): it waits for {stage}SEND_{kind}{mb}, step "
