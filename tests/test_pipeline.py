@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from workers_pipeline import pipeline_checkpoint, pipeline_explain, pipeline_parity
+from workers_pipeline import meta_pipeline, pipeline_checkpoint, pipeline_explain, pipeline_parity
 
 
 def _flat(losses) -> torch.Tensor:
@@ -126,6 +126,17 @@ def test_1f1b_plus_under_hybrid_splits_the_embedding_over_the_whole_unit():
     _assert_parity(results)
     assert [r["held"]["wte.weight"] for r in results] == [64 * 32 // 4] * 4
     assert [r["held"]["blocks.0.fc1.weight"] for r in results] == [128 * 32 // 2] * 2 + [0, 0]
+
+
+def test_a_meta_built_model_initialises_like_one_process_and_each_rank_keeps_its_stages():
+    results = run_ranks(meta_pipeline, 2)
+    _assert_parity(results)
+    for result in results:
+        held = result["held_during_init"]
+        # at any time: what this rank keeps, plus one module whole, plus the tied embedding until the LM head
+        bound = result["held_after"] + result["largest_module_bytes"] + result["tied_bytes"]
+        assert len(held) > 10 and max(held) <= bound < result["whole_bytes"], (held, bound, result["whole_bytes"])
+        assert result["held_after"] < 0.75 * result["whole_bytes"]
 
 
 def test_a_pipeline_checkpoint_loads_under_data_parallelism_and_under_the_pipeline(tmp_path):

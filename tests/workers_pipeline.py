@@ -206,3 +206,49 @@ def pipeline_checkpoint(rank: int, world: int, root: str) -> dict:
         results[policy] = {"extra": extra, "params": dynshard.collect_state_dict(other_compiled),
                            "held": sum(p.numel() for p in other.parameters())}
     return results
+
+
+def meta_pipeline(rank: int, world: int, steps: int = 2) -> dict:
+    """The tied GPT built on the meta device under pp (2 stages): initialised at the first train_step as one
+    process initialises it module by module after the same seed, each rank keeping only its stages' tensors;
+    next to that whole model trained on one process."""
+    from workers_meta_init import _MEASURED, _held_bytes, init_module, measure_init_module
+
+    _short_timeouts()
+    cfg = GPTConfig(layers=4)
+    make = lambda n, seed: dict(zip(("idx", "tgt"), gpt_batch(cfg, n, seed)))     # noqa: E731
+    with torch.device("meta"):
+        model = EndToEndGPT(cfg)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    _MEASURED.update(model=model, held=[])
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy="pp", plan_ngpus=2, use_end2end=True, compiler="aot_eager", param_init_fn=measure_init_module,
+        pas_config={"pipeline_nmicros": 2}))
+    torch.manual_seed(1234)
+    losses = []
+    for step in range(steps):
+        losses.append([float(v) for v in dynshard.train_step(compiled, [make(2, 10 * step + i) for i in range(2)])])
+        opt.step()
+        opt.zero_grad()
+    reference = EndToEndGPT(cfg)
+    torch.manual_seed(1234)
+    with torch.no_grad():
+        for module in reference.modules():
+            init_module(module)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
+    ref_losses = []
+    for step in range(steps):
+        step_losses = []
+        for i in range(2):
+            loss = reference(make(2, 10 * step + i))
+            loss.backward()
+            step_losses.append(float(loss.detach()))
+        ref_losses.append(step_losses)
+        ref_opt.step()
+        ref_opt.zero_grad()
+    largest = max(sum(t.numel() * t.element_size() for t in m.parameters(recurse=False)) for m in reference.modules())
+    return {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
+            "ref_params": {k: v.detach() for k, v in reference.state_dict().items()},
+            "held_during_init": _MEASURED["held"], "held_after": _held_bytes(model),
+            "whole_bytes": _held_bytes(reference), "largest_module_bytes": largest,
+            "tied_bytes": reference.wte.weight.numel() * 4}

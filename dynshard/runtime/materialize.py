@@ -284,9 +284,12 @@ def _swap(tensor: torch.Tensor, data: torch.Tensor, name: str) -> None:
 
 # -- the first step: materialise ----------------------------------------------------------------------
 
-def materialize(models: Iterable[_Pending], plan: Any, args: Sequence[Any]) -> None:
+def materialize(models: Iterable[_Pending], plan: Any, args: Sequence[Any],
+                cut: Callable[[torch.Tensor, Any], None] | None = None) -> None:
     """Initialise the pending models ``plan``'s first run touches (those of the frame it was compiled
-    from, and those its arguments belong to), cutting ``plan``'s own tensors to this rank's piece."""
+    from, and those its arguments belong to), cutting ``plan``'s own tensors to this rank's piece as each
+    is initialised: ``cut(tensor, graph_input)``, by default the plan's placements and ZeRO rows (a
+    pipeline keeps what its stages read and frees the rest)."""
     models = [m for m in models if not m.done]
     state = [inp for inp in plan.inputs if inp.is_state]
     for inp in state:
@@ -302,11 +305,15 @@ def materialize(models: Iterable[_Pending], plan: Any, args: Sequence[Any]) -> N
     if not models:
         return
     mine = {id(args[inp.index]): inp for inp in state}
+    if cut is None:
+        def cut(tensor: torch.Tensor, inp: Any) -> None:
+            shard_in_place(tensor, inp.name, plan.layout, plan.placements[inp.index],
+                           plan.zero.get(inp.index)).add_plan(plan)
     for pending in models:
-        _materialize(pending, plan, mine)
+        _materialize(pending, mine, cut)
 
 
-def _materialize(pending: _Pending, plan: Any, mine: dict[int, Any]) -> None:
+def _materialize(pending: _Pending, mine: dict[int, Any], cut: Callable[[torch.Tensor, Any], None]) -> None:
     root = pending.module()
     pending.done = True
     if root is None:
@@ -342,8 +349,7 @@ def _materialize(pending: _Pending, plan: Any, mine: dict[int, Any]) -> None:
             mark_initialized_alike(tensor)
             inp = mine.get(id(tensor))
             if inp is not None:     # this program's tensor: cut to this rank's piece now, the whole one freed
-                shard_in_place(tensor, inp.name, plan.layout, plan.placements[inp.index],
-                               plan.zero.get(inp.index)).add_plan(plan)
+                cut(tensor, inp)
     _check_ranks_agree(fingerprints, fingerprinted, pending.device)
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from ..accumulation import ACCUMULATION
+from ..materialize import MetaInitError, materialize
 from ..sharding import _SHARDED, ALIKE_ATTR, TAG_ATTR, ShardTag, StageOwnership, get_tag, placements_for, stored_piece
 from ..zero import gather_rows, zero_groups, zero_spec
 from .groups import PipelineGroups
@@ -82,10 +83,6 @@ def take_ownership(args, plan) -> Ownership:
         if not inp.is_state or inp.index not in readers:
             continue
         tensor = args[inp.index]
-        if tensor.is_meta:
-            raise NotImplementedError(
-                f"dynshard: {inp.name} is on the meta device; pipeline policies do not initialise meta-built models "
-                "yet. Build the model on the CPU (each rank then keeps only its stages' tensors after the first step)")
         stages = tuple(readers[inp.index])
         if any(plan.schedule.on_every_rank(s) for s in stages):
             held[inp.index] = _all_device_tensor(inp, tensor, stages, plan)
@@ -116,9 +113,10 @@ def take_ownership(args, plan) -> Ownership:
         if owns and groups.layout.tp_size > 1:
             pending[inp.index] = owner      # tagged once its stage's program has split it over tp
         else:
-            spec = zero_spec(config.zero, groups.layout, config.zero_ngroups, tensor.shape,
+            # (the graph input's shape: a meta-built model's tensors of other ranks' stages are freed already)
+            spec = zero_spec(config.zero, groups.layout, config.zero_ngroups, inp.shape,
                              config.zero_use_reduce_scatter) if owns and tensor.requires_grad else None
-            tag = ShardTag(fqn=inp.name, global_shape=tensor.shape, global_stride=tuple(tensor.stride()),
+            tag = ShardTag(fqn=inp.name, global_shape=inp.shape, global_stride=tuple(inp.stride),
                            placements=placements_for(plan.layout, {}), layout=plan.layout, zero=spec, owner=owner)
             if tag.is_split:     # another stage's, or ZeRO rows of this one's
                 with torch.no_grad():
@@ -136,6 +134,28 @@ def take_ownership(args, plan) -> Ownership:
                 if (unit, tp_rank) == (groups.dp_rank, groups.layout.tp_rank) and groups.pp_rank in owner_ranks:
                     shared.append((group, [i for i in indices if i in held]))
     return Ownership(held, shared, pending, zero=zero)
+
+
+def materialize_stages(models, args, plan) -> None:
+    """A meta-built model's first call: every module initialised as on one process, one at a time (see
+    :mod:`dynshard.runtime.materialize`); the tensors no stage of this rank reads are freed as soon as they
+    are initialised, so a rank's peak is its stages' tensors plus one module's."""
+    readers: dict[int, list[int]] = {}
+    for stage in plan.staged.stages:
+        for index in stage.graph_inputs:
+            readers.setdefault(index, []).append(stage.index)
+    mine = set(plan.schedule.stages_of(plan.groups.pp_rank))
+
+    def keep_or_free(tensor: torch.Tensor, inp) -> None:
+        if not mine & set(readers.get(inp.index, ())):
+            with torch.no_grad():
+                tensor.data = tensor.data.new_empty(0)     # another rank's stage: take_ownership tags it
+
+    materialize(models, plan, args, cut=keep_or_free)
+    for inp in plan.inputs:
+        if inp.is_state and args[inp.index].is_meta:
+            raise MetaInitError(f"dynshard: {inp.name} is still on the meta device after initialisation; build "
+                                "the model under torch.device('meta') and compile the module itself")
 
 
 def _all_device_tensor(inp, tensor: torch.Tensor, stages: tuple[int, ...], plan) -> torch.Tensor:

@@ -28,7 +28,8 @@ import torch
 import torch.distributed as dist
 
 from .executor import StepRun
-from .ownership import FreshGradients, Ownership, reduce_gradients, take_ownership
+from .. import materialize
+from .ownership import FreshGradients, Ownership, materialize_stages, reduce_gradients, take_ownership
 from .recorder import active_recorder, recording
 from .schedules import ALL
 from .trace import idle_fraction, writer_for
@@ -190,10 +191,15 @@ class PipelineProgram:
 
     def __init__(self, plan: PipelinePlan):
         self.plan = plan
+        # built while Dynamo compiles a frame: the meta-built models of that frame, initialised on the first run
+        self._meta_models = materialize.frame_models()
+        materialize.install()      # the trace hook, again after a torch._dynamo.reset()
 
     def __call__(self, *args: Any):
         plan = self.plan
         if plan.ownership is None:
+            materialize_stages(self._meta_models, args, plan)
+            self._meta_models = []
             plan.ownership = take_ownership(args, plan)
         recorder = active_recorder()
         if recorder is not None:
