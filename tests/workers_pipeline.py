@@ -142,7 +142,8 @@ def pipeline_parity(rank: int, world: int, model_name: str, plan_ngpus: int, pas
             "ref_params": {k: v.detach() for k, v in reference.state_dict().items()}, "held": held,
             "total": {n: p.numel() for n, p in reference.named_parameters()},
             "sent_bytes": [p.sent_bytes for p in report.pipelines], "p2p_bytes": [p.p2p_bytes for p in report.pipelines],
-            "modules": [[s.modules for s in p.stages] for p in report.pipelines]}
+            "modules": [[s.modules for s in p.stages] for p in report.pipelines],
+            "saved": [[s.saved_bytes for s in p.stages] for p in report.pipelines]}
 
 
 def pipeline_explain(rank: int, world: int, model_name: str, plan_ngpus: int, pas_config: dict) -> dict:

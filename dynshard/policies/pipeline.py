@@ -133,8 +133,6 @@ class PipelineOptions:
         if config.use_zero and config.policy == "hybrid":
             raise ConfigError("dynshard: use_zero with policy 'hybrid' is not built yet; use policy 'pp' with "
                               "use_zero, or hybrid without it")
-        if config.recompute_modules and config.policy == "hybrid":
-            raise ConfigError("dynshard: recompute_modules with policy 'hybrid' is not built yet; use policy 'pp'")
 
     def _check_hybrid(self, config: Config) -> None:
         if self.pipeline_nstages is None:
