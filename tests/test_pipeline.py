@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from workers_pipeline import meta_pipeline, pipeline_checkpoint, pipeline_explain, pipeline_parity
+from workers_pipeline import (deferred_weight_gradients, meta_pipeline, pipeline_checkpoint, pipeline_explain,
+                              pipeline_parity)
 
 
 def _flat(losses) -> torch.Tensor:
@@ -171,6 +172,16 @@ def test_zero_bubble_splits_each_backward_and_trains_like_one_process():
     """zb1p: input gradients first (the previous stage waits for them), weight gradients in the bubbles."""
     _assert_parity(run_ranks(pipeline_parity, 2, "gpt", 2, {"pipeline_nmicros": 4, "pipeline_scheduler": "zb1p"},
                              "train_step", 2))
+
+
+def test_zero_bubble_under_hybrid_defers_the_weight_gradients_of_tensor_parallel_stages():
+    """zb1p with 2 stages x tp 2: each stage's tp program compiles the split backward; every W action adds
+    its stage's weight gradients (32 or 33 tensors per micro-batch on the test GPT)."""
+    results = run_ranks(deferred_weight_gradients, 4, "gpt", 4, {"pipeline_nmicros": 4, "pipeline_nstages": 2,
+                                                                "pipeline_scheduler": "zb1p"}, "train_step", 2, 8,
+                        "hybrid")
+    _assert_parity(results)
+    assert all(len(r["deferred"]) == 2 * 4 and min(r["deferred"]) >= 32 for r in results), [r["deferred"] for r in results]
 
 
 def test_plain_calls_of_a_graph_holding_its_batch_size_trace_it_again_per_micro_batch():

@@ -253,3 +253,22 @@ def meta_pipeline(rank: int, world: int, steps: int = 2) -> dict:
             "held_during_init": _MEASURED["held"], "held_after": _held_bytes(model),
             "whole_bytes": _held_bytes(reference), "largest_module_bytes": largest,
             "tied_bytes": reference.wte.weight.numel() * 4}
+
+
+def deferred_weight_gradients(rank: int, world: int, *args) -> dict:
+    """:func:`pipeline_parity`, counting the weight gradients each W action adds (zero bubble)."""
+    from dynshard.backend.split_backward import DeferredWeightGradients
+
+    counts, run = [], DeferredWeightGradients.run
+
+    def counted(self, key):
+        grads = run(self, key)
+        counts.append(len(grads))
+        return grads
+
+    DeferredWeightGradients.run = counted
+    try:
+        result = pipeline_parity(rank, world, *args)
+    finally:
+        DeferredWeightGradients.run = run
+    return {**result, "deferred": counts}

@@ -140,9 +140,9 @@ def _receive_plan(ctx: PassContext, channel: PlanChannel) -> None:
 
 def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str,
                      before_policy: Callable[[PassContext], Any] | None = None,
-                     after_policy: Callable[[PassContext], Any] | None = None):
+                     after_policy: Callable[[PassContext], Any] | None = None, backward=None):
     """The passes, then the per-rank compile of their program (``before_policy``/``after_policy``: called
-    around the ``assign_placements`` pass)."""
+    around the ``assign_placements`` pass; ``backward``: compiles the backward graph, see compile_program)."""
     config, layout = ctx.config, ctx.layout
     policy = PASSES.index(assign_placements)
     lowered = run_passes(copy_graph(gm), ctx, PASSES[:policy])   # passes may edit the graph; the variant reuses gm
@@ -157,7 +157,7 @@ def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str,
                               freeze=config.constant_folding, joint_pass=_reshard_pass(config, ctx),
                               inductor_patches=compat.bucketing_patches(
                                   bool(ctx.zero) and ctx.sync_grads, _bucket_cap_mb(config),
-                                  config.use_async_reducer and device_type == "cuda"))
+                                  config.use_async_reducer and device_type == "cuda"), backward=backward)
     program.split_outputs = ctx.split_outputs     # recorded while the program was traced
     return program
 

@@ -58,17 +58,17 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
     device = default_device(device_type)
 
     def compile_stage(stage, args):
-        if schedule.on_every_rank(stage.index):     # 1f1b_plus: tensor parallel over the whole unit
-            unit = layout_for(config.plan_ngpus, device_type)
-            return _tensor_parallel_stage(stage, args, config, unit, key, device_type)
-        if layout.tp_size > 1:
-            return _tensor_parallel_stage(stage, args, config, layout, key, device_type)
-        # (what it compiled, what the executor calls)
-        examples = [torch.empty(a.shape, dtype=a.dtype, device=a.device).requires_grad_(a.requires_grad) for a in args]
         backward = None
         if schedule.splits_backward:    # zero bubble: weight gradients deferred to the W actions
             weights = {j for j, i in enumerate(stage.graph_inputs) if inputs[i].kind == "parameter"}
             backward = functools.partial(compiled_backward, weight_outputs=weights)
+        if schedule.on_every_rank(stage.index):     # 1f1b_plus: tensor parallel over the whole unit
+            unit = layout_for(config.plan_ngpus, device_type)
+            return _tensor_parallel_stage(stage, args, config, unit, key, device_type)
+        if layout.tp_size > 1:
+            return _tensor_parallel_stage(stage, args, config, layout, key, device_type, backward)
+        # (what it compiled, what the executor calls)
+        examples = [torch.empty(a.shape, dtype=a.dtype, device=a.device).requires_grad_(a.requires_grad) for a in args]
         stage_ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode())
         module = tag_single_process(stage.module, examples, stage_ctx)    # recompute_modules, when asked for
         program = compile_program(module, examples, config.compiler, layout, config.inference_only, backward=backward)
@@ -123,17 +123,17 @@ def _cut_once(gm: fx.GraphModule, ctx: PassContext, key: str) -> None:
     PLANS.save_text(config, key, json.dumps(ctx.stage_info), ctx.layout)
 
 
-def _tensor_parallel_stage(stage, args, config: Config, layout: Layout, key: str, device_type: str):
+def _tensor_parallel_stage(stage, args, config: Config, layout: Layout, key: str, device_type: str, backward=None):
     """A hybrid plan's stage: planned by the tp policy over the stage's tp ranks, as a whole graph would be,
     without data-parallel communication (the pipeline reduces gradients once per step). Its tensors are cut
-    into tp shards in place here, before the first micro-batch."""
+    into tp shards in place here, before the first micro-batch. ``backward``: zb1p's split backward."""
     from . import plan_and_compile
 
     stage_config = dataclasses.replace(config, policy="tp", pas_config=config.pipeline.tp_options)
     inputs = describe_inputs(stage.module, args)
     ctx = PassContext(config=stage_config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
                       sync_grads=False)
-    compiled = plan_and_compile(stage.module, ctx, device_type)
+    compiled = plan_and_compile(stage.module, ctx, device_type, backward=backward)
     plan = CompiledPlan(f"{key}/stage{stage.index}", inputs, ctx.placements, ctx.zero, layout, compiled,
                         ctx.propagation, ctx.timings, config.inference_only)
     program = ShardedProgram(plan)

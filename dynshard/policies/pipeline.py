@@ -104,9 +104,6 @@ class PipelineOptions:
                               "forward takes the sample and returns the loss first)")
         if config.policy == "hybrid":
             self._check_hybrid(config)
-            if name == "zb1p":
-                raise ConfigError("dynshard: zb1p with policy 'hybrid' is not built yet (its stages' backwards are "
-                                  "not split into input and weight gradients); use 1f1b or policy 'pp'")
         elif self.sequence_parallel:
             raise ConfigError("dynshard: sequence_parallel splits stages over tp ranks: use policy 'hybrid'")
         nstages = self.nstages(config)
