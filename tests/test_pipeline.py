@@ -174,6 +174,25 @@ def test_zero_bubble_splits_each_backward_and_trains_like_one_process():
                              "train_step", 2))
 
 
+def test_hybrid_with_zero3_stores_rows_of_the_tensor_parallel_shards():
+    """One tp-2 stage per unit, 2 units (4 ranks), ZeRO-3: each rank stores half the rows of its tp shard,
+    gathered once per step; trains like one process."""
+    results = run_ranks(pipeline_parity, 4, "gpt", 2, {"pipeline_nmicros": 2, "pipeline_nstages": 1}, "train_step",
+                        2, 8, "hybrid", {"use_zero": 3})
+    _assert_parity(results)
+    assert [r["held"]["blocks.0.fc1.weight"] for r in results] == [128 * 32 // 4] * 4
+    assert [r["held"]["wte.weight"] for r in results] == [64 * 32 // 4] * 4
+
+
+@pytest.mark.slow
+def test_hybrid_two_stages_times_tp_2_times_dp_2_with_zero1_on_eight_ranks():
+    results = run_ranks(pipeline_parity, 8, "gpt", 4, {"pipeline_nmicros": 2, "pipeline_nstages": 2}, "train_step",
+                        2, 8, "hybrid", {"use_zero": 1})
+    _assert_parity(results)
+    assert [r["held"]["blocks.0.fc1.weight"] for r in results] == [1024, 1024, 0, 0] * 2
+    assert [r["held"]["wte.weight"] for r in results] == [512] * 8      # tied: on both stages, rows of tp shards
+
+
 def test_zero_bubble_under_hybrid_defers_the_weight_gradients_of_tensor_parallel_stages():
     """zb1p with 2 stages x tp 2: each stage's tp program compiles the split backward; every W action adds
     its stage's weight gradients (32 or 33 tensors per micro-batch on the test GPT)."""

@@ -29,8 +29,6 @@ PP = dict(policy="pp", use_end2end=True)
      r"an even pipeline_nmicros"),
     (dict(pas_config={"pipeline_nmicros": 4, "pipeline_scheduler": "1f1b_plus"}, use_zero=1),
      r"use_zero with pipeline_scheduler '1f1b_plus' is not built yet"),
-    (dict(policy="hybrid", plan_ngpus=4, use_zero=1, pas_config={"pipeline_nmicros": 4, "pipeline_nstages": 2}),
-     r"use_zero with policy 'hybrid' is not built yet"),
     (dict(policy="hybrid", plan_ngpus=4, pas_config={"pipeline_nmicros": 4}), r"'hybrid' needs pas_config\['pipeline_nstages'\]"),
     (dict(policy="hybrid", plan_ngpus=4, pas_config={"pipeline_nmicros": 4, "pipeline_nstages": 3}),
      r"runs 3 pipeline ranks .* does not divide plan_ngpus=4"),

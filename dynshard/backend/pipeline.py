@@ -57,16 +57,17 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
     log.info("pipeline: %s\n%s", ctx.staged.describe(), schedule.format())
     device = default_device(device_type)
 
-    def compile_stage(stage, args):
+    def compile_stage(stage, args, stored):
         backward = None
         if schedule.splits_backward:    # zero bubble: weight gradients deferred to the W actions
             weights = {j for j, i in enumerate(stage.graph_inputs) if inputs[i].kind == "parameter"}
             backward = functools.partial(compiled_backward, weight_outputs=weights)
+        tensors = [s if s is not None else a for a, s in zip(args, stored)]
         if schedule.on_every_rank(stage.index):     # 1f1b_plus: tensor parallel over the whole unit
             unit = layout_for(config.plan_ngpus, device_type)
-            return _tensor_parallel_stage(stage, args, config, unit, key, device_type)
+            return _tensor_parallel_stage(stage, tensors, config, unit, key, device_type)
         if layout.tp_size > 1:
-            return _tensor_parallel_stage(stage, args, config, layout, key, device_type, backward)
+            return _tensor_parallel_stage(stage, tensors, config, layout, key, device_type, backward)
         # (what it compiled, what the executor calls)
         examples = [torch.empty(a.shape, dtype=a.dtype, device=a.device).requires_grad_(a.requires_grad) for a in args]
         stage_ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode())
@@ -129,7 +130,9 @@ def _tensor_parallel_stage(stage, args, config: Config, layout: Layout, key: str
     into tp shards in place here, before the first micro-batch. ``backward``: zb1p's split backward."""
     from . import plan_and_compile
 
-    stage_config = dataclasses.replace(config, policy="tp", pas_config=config.pipeline.tp_options)
+    # ZeRO is the pipeline's (rows gathered once per step), not the stage program's
+    stage_config = dataclasses.replace(config, policy="tp", pas_config=config.pipeline.tp_options, use_zero=0,
+                                       zero_ngroups=1, zero_use_reduce_scatter=False)
     inputs = describe_inputs(stage.module, args)
     ctx = PassContext(config=stage_config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
                       sync_grads=False)
@@ -138,7 +141,8 @@ def _tensor_parallel_stage(stage, args, config: Config, layout: Layout, key: str
                         ctx.propagation, ctx.timings, config.inference_only)
     program = ShardedProgram(plan)
     program.prepare(args)
-    return plan.program, program
+    # the compiled program itself: ShardedProgram's call would flush the pipeline's ZeRO accumulation
+    return plan.program, plan.program.run
 
 
 def _meta(node) -> ValueMeta | None:

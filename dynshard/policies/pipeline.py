@@ -127,9 +127,6 @@ class PipelineOptions:
         if name == "1f1b_plus" and config.use_zero:
             raise ConfigError("dynshard: use_zero with pipeline_scheduler '1f1b_plus' is not built yet (its "
                               "all-device segment is tensor parallel over the unit); use '1f1b' with use_zero")
-        if config.use_zero and config.policy == "hybrid":
-            raise ConfigError("dynshard: use_zero with policy 'hybrid' is not built yet; use policy 'pp' with "
-                              "use_zero, or hybrid without it")
 
     def _check_hybrid(self, config: Config) -> None:
         if self.pipeline_nstages is None:

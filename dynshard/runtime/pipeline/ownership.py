@@ -20,7 +20,7 @@ import torch.distributed as dist
 from ..accumulation import ACCUMULATION
 from ..materialize import MetaInitError, materialize
 from ..sharding import _SHARDED, ALIKE_ATTR, TAG_ATTR, ShardTag, StageOwnership, get_tag, placements_for, stored_piece
-from ..zero import gather_rows, zero_groups, zero_spec
+from ..zero import gather_rows, shard_rows, zero_groups, zero_spec
 from .groups import PipelineGroups
 
 
@@ -34,6 +34,8 @@ class Ownership:
     pending: dict[int, StageOwnership] = dataclasses.field(default_factory=dict)
     ties_checked: bool = False
     zero: set[int] = dataclasses.field(default_factory=set)   # held tensors stored as ZeRO rows over dp
+    # hybrid with ZeRO: (level, ngroups, reduce-scatter) for the rows settle() cuts from the tp shards
+    pending_zero: tuple[int, int, bool] | None = None
 
     def with_replicas(self, mb_args: list[list], train: bool) -> list[list]:
         """The micro-batches' inputs with whole replicas of the ZeRO tensors, gathered once per step (the
@@ -59,10 +61,26 @@ class Ownership:
         return tensor.grad
 
     def settle(self) -> None:
-        """After the stage programs cut their tensors into tp shards: record the stages that hold them."""
+        """After the stage programs cut their tensors into tp shards: record the stages that hold them and,
+        with ZeRO, store the trainable ones as ZeRO rows of their tp shards over the data-parallel ranks
+        (the pp layout's; gathered once per step by :meth:`with_replicas`)."""
         for index, owner in self.pending.items():
-            tag = get_tag(self.held[index])
+            tensor = self.held[index]
+            tag = get_tag(tensor)
             tag.owner = owner
+            if self.pending_zero is None or not tensor.requires_grad:
+                continue
+            level, ngroups, reduce_scatter = self.pending_zero
+            spec = zero_spec(level, tag.layout, ngroups, tensor.shape, reduce_scatter)
+            if spec is None:
+                continue
+            split_already = tag.is_split        # (then in _SHARDED: a WeakSet compares tensors by ==)
+            tag.zero = spec
+            with torch.no_grad():
+                tensor.data = shard_rows(tensor.data, spec, zero_groups(tag.layout, ngroups).rank).clone()
+            if not split_already:
+                _SHARDED.add(tensor)
+            self.zero.add(index)
         self.pending.clear()
 
 
@@ -133,7 +151,10 @@ def take_ownership(args, plan) -> Ownership:
                 group = _group(tuple(groups.global_rank(r, unit, tp_rank) for r in owner_ranks))
                 if (unit, tp_rank) == (groups.dp_rank, groups.layout.tp_rank) and groups.pp_rank in owner_ranks:
                     shared.append((group, [i for i in indices if i in held]))
-    return Ownership(held, shared, pending, zero=zero)
+    pending_zero = None
+    if pending and config.zero and groups.dp_size > 1:
+        pending_zero = (config.zero, config.zero_ngroups, config.zero_use_reduce_scatter)
+    return Ownership(held, shared, pending, zero=zero, pending_zero=pending_zero)
 
 
 def materialize_stages(models, args, plan) -> None:

@@ -146,13 +146,16 @@ class PipelinePlan:
                     "Call the model once per micro-batch through dynshard.train_step(model, samples), or write "
                     f"such sizes as -1 ({type(metas).__name__}: {metas})")
             programs = {}
+            held = self.ownership.held
             for s in self.schedule.stages_of(self.groups.pp_rank):
                 stage = self.staged.stages[s]
                 args = [mb_args[0][i] for i in stage.graph_inputs]
+                # (hybrid: the stage program plans from the held tensors, tagged; not from ZeRO replicas)
+                stored = [held.get(i) for i in stage.graph_inputs] + [None] * len(stage.received)
                 args += [torch.empty(metas[n].shape, dtype=metas[n].dtype, device=self.device)
                          .requires_grad_(metas[n].requires_grad) for n in stage.received]
                 # hybrid: also cuts its tensors into tp shards
-                self.compiled[s], programs[s] = self.compile_stage(stage, args)
+                self.compiled[s], programs[s] = self.compile_stage(stage, args, stored)
             self.ownership.settle()
             self.seconds += time.perf_counter() - start
             self._programs[shapes] = (programs, metas)
@@ -259,8 +262,10 @@ class PipelineProgram:
         return mb_args
 
     def run(self, schedule, mb_args, train: bool, seed_fn=None, actions=None) -> StepRun:
-        mb_args = self.plan.ownership.with_replicas(mb_args, train)
         with torch.set_grad_enabled(train):
+            if self.plan.ownership.pending:       # hybrid's first call: the stage programs cut the tensors
+                self.plan.programs_for(mb_args)
+            mb_args = self.plan.ownership.with_replicas(mb_args, train)
             programs, metas = self.plan.programs_for(mb_args)
             run = StepRun(self.plan, schedule, programs, metas, mb_args, train, seed_fn)
             run.run(schedule.actions[self.plan.groups.pp_rank] if actions is None else actions)
