@@ -213,3 +213,28 @@ def test_planning_failed_error_is_public():
 
     assert dynshard.PlanningFailedError is PlanningFailedError and "PlanningFailedError" in dynshard.__all__
     assert issubclass(dynshard.PlanningFailedError, dynshard.PlanMismatchError)
+
+
+def test_a_tied_weight_is_written_once_and_both_keys_load(tmp_path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from models import GPT, GPTConfig, gpt_batch
+
+    cfg = GPTConfig(vocab=512, layers=1)
+    model = GPT(cfg)
+    path = str(tmp_path / "tied")
+    dynshard.checkpoint.save(path, model)
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    storage = {index.fqn: info for index, info in metadata.storage_data.items()}
+    assert storage["model.lm_head.weight"] == storage["model.wte.weight"]       # the same bytes
+    data = sum(info.length for fqn, info in storage.items() if fqn != "model.lm_head.weight")
+    assert os.path.getsize(os.path.join(path, "__0_0.distcp")) == data
+    dcp_to_torch_save(path, str(tmp_path / "tied.pt"))
+    plain = GPT(cfg)
+    plain.load_state_dict(torch.load(str(tmp_path / "tied.pt"), weights_only=False)["model"], strict=True)
+    assert torch.equal(plain.lm_head.weight, model.wte.weight)
+    again = GPT(GPTConfig(vocab=512, layers=1))
+    dynshard.checkpoint.load(path, again)
+    assert again.lm_head.weight is again.wte.weight and torch.equal(again.wte.weight, model.wte.weight)
+    assert torch.equal(again(*gpt_batch(cfg, 2, 0)), model(*gpt_batch(cfg, 2, 0)))

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from ..runtime.sharding import get_tag, stored_piece
 from ..runtime.state_dict import _strip, unwrap_compiled
 from . import io
-from .planner import LoadPlanner, SavePlanner
+from .planner import FileSystemWriter, LoadPlanner, SavePlanner
 from .state import describe
 
 _PRE_HOOK_ATTR = "_dynshard_checkpoint_cut_hook"
@@ -44,6 +44,20 @@ def _model_state(model: torch.nn.Module) -> dict[str, Any]:
     module = unwrap_compiled(model)
     return {_strip(k): describe(v) if isinstance(v, torch.Tensor) else v
             for k, v in module.state_dict(keep_vars=True).items()}
+
+
+def _aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Flattened checkpoint keys of tensors an earlier key of the state dict holds too (a tied embedding and
+    LM head: ``model.lm_head.weight`` -> ``model.wte.weight``): written once (see :mod:`.planner`)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for key, value in unwrap_compiled(model).state_dict(keep_vars=True).items():
+        if isinstance(value, torch.Tensor):
+            if id(value) in first:
+                aliases[f"model.{_strip(key)}"] = f"model.{first[id(value)]}"
+            else:
+                first[id(value)] = _strip(key)
+    return aliases
 
 
 def _param_names(model: torch.nn.Module) -> dict[int, str]:
@@ -99,7 +113,8 @@ def save(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer | N
         state[_SCALER] = scaler_state
     state.update(_rng_state())
     tmp = io.temporary_dir(path)
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=SavePlanner())
+    aliases = _aliases(model)
+    dcp.save(state, storage_writer=FileSystemWriter(tmp, aliases), planner=SavePlanner(aliases))
     io.publish(tmp, path)
     return path
 
