@@ -51,8 +51,9 @@ save: save s: median over --repeat saves (each to a new path, a barrier before i
   tp, zero3: ~1; pp: ~1, less on the rank whose copy of the tied weight the other writes); total MB: all
   ranks' files (not .metadata); x full: total / the model's full state (parameters, the tied weight once,
   + exp_avg + exp_avg_sq in fp32 + one fp32 step per parameter; the footer gives it); tied copy MB: bytes of
-  state-dict keys that alias another key's tensor (lm_head.weight is wte.weight), written again (torch.save
-  keeps a shared storage once); framing MB: file bytes that are no tensor's data (each DCP item is its own
+  state-dict keys that alias another key's tensor (lm_head.weight is wte.weight) written again (0: dynshard
+  points the alias key's entries at its target's bytes, as torch.save keeps a shared storage once); framing
+  MB: file bytes that are no tensor's data (each DCP item is its own
   torch.save record; pickled extra, param groups; torch: the file less the full state); items: DCP write
   items per rank; meta KB: the .metadata file.
 load: a new model of the plan (another seed) after its own first step (--warmup) loads the checkpoint with

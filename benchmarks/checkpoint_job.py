@@ -209,7 +209,11 @@ def file_breakdown(path: str, world: int, alias_keys: set[str]) -> list[dict[str
 
     metadata = dcp.FileSystemReader(path).read_metadata()
     out = {f"__{r}_0.distcp": dict(items=0, tensor_bytes=0, alias_bytes=0) for r in range(world)}
+    written = set()
     for index, where in metadata.storage_data.items():
+        if (where.relative_path, where.offset, where.length) in written:
+            continue        # a key whose entry points at bytes another key wrote (dynshard writes a tie once)
+        written.add((where.relative_path, where.offset, where.length))
         entry = out.setdefault(where.relative_path, dict(items=0, tensor_bytes=0, alias_bytes=0))
         entry["items"] += 1
         meta = metadata.state_dict_metadata[index.fqn]
