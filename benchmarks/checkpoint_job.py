@@ -135,27 +135,13 @@ class Run:
     def full(self) -> dict[str, torch.Tensor]:
         """Whole parameters ("model.<key>") and AdamW state ("optim.<name>.<key>"); every rank takes part."""
         import dynshard
-        from dynshard.runtime.sharding import TAG_ATTR, full_tensor, get_tag
+        from workers_checkpoint_matrix import full_optimizer_state
 
         if self.options is None:
             out = {f"model.{k}": v.detach().clone() for k, v in self.model.state_dict().items()}
         else:
             out = {f"model.{k}": v.detach().clone() for k, v in dynshard.collect_state_dict(self.compiled).items()}
-        for name, param in self.model.named_parameters():
-            tag = get_tag(param)
-            entries = self.opt.state.get(param, {})
-            for key in STATE_KEYS:
-                value = entries.get(key)
-                if key == "step":       # a scalar on every rank holding the parameter (none elsewhere)
-                    if tag is not None and tag.owner is not None:
-                        value = value.clone() if tag.owner.held else torch.zeros((), dtype=torch.float32)
-                        dist.broadcast(value, src=tag.owner.src, group=tag.owner.group)
-                    out[f"optim.{name}.{key}"] = value.clone()
-                    continue
-                value = torch.empty(0) if value is None else value.detach().clone()     # another stage's
-                if tag is not None:
-                    setattr(value, TAG_ATTR, tag)
-                out[f"optim.{name}.{key}"] = full_tensor(value).clone()
+        out.update({f"optim.{k}": v for k, v in full_optimizer_state(self.model, self.opt, STATE_KEYS).items()})
         return out
 
     def held_bytes(self) -> dict[str, int]:

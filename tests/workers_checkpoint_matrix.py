@@ -57,6 +57,28 @@ def _rows(sample: dict, start: int, size: int) -> dict:
     return {k: v[start:start + size] for k, v in sample.items()}
 
 
+def full_optimizer_state(model, opt, keys) -> dict[str, torch.Tensor]:
+    """``{"<param>.<key>": whole tensor}`` of the optimizer state, gathered over tp, ZeRO and stages (every
+    rank takes part)."""
+    state = {}
+    for name, param in model.named_parameters():
+        tag = get_tag(param)
+        entries = opt.state.get(param, {})
+        for key in keys:
+            value = entries.get(key)
+            if key == "step":       # a scalar on every rank holding the parameter (none elsewhere)
+                if tag is not None and tag.owner is not None:
+                    value = value.clone() if tag.owner.held else torch.zeros((), dtype=torch.float32)
+                    dist.broadcast(value, src=tag.owner.src, group=tag.owner.group)
+                state[f"{name}.{key}"] = value.clone()
+                continue
+            value = torch.empty(0) if value is None else value.detach().clone()   # another stage's
+            if tag is not None:
+                setattr(value, TAG_ATTR, tag)
+            state[f"{name}.{key}"] = full_tensor(value).clone()
+    return state
+
+
 class Run:
     """One plan's model, compiled program and optimizer on this rank (a new job in effect: Dynamo reset)."""
 
@@ -108,22 +130,7 @@ class Run:
     def full(self) -> dict:
         """Whole parameters and optimizer state (every rank takes part; gathered over tp, ZeRO, stages)."""
         params = {k: v.detach().clone() for k, v in dynshard.collect_state_dict(self.compiled).items()}
-        state = {}
-        for name, param in self.model.named_parameters():
-            tag = get_tag(param)
-            entries = self.opt.state.get(param, {})
-            for key in STATE_KEYS[self.kind]:
-                value = entries.get(key)
-                if key == "step":       # a scalar on every rank holding the parameter (none elsewhere)
-                    if tag is not None and tag.owner is not None:
-                        value = value.clone() if tag.owner.held else torch.zeros((), dtype=torch.float32)
-                        dist.broadcast(value, src=tag.owner.src, group=tag.owner.group)
-                    state[f"{name}.{key}"] = value.clone()
-                    continue
-                value = torch.empty(0) if value is None else value.detach().clone()   # another stage's
-                if tag is not None:
-                    setattr(value, TAG_ATTR, tag)
-                state[f"{name}.{key}"] = full_tensor(value).clone()
+        state = full_optimizer_state(self.model, self.opt, STATE_KEYS[self.kind])
         return {"params": params, "state": state, "layout": self.layout()}
 
     def layout(self) -> dict:

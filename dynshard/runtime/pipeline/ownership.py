@@ -120,10 +120,7 @@ def take_ownership(args, plan) -> Ownership:
                 if get_tag(tensor).zero is not None:
                     zero.add(inp.index)
             continue
-        if dist.is_initialized() and not tensor.is_meta and not getattr(tensor, ALIKE_ATTR, False):
-            with torch.no_grad():
-                dist.broadcast(tensor.data, src=0)
-        setattr(tensor, ALIKE_ATTR, True)    # the stage programs that split it over tp need not broadcast again
+        _agree_on_rank_0(tensor)
         owner = None if groups.pp_size == 1 else StageOwnership(
             stages=stages, src=groups.global_rank(owner_ranks[0]), group=groups.pp_group, held=owns)
         if owns:
@@ -190,11 +187,17 @@ def _all_device_tensor(inp, tensor: torch.Tensor, stages: tuple[int, ...], plan)
     if get_tag(tensor) is not None:          # an earlier plan of the model placed it
         get_tag(tensor).add_plan(plan)
         return tensor
-    if dist.is_initialized() and not getattr(tensor, ALIKE_ATTR, False):
+    _agree_on_rank_0(tensor)
+    return tensor
+
+
+def _agree_on_rank_0(tensor: torch.Tensor) -> None:
+    """Every rank takes rank 0's values (unless a meta-built model initialised them alike); marked, so the
+    stage programs that split it over tp need not broadcast again."""
+    if dist.is_initialized() and not tensor.is_meta and not getattr(tensor, ALIKE_ATTR, False):
         with torch.no_grad():
             dist.broadcast(tensor.data, src=0)
     setattr(tensor, ALIKE_ATTR, True)
-    return tensor
 
 
 def full_rows(tensor: torch.Tensor) -> torch.Tensor:
