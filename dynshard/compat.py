@@ -28,6 +28,10 @@ ALL_GATHER = _c10d.all_gather_into_tensor.default
 if hasattr(_c10d, "all_reduce_coalesced"):
     COLLECTIVE_KINDS[_c10d.all_reduce_coalesced.default] = "all_reduce"
 
+# the higher-order op behind ``torch.compiler.nested_compile_region``: ``invoke_subgraph(subgraph,
+# identifier, *operands)``; aot_autograd traces and partitions each identifier once, Inductor emits it once
+invoke_subgraph = torch.ops.higher_order.invoke_subgraph
+
 
 def all_gather_rows(tensor: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
     """Functional all-gather along dim 0 (traceable: aot_autograd records it as it is)."""

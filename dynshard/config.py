@@ -53,6 +53,9 @@ class Config:
         and other whole values stay plain tensors. ``.full_tensor()`` (on every rank) gathers one.
     trace_strategy: "fake" plans with FakeTensors on the model's device, "meta" on the meta device.
     compiler: "inductor" (C++ on CPU, Triton on GPU) or "aot_eager" (no code generation, for debugging).
+    regional_compile: compile a block that repeats (``blocks.0``, ``blocks.1``, ... of one class, traced
+        alike) once and call it for every repetition, so that compile time does not grow with depth
+        (see :mod:`dynshard.passes.outline_repeated_blocks` for when it applies). False: one unrolled program.
     cache_dir: where plans are stored so that a restart skips planning; None keeps them in memory only.
     trace_dir: pipeline policies: each rank writes a Chrome trace of its steps there
         (``dynshard_trace_rank<r>.json``: forward, backward, send and receive waits; Perfetto opens it).
@@ -94,6 +97,7 @@ class Config:
     gather_outputs: bool = True
     trace_strategy: str = "fake"
     compiler: str = "inductor"
+    regional_compile: bool = True
     cache_dir: str | None = None
     trace_dir: str | None = None
     use_zero: int = 0
@@ -163,7 +167,7 @@ class Config:
             raise ConfigError(
                 f"dynshard: zero_use_reduce_scatter=True needs zero_ngroups=1 (got {self.zero_ngroups}), as "
                 "in nnScaler; use use_zero=2 for reduce-scattered gradients with groups")
-        for name in ("zero_use_reduce_scatter", "use_async_reducer", "gather_outputs"):
+        for name in ("zero_use_reduce_scatter", "use_async_reducer", "gather_outputs", "regional_compile"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"dynshard: {name} must be True or False, got {getattr(self, name)!r}")
         cap = self.reducer_bucket_cap_mb
@@ -333,7 +337,8 @@ def _read_environment(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 _INTS = ("plan_ngpus", "runtime_ngpus", "zero_ngroups")
-_BOOLS = ("inference_only", "use_end2end", "constant_folding", "gather_outputs", "zero_use_reduce_scatter", "use_async_reducer")
+_BOOLS = ("inference_only", "use_end2end", "constant_folding", "gather_outputs", "zero_use_reduce_scatter", "use_async_reducer",
+          "regional_compile")
 _JSON = ("pas_config", "user_config", "mixed_precision")
 
 

@@ -29,6 +29,7 @@ class ProgramReport:
     cache_hits: int
     saved_bytes: int = 0     # activations kept from the forward for the backward, on this rank
     saved_count: int = 0
+    compiled_once: tuple[tuple[str, int], ...] = ()   # repeated blocks compiled once: (class, calls)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +98,9 @@ class Explanation:
                          f"cache hits {program.cache_hits})")
             lines.append(f"  saved for backward: {program.saved_bytes} bytes in {program.saved_count} tensors "
                          "(activations, per rank)")
+            if program.compiled_once:
+                lines.append("  compiled once, called per repetition: " + ", ".join(
+                    f"{cls} x{calls}" for cls, calls in program.compiled_once))
             lines.append("  collectives as traced (Inductor may still bucket independent all-reduces)")
             rows = [("phase", "collective", "group", "bytes", "shape")] + [
                 (c.phase, c.kind, c.group, str(c.bytes), str(list(c.shape))) for c in program.collectives]
@@ -162,7 +166,7 @@ def explain(model: torch.nn.Module) -> Explanation:
         key=plan.key, inputs=len(plan.inputs), collectives=tuple(plan.program.collectives),
         fallbacks=tuple(plan.propagation.fallbacks.values()) if plan.propagation else (),
         compile_seconds=plan.program.seconds, cache_hits=plan.hits, saved_bytes=plan.program.saved_bytes,
-        saved_count=plan.program.saved_count) for plan in plans)
+        saved_count=plan.program.saved_count, compiled_once=tuple(plan.program.outlined)) for plan in plans)
     return Explanation(tuple(parameters), programs, pipelines)
 
 

@@ -32,7 +32,7 @@ def test_every_field_can_come_from_the_environment_and_explicit_options_win():
                                     "inference_only", "constant_folding", "trace_strategy", "compiler", "cache_dir",
                                     "use_zero", "zero_ngroups", "zero_use_reduce_scatter", "use_async_reducer",
                                     "reducer_bucket_cap_mb", "mixed_precision", "recompute_modules", "param_init_fn",
-                                    "gather_outputs", "use_end2end", "trace_dir"}
+                                    "gather_outputs", "use_end2end", "trace_dir", "regional_compile"}
 
 
 def test_unknown_or_unreadable_environment_variables_are_errors():

@@ -159,6 +159,7 @@ def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str,
                                   bool(ctx.zero) and ctx.sync_grads, _bucket_cap_mb(config),
                                   config.use_async_reducer and device_type == "cuda"), backward=backward)
     program.split_outputs = ctx.split_outputs     # recorded while the program was traced
+    program.outlined = ctx.outlined
     return program
 
 

@@ -11,6 +11,7 @@ import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import compat
+from ..passes.outline_repeated_blocks import unalias_subgraph_outputs
 from ..runtime.mesh import Layout
 
 
@@ -28,6 +29,9 @@ class CollectiveRecord:
 def collectives_in(graph: fx.GraphModule, phase: str, layout: Layout) -> list[CollectiveRecord]:
     records = []
     for node in graph.graph.nodes:
+        if node.target is compat.invoke_subgraph:      # a repeated block: its collectives, once per call
+            records.extend(collectives_in(getattr(graph, node.args[0].target), phase, layout))
+            continue
         kind = compat.COLLECTIVE_KINDS.get(node.target)
         if kind is None:
             continue
@@ -72,6 +76,7 @@ class CompiledProgram:
     saved_bytes: int = 0          # activations the forward keeps for the backward, on this rank
     saved_count: int = 0          # ... in this many tensors (distinct storages)
     split_outputs: dict = dataclasses.field(default_factory=dict)  # output -> DTensor spec (gather_outputs=False)
+    outlined: list = dataclasses.field(default_factory=list)       # repeated blocks compiled once: (class, calls)
     forward_storages: set = dataclasses.field(default_factory=set, repr=False)
 
 
@@ -84,6 +89,7 @@ def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], co
     program = CompiledProgram(run=None, collectives=[], graphs={}, seconds=0.0)
 
     def on_graph(graph: fx.GraphModule, phase: str) -> None:
+        unalias_subgraph_outputs(graph)
         program.graphs[phase] = graph.code
         program.collectives = [c for c in program.collectives if c.phase != phase]
         program.collectives.extend(collectives_in(graph, phase, layout))
@@ -93,13 +99,19 @@ def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], co
             program.saved_bytes, program.saved_count = saved_activations(graph, program.forward_storages)
             program.forward_storages = set()
 
+    def joint_passes(joint: fx.GraphModule, joint_inputs) -> fx.GraphModule:
+        # an outlined block's saved input read from the input itself: the partitioner then sees what
+        # it is (a ZeRO-3 gather it recomputes in the backward rather than keeps) and Inductor its lifetime
+        unalias_subgraph_outputs(joint)
+        return joint if joint_pass is None else joint_pass(joint, joint_inputs)
+
     start = time.perf_counter()
     if inference_only:
         with torch.no_grad():
             program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, freeze=freeze,
                                                   patches=inductor_patches)
     else:
-        program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, joint_pass=joint_pass,
+        program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, joint_pass=joint_passes,
                                               patches=inductor_patches, backward=backward)
     program.seconds = time.perf_counter() - start
     return program

@@ -13,6 +13,7 @@ from .cast_to_compute_dtype import cast_to_compute_dtype
 from .context import PassContext
 from .insert_collectives import insert_collectives
 from .lower_to_aten import lower_to_aten
+from .outline_repeated_blocks import outline_repeated_blocks
 from .propagate_sharding import propagate_sharding
 from .split_fused_projections import split_fused_projections
 from .tag_recompute import tag_recompute
@@ -28,6 +29,7 @@ PASSES: list[Pass] = [
     insert_collectives,   # -> the per-rank program: local tensors in and out, DTensor in between
     tag_recompute,        # recompute_modules: partitioner recompute tags (after the collectives exist,
                           # so that dynshard's own communication stays saved, never recomputed)
+    outline_repeated_blocks,  # regional compilation: each repeated block becomes a call of one subgraph
 ]
 
 log = logging.getLogger("dynshard")
@@ -44,4 +46,5 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[Pass] | None =
 
 
 __all__ = ["PASSES", "PassContext", "run_passes", "cast_to_compute_dtype", "lower_to_aten", "assign_placements",
-           "propagate_sharding", "insert_collectives", "split_fused_projections", "tag_recompute"]
+           "propagate_sharding", "insert_collectives", "split_fused_projections", "tag_recompute",
+           "outline_repeated_blocks"]

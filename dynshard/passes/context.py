@@ -41,6 +41,7 @@ class PassContext:
     timings: list[tuple[str, float]] = dataclasses.field(default_factory=list)
     stage_info: dict[str, Any] = dataclasses.field(default_factory=dict)   # pipeline: how stages were cut
     staged: Any = None               # pipeline: passes.cut_stages.StagedGraph
+    outlined: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # blocks compiled once: (class, calls)
 
     def arrival(self, inp: GraphInput) -> tuple[Placement, ...]:
         """How a graph input arrives at the program on this rank.

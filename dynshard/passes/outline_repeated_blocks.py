@@ -1,0 +1,284 @@
+"""Regional compilation: a block that repeats is compiled once and called once per repetition.
+
+Why. dynshard compiles one unrolled program per rank, so the Python-side work of compiling it (aot
+autograd's trace and partition, Inductor's lowering, scheduling and code generation) grows with the
+model's depth; Inductor already reuses identical kernels, so it is that work, not C++ compilation, that
+makes a deep model's first step slow. FSDP2 + torch.compile gets the same effect from graph breaks
+around each block. Here the graph stays whole: each repetition of a block becomes a call of one shared
+``invoke_subgraph`` (torch's higher-order op for ``nested_compile_region``), which aot_autograd traces and
+partitions once per subgraph and Inductor emits once (a forward and a backward function, called N times).
+
+What a block is. The outermost module in a node's ``nn_module_stack`` whose path ends in ``.<int>`` (an
+entry of a ``ModuleList`` or ``Sequential``: ``blocks.3``). Blocks share one subgraph when they are of one
+class and traced alike: the same op sequence with the same non-tensor arguments, reading inputs of the
+same shapes, strides, dtypes and ``requires_grad``. The block's parameters are ordinary inputs of the
+subgraph; dynshard's parameter wrappers (data-parallel gradient reduction, ZeRO gathers) run outside it,
+at the top of the program, so Inductor still buckets their collectives across the whole model.
+
+When it applies (anything else compiles unrolled, as before):
+  - ``Config.regional_compile`` (the default) and at least two blocks alike;
+  - no tensor-parallel dimension: inside a tp unit the values between ops are DTensors, which
+    ``invoke_subgraph`` does not take. Passing them as local tensors and rebuilding them on each side
+    works under aot_eager, but Inductor then loses the vocabulary-parallel embedding's gradient (branch
+    ``regional-compile-tp``, docs/design.md);
+  - no ``recompute_modules`` and no ``torch.utils.checkpoint`` in the model: their tags are set on the
+    unrolled graph's regions;
+  - each block is convex (no path leaves it and comes back) and everything it passes on is a tensor.
+
+A torch 2.13 bug this must work around (silent wrong gradients, exact loss): Inductor reuses the buffer
+of a value that a partitioned block's forward also returns as saved for backward (the block returns its
+own input or a view of it). :func:`unalias_subgraph_outputs` rewires such outputs to the input in every
+graph handed to Inductor; ``tests/test_regional_compile.py`` checks gradients under Inductor.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import re
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from .. import compat
+from .context import PassContext
+
+log = logging.getLogger("dynshard")
+_BLOCK_PATH = re.compile(r"^(.*)\.(\d+)$")
+_KEPT_META = ("val", "example_value", "tensor_meta", "stack_trace", "nn_module_stack")
+
+
+def outline_repeated_blocks(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    if not ctx.config.regional_compile or ctx.layout.tp_mesh is not None or ctx.config.recompute_names or \
+            any("recompute" in node.meta for node in gm.graph.nodes):     # (a user's checkpoint)
+        return gm
+    outlined = outline_blocks(gm)
+    if outlined:
+        ctx.outlined = outlined
+        log.debug("compiled once: %s", ", ".join(f"{cls} x{count}" for cls, count in outlined))
+    return gm
+
+
+def outline_blocks(gm: fx.GraphModule) -> list[tuple[str, int]]:
+    """Rewrites ``gm`` in place; returns (block class, repetitions) for every subgraph made."""
+    groups: dict[Any, list[_Block]] = defaultdict(list)
+    for block in _find_blocks(gm.graph):
+        groups[(block.cls, block.signature)].append(block)
+    graph, outlined = gm.graph, []
+    replaced: dict[fx.Node, fx.Node] = {}     # a block's output -> the getitem of its call
+    for members in groups.values():
+        if len(members) < 2 or not all(b.outlinable for b in members):
+            continue
+        outputs = sorted(set().union(*(b.used_outside for b in members)))
+        if not all(isinstance(_value(members[0].nodes[i]), torch.Tensor) for i in outputs):
+            continue
+        name = f"dynshard_block_{len(outlined)}"
+        gm.add_submodule(name, _subgraph(members[0], outputs))
+        with graph.inserting_after(list(graph.find_nodes(op="placeholder"))[-1]):
+            subgraph = graph.get_attr(name)
+        for block in members:
+            _replace_with_call(graph, block, subgraph, name, outputs, replaced)
+        outlined.append((members[0].cls, len(members)))
+    if outlined:
+        _topological_order(graph)
+        graph.lint()
+        gm.recompile()
+    return outlined
+
+
+def _value(node: Any) -> Any:
+    return node.meta.get("val", node.meta.get("example_value")) if isinstance(node, fx.Node) else node
+
+
+def _block_of(node: fx.Node) -> tuple[str, str] | None:
+    for path, cls in (node.meta.get("nn_module_stack") or {}).values():     # outermost first
+        if _BLOCK_PATH.match(path):
+            return path, getattr(cls, "__qualname__", str(cls))
+    return None
+
+
+def _signature(value: Any, node: fx.Node | None = None) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), tuple(value.stride()), value.dtype, value.device.type,
+                value.requires_grad)
+    if value is None and node is not None and node.op == "call_function" and len(node.all_input_nodes) == 1:
+        # dynshard's parameter wrapper carries no value: what it wraps, and how
+        (arg,) = node.all_input_nodes
+        return ("via", _target_key(node), _signature(_value(arg), arg))
+    return ("other", type(value).__name__, value if isinstance(value, (int, float, bool, str)) else None)
+
+
+def _is_inserted(node: fx.Node) -> bool:
+    """A function a dynshard pass inserted (a closure over how it places or communicates)."""
+    return node.op == "call_function" and getattr(node.target, "__module__", "").startswith("dynshard")
+
+
+def _target_key(node: fx.Node) -> str:
+    """What a node calls, the same for every block: an inserted closure by its name and what it closes
+    over (placements, shapes, gradient reductions), never by its address."""
+    target = node.target
+    if not _is_inserted(node):
+        return str(target)
+    cells = []
+    for cell in getattr(target, "__closure__", None) or ():
+        text = repr(cell.cell_contents)
+        cells.append(type(cell.cell_contents).__name__ if " at 0x" in text else text)
+    return f"{target.__module__}.{target.__name__}{tuple(cells)}"
+
+
+class _Block:
+    """One repetition: its nodes in graph order, what they read from outside, what is read outside."""
+
+    def __init__(self, path: str, cls: str, nodes: list[fx.Node]):
+        self.path, self.cls, self.nodes = path, cls, nodes
+        position = {n: i for i, n in enumerate(nodes)}
+        self.inputs: list[fx.Node] = []
+        input_index: dict[fx.Node, int] = {}
+        ops = []
+        for node in nodes:
+            refs = []
+            for arg in node.all_input_nodes:
+                if arg in position:
+                    refs.append(("local", position[arg]))
+                else:
+                    if arg not in input_index:
+                        input_index[arg] = len(self.inputs)
+                        self.inputs.append(arg)
+                    refs.append(("input", input_index[arg]))
+            structure = fx.node.map_arg((node.args, node.kwargs), lambda _: "%")
+            ops.append((node.op, _target_key(node), repr(structure), tuple(refs)))
+        self.signature = (tuple(ops), tuple(_signature(_value(i), i) for i in self.inputs))
+        self.used_outside = {position[n] for n in nodes if any(user not in position for user in n.users)}
+        self.outlinable = _is_convex(nodes)
+
+
+def _is_convex(nodes: list[fx.Node]) -> bool:
+    """No node of the block reads a value computed outside it from one of its own values."""
+    members = set(nodes)
+    escaped: set[fx.Node] = set()      # outside nodes that depend on the block
+    node = nodes[0]
+    while node is not None and node.op != "output":
+        if node in members:
+            if any(arg in escaped for arg in node.all_input_nodes):
+                return False
+        elif any(arg in members or arg in escaped for arg in node.all_input_nodes):
+            escaped.add(node)
+        if node is nodes[-1]:
+            return True
+        node = node.next
+    return True
+
+
+def _find_blocks(graph: fx.Graph) -> list[_Block]:
+    """Nodes by block (a node a dynshard pass inserted has no module stack: it belongs to none)."""
+    nodes: dict[str, list[fx.Node]] = defaultdict(list)
+    classes: dict[str, str] = {}
+    for node in graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module") and (block := _block_of(node)) is not None:
+            nodes[block[0]].append(node)
+            classes[block[0]] = block[1]
+    return [_Block(path, classes[path], members) for path, members in nodes.items()]
+
+
+def _subgraph(block: _Block, outputs: list[int]) -> fx.GraphModule:
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for i, inp in enumerate(block.inputs):
+        env[inp] = graph.placeholder(f"arg{i}")
+        env[inp].meta = {k: v for k, v in inp.meta.items() if k in ("val", "example_value", "tensor_meta")}
+    for node in block.nodes:
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    results = tuple(env[block.nodes[i]] for i in outputs)
+    for result in results:
+        # invoke_subgraph's autograd reads requires_grad of the outputs from their recorded values; an
+        # ATen graph's values were traced below autograd (requires_grad=False), which would drop the
+        # block's gradients. Without them it runs the subgraph on fakes to find out.
+        result.meta = {k: v for k, v in result.meta.items() if k not in ("val", "example_value")}
+    graph.output(results)
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def _replace_with_call(graph: fx.Graph, block: _Block, subgraph: fx.Node, name: str, outputs: list[int],
+                       replaced: dict[fx.Node, fx.Node]) -> None:
+    with graph.inserting_after(block.nodes[-1]):
+        call = graph.call_function(compat.invoke_subgraph,
+                                   (subgraph, name, *(replaced.get(i, i) for i in block.inputs)))
+    values = []
+    members = set(block.nodes)
+    with graph.inserting_after(call):
+        results = [graph.call_function(operator.getitem, (call, k)) for k in range(len(outputs))]
+    for position, result in zip(outputs, results):
+        source = block.nodes[position]
+        result.meta = {k: v for k, v in source.meta.items() if k in _KEPT_META}
+        values.append(_value(source))
+        source.replace_all_uses_with(result, delete_user_cb=lambda user: user not in members)
+        replaced[source] = result
+    call.meta["example_value"] = tuple(values)
+    if all("val" in block.nodes[p].meta for p in outputs):
+        call.meta["val"] = tuple(values)
+    for node in reversed(block.nodes):
+        graph.erase_node(node)
+
+
+def _topological_order(graph: fx.Graph) -> None:
+    """A reader of a block's output that sat before the block's last node now precedes the call that
+    produces it: reorder stably (graph order wherever dependencies allow)."""
+    import heapq
+
+    nodes = list(graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    pending = {n: len(set(n.all_input_nodes)) for n in nodes}
+    ready = [(order[n], n) for n in nodes if pending[n] == 0]
+    heapq.heapify(ready)
+    ordered = []
+    while ready:
+        _, node = heapq.heappop(ready)
+        ordered.append(node)
+        for user in node.users:
+            pending[user] -= 1
+            if pending[user] == 0:
+                heapq.heappush(ready, (order[user], user))
+    if len(ordered) != len(nodes):
+        raise RuntimeError("dynshard: outlining repeated blocks made a cycle (a block was not convex)")
+    previous = ordered[0]
+    if nodes[0] is not previous:
+        nodes[0].prepend(previous)
+    for node in ordered[1:]:
+        previous.append(node)
+        previous = node
+
+
+def unalias_subgraph_outputs(gm: fx.GraphModule) -> int:
+    """The torch 2.13 workaround (module docstring): an output of a partitioned block that is one of its
+    inputs, or a view of one, is read from that input in the calling graph instead (the view re-applied
+    there), so that Inductor sees the input's real lifetime. Returns the number of outputs rewired."""
+    count = 0
+    graph = gm.graph
+    for node in list(graph.find_nodes(op="call_function", target=compat.invoke_subgraph)):
+        body = getattr(gm, node.args[0].target)
+        placeholders = list(body.graph.find_nodes(op="placeholder"))
+        results = next(iter(body.graph.find_nodes(op="output"))).args[0]
+        for k, result in enumerate(results):
+            views, source = [], result
+            while isinstance(source, fx.Node) and source.op == "call_function" and \
+                    isinstance(source.target, torch._ops.OpOverload) and source.target.is_view and \
+                    isinstance(source.args[0], fx.Node):
+                views.append(source)
+                source = source.args[0]
+            if not (isinstance(source, fx.Node) and source.op == "placeholder"):
+                continue
+            outer = node.args[2 + placeholders.index(source)]
+            for user in [u for u in node.users if u.target is operator.getitem and u.args[1] == k]:
+                with graph.inserting_before(user):
+                    env, value = {source: outer}, outer
+                    for view in reversed(views):
+                        value = env[view] = graph.node_copy(view, lambda a: env.get(a, a))
+                user.replace_all_uses_with(value)
+                graph.erase_node(user)
+                count += 1
+    if count:
+        graph.lint()
+        gm.recompile()
+    return count
