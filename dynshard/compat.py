@@ -275,6 +275,33 @@ def dtensor_redistributions(op, args: tuple, kwargs: dict):
     return list(zip(info.schema.args_spec, sharding.redistribute_schema.args_spec))
 
 
+def dtensor_spec(value: Any):
+    """A DTensor's spec (mesh, placements, global shape and stride); None for a plain tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return value._spec if isinstance(value, DTensor) else None
+
+
+def dtensor_local(value: torch.Tensor) -> torch.Tensor:
+    """``to_local()``, or the local tensor itself where no gradient is recorded: ``to_local`` returns a
+    view that autograd detaches in place outside grad mode, which ``invoke_subgraph``'s mutation check
+    reads as a write to the block's input."""
+    if torch.is_grad_enabled() and value.requires_grad:
+        return value.to_local()
+    return value._local_tensor
+
+
+def dtensor_from_spec(local: torch.Tensor, spec) -> torch.Tensor:
+    """``DTensor.from_local`` with a known spec (no check, no communication); outside grad mode the
+    DTensor is built around ``local`` directly, for the reason given in :func:`dtensor_local`."""
+    from torch.distributed.tensor import DTensor
+
+    if torch.is_grad_enabled() and local.requires_grad:
+        return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
+                                  stride=spec.stride)
+    return DTensor(local, spec, requires_grad=False)
+
+
 def has_sharding_strategy(op, direct_only: bool = False) -> bool:
     """Whether DTensor can shard ``op``: a strategy of its own, a custom handler or (unless
     ``direct_only``) DTensor's decomposition-based strategy."""
@@ -342,6 +369,10 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
         # independent all-reduces (data-parallel gradients) go out in buckets, as DDP's reducer does
         # (one bucket measured faster than DDP's 1 MB + 25 MB on CPU/gloo: benchmarks/bench_gpt.py)
         patches = {"bucket_all_reduces_fx": "all", **(patches or {}), **({"freezing": True} if freeze else {})}
+        if any(node.target is invoke_subgraph for node in gm.graph.nodes):
+            # torch 2.13: around an invoke_subgraph call Inductor reuses buffers that are still live
+            # (wrong gradients, exact loss; see passes/outline_repeated_blocks.py): allocate instead
+            patches["allow_buffer_reuse"] = False
         return compile_fx(gm, list(example_inputs), inner_compile=inner_compile, config_patches=patches)
 
 

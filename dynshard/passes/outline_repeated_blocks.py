@@ -16,19 +16,27 @@ subgraph; dynshard's parameter wrappers (data-parallel gradient reduction, ZeRO 
 at the top of the program, so Inductor still buckets their collectives across the whole model.
 
 When it applies (anything else compiles unrolled, as before):
-  - ``Config.regional_compile`` (the default) and at least two blocks alike;
-  - no tensor-parallel dimension: inside a tp unit the values between ops are DTensors, which
-    ``invoke_subgraph`` does not take. Passing them as local tensors and rebuilding them on each side
-    works under aot_eager, but Inductor then loses the vocabulary-parallel embedding's gradient (branch
-    ``regional-compile-tp``, docs/design.md);
+  - ``Config.regional_compile`` (the default) and at least two blocks alike (with the same planned
+    placements);
   - no ``recompute_modules`` and no ``torch.utils.checkpoint`` in the model: their tags are set on the
     unrolled graph's regions;
   - each block is convex (no path leaves it and comes back) and everything it passes on is a tensor.
 
-A torch 2.13 bug this must work around (silent wrong gradients, exact loss): Inductor reuses the buffer
-of a value that a partitioned block's forward also returns as saved for backward (the block returns its
-own input or a view of it). :func:`unalias_subgraph_outputs` rewires such outputs to the input in every
-graph handed to Inductor; ``tests/test_regional_compile.py`` checks gradients under Inductor.
+Inside a tensor-parallel unit the values between ops are DTensors, which ``invoke_subgraph`` does not
+take: they cross each call as local tensors (:class:`_Boundary`). A redistribution dynshard inserted
+inside a block (Megatron's all-reduces, a placement constraint) belongs to the block and is compiled with
+it; the parameter wrappers at the top of the program do not.
+
+Two torch 2.13 bugs this works around (both silent: wrong gradients, exact loss), each guarded by a test
+that fails without its workaround (``tests/test_regional_compile.py``):
+  - A partitioned block's forward returns its own input (or a view of it) as saved for backward.
+    :func:`unalias_subgraph_outputs` reads such outputs from the input instead, on the joint graph (so
+    that ZeRO-3's recompute tags on a parameter's gather reach the backward, which otherwise kept every
+    gathered parameter) and on every graph handed to Inductor.
+  - Inductor reuses, for later buffers, storage that is still live across an ``invoke_subgraph`` call (an
+    LM head's or embedding's gradient overwritten): programs with outlined blocks are compiled with
+    ``allow_buffer_reuse=False`` (:func:`dynshard.compat.compile_per_rank`). Freed buffers still go back
+    to the allocator; only Inductor's own reuse of a dead buffer's storage by name is off.
 """
 
 from __future__ import annotations
@@ -51,20 +59,24 @@ _KEPT_META = ("val", "example_value", "tensor_meta", "stack_trace", "nn_module_s
 
 
 def outline_repeated_blocks(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if not ctx.config.regional_compile or ctx.layout.tp_mesh is not None or ctx.config.recompute_names or \
+    if not ctx.config.regional_compile or ctx.config.recompute_names or \
             any("recompute" in node.meta for node in gm.graph.nodes):     # (a user's checkpoint)
         return gm
-    outlined = outline_blocks(gm)
+    placements = ctx.propagation.placements if ctx.propagation is not None else {}
+    outlined = outline_blocks(gm, split_values=ctx.layout.tp_mesh is not None, placements=placements)
     if outlined:
         ctx.outlined = outlined
         log.debug("compiled once: %s", ", ".join(f"{cls} x{count}" for cls, count in outlined))
     return gm
 
 
-def outline_blocks(gm: fx.GraphModule) -> list[tuple[str, int]]:
-    """Rewrites ``gm`` in place; returns (block class, repetitions) for every subgraph made."""
+def outline_blocks(gm: fx.GraphModule, split_values: bool = False,
+                   placements: dict[str, Any] | None = None) -> list[tuple[str, int]]:
+    """Rewrites ``gm`` in place; returns (block class, repetitions) for every subgraph made.
+    ``split_values``: values may be DTensors (a tp unit); they cross each call as local tensors.
+    ``placements``: each node's planned placements (by name), part of what makes blocks alike."""
     groups: dict[Any, list[_Block]] = defaultdict(list)
-    for block in _find_blocks(gm.graph):
+    for block in _find_blocks(gm.graph, placements):
         groups[(block.cls, block.signature)].append(block)
     graph, outlined = gm.graph, []
     replaced: dict[fx.Node, fx.Node] = {}     # a block's output -> the getitem of its call
@@ -75,17 +87,52 @@ def outline_blocks(gm: fx.GraphModule) -> list[tuple[str, int]]:
         if not all(isinstance(_value(members[0].nodes[i]), torch.Tensor) for i in outputs):
             continue
         name = f"dynshard_block_{len(outlined)}"
-        gm.add_submodule(name, _subgraph(members[0], outputs))
+        boundary = _Boundary(name) if split_values else None
+        gm.add_submodule(name, _subgraph(members[0], outputs, boundary))
         with graph.inserting_after(list(graph.find_nodes(op="placeholder"))[-1]):
             subgraph = graph.get_attr(name)
         for block in members:
-            _replace_with_call(graph, block, subgraph, name, outputs, replaced)
+            _replace_with_call(graph, block, subgraph, name, outputs, replaced, boundary)
         outlined.append((members[0].cls, len(members)))
     if outlined:
         _topological_order(graph)
         graph.lint()
         gm.recompile()
     return outlined
+
+
+class _Boundary:
+    """DTensors cross an ``invoke_subgraph`` call as their local tensors (the op takes plain tensors only).
+    Each side records the spec of what it hands over while the program is traced (the caller's side runs
+    first for inputs, the block's side for outputs) and the other side rebuilds the DTensor from it. Every
+    call must hand over the same specs (the blocks were grouped by their placements), which is checked.
+
+    Gradients stay right whatever placement they take inside the block: ``from_local``'s backward
+    redistributes a gradient to the placements ``to_local``'s backward assumes (a Partial value's
+    gradient is Replicate), as DTensor guarantees for any pair of them."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.specs: dict[tuple[str, int], Any] = {}
+
+    def localize(self, side: str):
+        def to_local(value, index: int):
+            spec = compat.dtensor_spec(value)
+            known = self.specs.setdefault((side, index), spec)
+            if (known is None) != (spec is None) or (spec is not None and (
+                    known.placements != spec.placements or known.shape != spec.shape)):
+                raise RuntimeError(f"dynshard: {self.name} {side} {index} arrives as {spec}, not {known} as "
+                                   "in the first call; set regional_compile=False and report this")
+            return compat.dtensor_local(value) if spec is not None else value
+        to_local.__name__ = f"local_{side}"
+        return to_local
+
+    def rebuild(self, side: str):
+        def from_local(local, index: int):
+            spec = self.specs[(side, index)]
+            return local if spec is None else compat.dtensor_from_spec(local, spec)
+        from_local.__name__ = f"dtensor_{side}"
+        return from_local
 
 
 def _value(node: Any) -> Any:
@@ -131,7 +178,7 @@ def _target_key(node: fx.Node) -> str:
 class _Block:
     """One repetition: its nodes in graph order, what they read from outside, what is read outside."""
 
-    def __init__(self, path: str, cls: str, nodes: list[fx.Node]):
+    def __init__(self, path: str, cls: str, nodes: list[fx.Node], placements: dict[str, Any]):
         self.path, self.cls, self.nodes = path, cls, nodes
         position = {n: i for i, n in enumerate(nodes)}
         self.inputs: list[fx.Node] = []
@@ -148,8 +195,9 @@ class _Block:
                         self.inputs.append(arg)
                     refs.append(("input", input_index[arg]))
             structure = fx.node.map_arg((node.args, node.kwargs), lambda _: "%")
-            ops.append((node.op, _target_key(node), repr(structure), tuple(refs)))
-        self.signature = (tuple(ops), tuple(_signature(_value(i), i) for i in self.inputs))
+            ops.append((node.op, _target_key(node), repr(structure), tuple(refs), repr(placements.get(node.name))))
+        self.signature = (tuple(ops), tuple((_signature(_value(i), i), repr(placements.get(i.name)))
+                                            for i in self.inputs))
         self.used_outside = {position[n] for n in nodes if any(user not in position for user in n.users)}
         self.outlinable = _is_convex(nodes)
 
@@ -171,23 +219,43 @@ def _is_convex(nodes: list[fx.Node]) -> bool:
     return True
 
 
-def _find_blocks(graph: fx.Graph) -> list[_Block]:
-    """Nodes by block (a node a dynshard pass inserted has no module stack: it belongs to none)."""
+def _find_blocks(graph: fx.Graph, placements: dict[str, Any] | None = None) -> list[_Block]:
+    """A node a dynshard pass inserted has no module stack. It belongs to the block of the value it
+    reads when it sits before that block's last op (a redistribution inside the block); else, when it
+    reads a block's value, to the block that reads it, if one block does (a redistribution between
+    blocks: the value then crosses the call in the placement its producer gave it, and so does its
+    gradient); else to none (the parameter wrappers at the top of the program)."""
+    ops = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    owner = {n: _block_of(n) for n in ops}
+    last = {block[0]: i for i, n in enumerate(ops) if (block := owner[n]) is not None}
+    for i, node in enumerate(ops):
+        if owner[node] is None and _is_inserted(node):
+            reads = [owner[arg] for arg in node.all_input_nodes if owner.get(arg) is not None]
+            if reads and last[reads[0][0]] > i:
+                owner[node] = reads[0]
+    for node in reversed(ops):
+        if owner[node] is None and _is_inserted(node) and any(owner.get(arg) for arg in node.all_input_nodes):
+            readers = {owner.get(user) for user in node.users}
+            if len(readers) == 1 and None not in readers:
+                owner[node] = readers.pop()
     nodes: dict[str, list[fx.Node]] = defaultdict(list)
     classes: dict[str, str] = {}
-    for node in graph.nodes:
-        if node.op in ("call_function", "call_method", "call_module") and (block := _block_of(node)) is not None:
-            nodes[block[0]].append(node)
-            classes[block[0]] = block[1]
-    return [_Block(path, classes[path], members) for path, members in nodes.items()]
+    for node in ops:
+        if owner[node] is not None:
+            nodes[owner[node][0]].append(node)
+            classes[owner[node][0]] = owner[node][1]
+    return [_Block(path, classes[path], members, placements or {}) for path, members in nodes.items()]
 
 
-def _subgraph(block: _Block, outputs: list[int]) -> fx.GraphModule:
+def _subgraph(block: _Block, outputs: list[int], boundary: _Boundary | None) -> fx.GraphModule:
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for i, inp in enumerate(block.inputs):
         env[inp] = graph.placeholder(f"arg{i}")
-        env[inp].meta = {k: v for k, v in inp.meta.items() if k in ("val", "example_value", "tensor_meta")}
+        if boundary is not None:    # (recorded values are global DTensor shapes: the block gets local ones)
+            env[inp] = graph.call_function(boundary.rebuild("input"), (env[inp], i))
+        else:
+            env[inp].meta = {k: v for k, v in inp.meta.items() if k in ("val", "example_value", "tensor_meta")}
     for node in block.nodes:
         env[node] = graph.node_copy(node, lambda a: env[a])
     results = tuple(env[block.nodes[i]] for i in outputs)
@@ -196,28 +264,35 @@ def _subgraph(block: _Block, outputs: list[int]) -> fx.GraphModule:
         # ATen graph's values were traced below autograd (requires_grad=False), which would drop the
         # block's gradients. Without them it runs the subgraph on fakes to find out.
         result.meta = {k: v for k, v in result.meta.items() if k not in ("val", "example_value")}
+    if boundary is not None:
+        results = tuple(graph.call_function(boundary.localize("output"), (r, k)) for k, r in enumerate(results))
     graph.output(results)
     return fx.GraphModule(torch.nn.Module(), graph)
 
 
 def _replace_with_call(graph: fx.Graph, block: _Block, subgraph: fx.Node, name: str, outputs: list[int],
-                       replaced: dict[fx.Node, fx.Node]) -> None:
+                       replaced: dict[fx.Node, fx.Node], boundary: _Boundary | None) -> None:
+    operands = [replaced.get(i, i) for i in block.inputs]
     with graph.inserting_after(block.nodes[-1]):
-        call = graph.call_function(compat.invoke_subgraph,
-                                   (subgraph, name, *(replaced.get(i, i) for i in block.inputs)))
+        if boundary is not None:
+            operands = [graph.call_function(boundary.localize("input"), (o, i)) for i, o in enumerate(operands)]
+        call = graph.call_function(compat.invoke_subgraph, (subgraph, name, *operands))
     values = []
     members = set(block.nodes)
     with graph.inserting_after(call):
         results = [graph.call_function(operator.getitem, (call, k)) for k in range(len(outputs))]
+        if boundary is not None:
+            results = [graph.call_function(boundary.rebuild("output"), (r, k)) for k, r in enumerate(results)]
     for position, result in zip(outputs, results):
         source = block.nodes[position]
         result.meta = {k: v for k, v in source.meta.items() if k in _KEPT_META}
         values.append(_value(source))
         source.replace_all_uses_with(result, delete_user_cb=lambda user: user not in members)
         replaced[source] = result
-    call.meta["example_value"] = tuple(values)
-    if all("val" in block.nodes[p].meta for p in outputs):
-        call.meta["val"] = tuple(values)
+    if boundary is None:
+        call.meta["example_value"] = tuple(values)
+        if all("val" in block.nodes[p].meta for p in outputs):
+            call.meta["val"] = tuple(values)
     for node in reversed(block.nodes):
         graph.erase_node(node)
 
