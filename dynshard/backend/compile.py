@@ -47,6 +47,15 @@ def collectives_in(graph: fx.GraphModule, phase: str, layout: Layout) -> list[Co
     return records
 
 
+def program_code(graph: fx.GraphModule) -> str:
+    """A graph's code, then the code of each repeated block it calls (once, with how often)."""
+    calls: dict[str, int] = {}
+    for node in graph.graph.find_nodes(op="call_function", target=compat.invoke_subgraph):
+        calls[node.args[0].target] = calls.get(node.args[0].target, 0) + 1
+    return graph.code + "".join(f"\n# {name}, called {count} times{getattr(graph, name).code}"
+                                for name, count in calls.items())
+
+
 def saved_activations(backward: fx.GraphModule, forward_storages: set) -> tuple[int, int]:
     """(bytes, tensors) the forward keeps alive for the backward: the backward graph's placeholders that
     are not tangents, counted once per storage (views of one tensor share it), without the storages of
@@ -90,7 +99,7 @@ def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], co
 
     def on_graph(graph: fx.GraphModule, phase: str) -> None:
         unalias_subgraph_outputs(graph)
-        program.graphs[phase] = graph.code
+        program.graphs[phase] = program_code(graph)
         program.collectives = [c for c in program.collectives if c.phase != phase]
         program.collectives.extend(collectives_in(graph, phase, layout))
         if phase == "forward":

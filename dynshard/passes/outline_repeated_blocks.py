@@ -18,8 +18,9 @@ at the top of the program, so Inductor still buckets their collectives across th
 When it applies (anything else compiles unrolled, as before):
   - ``Config.regional_compile`` (the default) and at least two blocks alike (with the same planned
     placements);
-  - no ``recompute_modules`` and no ``torch.utils.checkpoint`` in the model: their tags are set on the
-    unrolled graph's regions;
+  - no ``recompute_modules`` and no ``torch.utils.checkpoint`` in the model: their tags would reach the
+    subgraph, but its partitioner then recomputes a collective in the backward (one more all-reduce per
+    step in the tp test), which dynshard's ``force_save_collectives`` prevents on the unrolled graph;
   - each block is convex (no path leaves it and comes back) and everything it passes on is a tensor.
 
 Inside a tensor-parallel unit the values between ops are DTensors, which ``invoke_subgraph`` does not
