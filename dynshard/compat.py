@@ -293,13 +293,13 @@ def dtensor_local(value: torch.Tensor) -> torch.Tensor:
 
 def dtensor_from_spec(local: torch.Tensor, spec) -> torch.Tensor:
     """``DTensor.from_local`` with a known spec (no check, no communication); outside grad mode the
-    DTensor is built around ``local`` directly, for the reason given in :func:`dtensor_local`."""
+    DTensor is built around a detached alias of ``local``, for the reason given in :func:`dtensor_local`."""
     from torch.distributed.tensor import DTensor
 
     if torch.is_grad_enabled() and local.requires_grad:
         return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape,
                                   stride=spec.stride)
-    return DTensor(local, spec, requires_grad=False)
+    return DTensor(local.detach(), spec, requires_grad=False)
 
 
 def has_sharding_strategy(op, direct_only: bool = False) -> bool:
