@@ -291,6 +291,13 @@ def dtensor_local(value: torch.Tensor) -> torch.Tensor:
     return value._local_tensor
 
 
+def dtensor_from_local(local: torch.Tensor, mesh, placements, shape: torch.Size, stride: tuple) -> torch.Tensor:
+    """``DTensor.from_local`` without a check or communication, for any caller (see dtensor_from_spec)."""
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+
+    return dtensor_from_spec(local, DTensorSpec(mesh, tuple(placements), TensorMeta(shape, stride, local.dtype)))
+
+
 def dtensor_from_spec(local: torch.Tensor, spec) -> torch.Tensor:
     """``DTensor.from_local`` with a known spec (no check, no communication); outside grad mode the
     DTensor is built around a detached alias of ``local``, for the reason given in :func:`dtensor_local`."""
@@ -325,13 +332,15 @@ def has_sharding_strategy(op, direct_only: bool = False) -> bool:
 def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str,
                      on_graph: Callable[[fx.GraphModule, str], None], freeze: bool = False,
                      joint_pass: Callable | None = None, patches: dict | None = None,
-                     backward: Callable | None = None):
+                     backward: Callable | None = None, partition_pass: Callable | None = None):
     """aot_autograd + the configured compiler; ``on_graph(graph, phase)`` sees each forward/backward
     graph (phase "forward", "backward" or "inference") before it is compiled. ``joint_pass(joint,
     inputs)`` runs on the joint graph before it is partitioned (functorch's ``joint_custom_pass``);
     ``patches`` are Inductor settings. The result is called as ``run(*args)`` (aot_module_simplified's
     convention, whatever ``_boxed_call`` it copies). ``backward(graph, inputs, compile_graph)`` replaces
-    the backward's compilation: it returns the boxed backward, compiling graphs with ``compile_graph``."""
+    the backward's compilation: it returns the boxed backward, compiling graphs with ``compile_graph``.
+    ``partition_pass(joint)`` runs right before each partitioner call: on the program's joint graph and
+    on each outlined block's, which aot_autograd partitions before ``joint_pass`` runs."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
@@ -346,8 +355,12 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
                     return boxed_nop(graph, inputs)
                 return compile_graph
 
+            from torch._functorch.partitioners import default_partition
+
+            partition = {} if partition_pass is None else {"partition_fn": _partition_after(partition_pass,
+                                                                                           default_partition)}
             backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"),
-                                   inference_compiler=recorder("inference"))
+                                   inference_compiler=recorder("inference"), **partition)
             return backend(gm, list(example_inputs))
 
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
@@ -369,11 +382,30 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
         # independent all-reduces (data-parallel gradients) go out in buckets, as DDP's reducer does
         # (one bucket measured faster than DDP's 1 MB + 25 MB on CPU/gloo: benchmarks/bench_gpt.py)
         patches = {"bucket_all_reduces_fx": "all", **(patches or {}), **({"freezing": True} if freeze else {})}
+        if partition_pass is not None:
+            patches["custom_partitioner_fn"] = _partition_after(partition_pass)
         if any(node.target is invoke_subgraph for node in gm.graph.nodes):
             # torch 2.13: around an invoke_subgraph call Inductor reuses buffers that are still live
             # (wrong gradients, exact loss; see passes/outline_repeated_blocks.py): allocate instead
             patches["allow_buffer_reuse"] = False
         return compile_fx(gm, list(example_inputs), inner_compile=inner_compile, config_patches=patches)
+
+
+def _partition_after(before: Callable[[fx.GraphModule], Any], partitioner: Callable | None = None):
+    """A partitioner that runs ``before(joint)`` first: Inductor's ``custom_partitioner_fn`` (min-cut),
+    or aot_autograd's ``partition_fn`` (``partitioner``). Either is also what aot_autograd partitions an
+    ``invoke_subgraph``'s joint graph with, which is why dynshard's joint tags are set here."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class PartitionAfter(CustomPartitionerFn):
+        def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
+            before(gm)
+            return (partitioner or min_cut_rematerialization_partition)(gm, joint_inputs, **kwargs)
+
+        def uuid(self) -> None:     # (not cacheable; Inductor's FX graph cache is bypassed for these programs)
+            return None
+    return PartitionAfter()
 
 
 def autocast_state() -> dict[str, torch.dtype]:

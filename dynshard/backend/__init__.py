@@ -154,7 +154,7 @@ def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str,
     lowered = run_passes(lowered, ctx, PASSES[policy + 1:])
     local_inputs = [_local_example(inp, ctx.placements[inp.index], ctx.zero_of(inp), layout) for inp in ctx.inputs]
     program = compile_program(lowered, local_inputs, config.compiler, layout, config.inference_only,
-                              freeze=config.constant_folding, joint_pass=_reshard_pass(config, ctx),
+                              freeze=config.constant_folding, partition_pass=_reshard_pass(config, ctx),
                               inductor_patches=compat.bucketing_patches(
                                   bool(ctx.zero) and ctx.sync_grads, _bucket_cap_mb(config),
                                   config.use_async_reducer and device_type == "cuda"), backward=backward)

@@ -90,9 +90,10 @@ class CompiledProgram:
 
 
 def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], compiler: str, layout: Layout,
-                    inference_only: bool = False, freeze: bool = False, joint_pass=None,
+                    inference_only: bool = False, freeze: bool = False, partition_pass=None,
                     inductor_patches: dict | None = None, backward=None) -> CompiledProgram:
-    """``joint_pass``: run on aot_autograd's joint graph before partitioning (recompute tags);
+    """``partition_pass``: run on each joint graph right before it is partitioned (the program's and each
+    outlined block's: ZeRO-3's recompute tags);
     ``inductor_patches``: Inductor settings for this program (collective bucketing); ``backward``: compiles
     the backward graph instead (:mod:`.split_backward`)."""
     program = CompiledProgram(run=None, collectives=[], graphs={}, seconds=0.0)
@@ -112,7 +113,7 @@ def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], co
         # an outlined block's saved input read from the input itself: the partitioner then sees what
         # it is (a ZeRO-3 gather it recomputes in the backward rather than keeps) and Inductor its lifetime
         unalias_subgraph_outputs(joint)
-        return joint if joint_pass is None else joint_pass(joint, joint_inputs)
+        return joint
 
     start = time.perf_counter()
     if inference_only:
@@ -121,6 +122,7 @@ def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], co
                                                   patches=inductor_patches)
     else:
         program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, joint_pass=joint_passes,
+                                              partition_pass=partition_pass,
                                               patches=inductor_patches, backward=backward)
     program.seconds = time.perf_counter() - start
     return program

@@ -49,13 +49,13 @@ def tag_reshard_after_forward(graph: fx.Graph, zero_groups: Collection[str]) -> 
     return tagged
 
 
-def reshard_pass(zero_groups: Collection[str]) -> Callable[[fx.GraphModule, object], fx.GraphModule]:
-    """A ``joint_custom_pass`` for aot_autograd."""
+def reshard_pass(zero_groups: Collection[str]) -> Callable[[fx.GraphModule], None]:
+    """Runs on every joint graph right before it is partitioned: the program's, and each outlined block's
+    (whose parameters' gathers are inside it, see outline_repeated_blocks)."""
     groups = frozenset(zero_groups)
 
-    def reshard_after_forward(joint: fx.GraphModule, _joint_inputs) -> fx.GraphModule:
+    def reshard_after_forward(joint: fx.GraphModule) -> None:
         tag_reshard_after_forward(joint.graph, groups)
-        return joint
     return reshard_after_forward
 
 

@@ -31,6 +31,7 @@ import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils import _pytree as pytree
 
+from .. import compat
 from ..runtime.mesh import Layout
 from ..runtime.sharding import SHARDS
 from ..runtime.zero import zero_groups
@@ -113,7 +114,7 @@ def wrap_input_fn(layout: Layout, arrival, planned, shape, stride, sync: GradSyn
             local = sync_over_dp(local, sync)
         if mesh is None:
             return local
-        tensor = DTensor.from_local(local, mesh, arrival, run_check=False, shape=shape, stride=stride)
+        tensor = compat.dtensor_from_local(local, mesh, arrival, shape, stride)
         return tensor if tuple(arrival) == tuple(planned) else tensor.redistribute(mesh, planned)
     return wrap_input
 
@@ -185,7 +186,9 @@ def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             if layout.tp_mesh is None and sync is None:
                 continue
             fn = wrap_input_fn(layout, ctx.arrival(inp), ctx.placements[inp.index], inp.shape, inp.stride, sync)
-            wrapped.append((node, graph.call_function(_named(fn, f"wrap_{inp.kind}"), (node,))))
+            wrapper = graph.call_function(_named(fn, f"wrap_{inp.kind}"), (node,))
+            wrapper.meta["wraps"] = inp.kind       # (outline_repeated_blocks moves a block's own into it)
+            wrapped.append((node, wrapper))
     for node, new in wrapped:
         node.replace_all_uses_with(new, delete_user_cb=lambda user, new=new: user is not new)
 

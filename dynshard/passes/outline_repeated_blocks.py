@@ -11,9 +11,14 @@ partitions once per subgraph and Inductor emits once (a forward and a backward f
 What a block is. The outermost module in a node's ``nn_module_stack`` whose path ends in ``.<int>`` (an
 entry of a ``ModuleList`` or ``Sequential``: ``blocks.3``). Blocks share one subgraph when they are of one
 class and traced alike: the same op sequence with the same non-tensor arguments, reading inputs of the
-same shapes, strides, dtypes and ``requires_grad``. The block's parameters are ordinary inputs of the
-subgraph; dynshard's parameter wrappers (data-parallel gradient reduction, ZeRO gathers) run outside it,
-at the top of the program, so Inductor still buckets their collectives across the whole model.
+same shapes, strides, dtypes and ``requires_grad``. A block's parameters (and buffers) enter its
+subgraph as they are stored, and dynshard's wrapper of each one (its ZeRO gather and gradient
+reduce-scatter, DDP's all-reduce, its DTensor placement) moves into the block that alone reads it. So the
+communication of one block is compiled once, with the block, and Inductor buckets it per block: FSDP2's
+per-block grouping, made in the graph. ZeRO-3's recompute tags on the gathers (``backend/reshard.py``)
+reach the subgraph because they are set right before every partitioner call, the block's included.
+A parameter read by two blocks or outside any (a tied embedding, a final norm) keeps its wrapper at the
+top of the program.
 
 When it applies (anything else compiles unrolled, as before):
   - ``Config.regional_compile`` (the default) and at least two blocks alike (with the same planned
@@ -26,7 +31,7 @@ When it applies (anything else compiles unrolled, as before):
 Inside a tensor-parallel unit the values between ops are DTensors, which ``invoke_subgraph`` does not
 take: they cross each call as local tensors (:class:`_Boundary`). A redistribution dynshard inserted
 inside a block (Megatron's all-reduces, a placement constraint) belongs to the block and is compiled with
-it; the parameter wrappers at the top of the program do not.
+it, as do the wrappers of the block's own parameters.
 
 Two torch 2.13 bugs this works around (both silent: wrong gradients, exact loss), each guarded by a test
 that fails without its workaround (``tests/test_regional_compile.py``):
@@ -225,7 +230,8 @@ def _find_blocks(graph: fx.Graph, placements: dict[str, Any] | None = None) -> l
     reads when it sits before that block's last op (a redistribution inside the block); else, when it
     reads a block's value, to the block that reads it, if one block does (a redistribution between
     blocks: the value then crosses the call in the placement its producer gave it, and so does its
-    gradient); else to none (the parameter wrappers at the top of the program)."""
+    gradient). A parameter's or buffer's wrapper, and what dynshard computes from it alone, belongs to
+    the block that alone reads it; else it stays at the top of the program."""
     ops = [n for n in graph.nodes if n.op in ("call_function", "call_method", "call_module")]
     owner = {n: _block_of(n) for n in ops}
     last = {block[0]: i for i, n in enumerate(ops) if (block := owner[n]) is not None}
@@ -236,6 +242,16 @@ def _find_blocks(graph: fx.Graph, placements: dict[str, Any] | None = None) -> l
                 owner[node] = reads[0]
     for node in reversed(ops):
         if owner[node] is None and _is_inserted(node) and any(owner.get(arg) for arg in node.all_input_nodes):
+            readers = {owner.get(user) for user in node.users}
+            if len(readers) == 1 and None not in readers:
+                owner[node] = readers.pop()
+    state = set()       # a parameter's or buffer's wrapper, and what dynshard computes from it alone
+    for node in ops:
+        if owner[node] is None and _is_inserted(node) and (node.meta.get("wraps") in ("parameter", "buffer") or (
+                node.all_input_nodes and all(arg in state for arg in node.all_input_nodes))):
+            state.add(node)
+    for node in reversed(ops):
+        if node in state:
             readers = {owner.get(user) for user in node.users}
             if len(readers) == 1 and None not in readers:
                 owner[node] = readers.pop()
