@@ -101,9 +101,28 @@ def _assert_same_step(results: list[dict]) -> None:
         assert outlined["collectives"] == unrolled["collectives"]
 
 
+def test_a_blocks_own_parameters_communicate_inside_it_once_per_call():
+    """Each block's parameter wrappers move into its subgraph: DDP's all-reduces and ZeRO-3's gathers,
+    gathers again in the backward of every weight a backward formula reads (resharded after the
+    forward) and reduce-scatters compile with the block; the tied embedding, the position embedding
+    and the final norm stay in the program."""
+    dp, zero3 = (run_ranks(regional_against_unrolled, 2, dict(compiler="aot_eager", **options))[0]
+                 for options in (dict(policy="dp"), dict(policy="dp", use_zero=3)))
+    per_block = dp[True]["block_parameters"]
+    assert dp[True]["in_blocks"] == {("backward", "all_reduce", "dp"): per_block}
+    in_blocks = zero3[True]["in_blocks"]
+    assert set(in_blocks) == {("forward", "all_gather", "dp"), ("backward", "all_gather", "dp"),
+                              ("backward", "reduce_scatter", "dp")}
+    assert in_blocks[("forward", "all_gather", "dp")] == in_blocks[("backward", "reduce_scatter", "dp")] == per_block
+    assert in_blocks[("backward", "all_gather", "dp")] >= zero3[True]["block_weights"]
+    for result in (dp, zero3):
+        assert result[True]["in_blocks"] + result[True]["in_program"] == result[False]["in_program"]
+        assert result[False]["in_blocks"] == {}
+
+
 @pytest.mark.parametrize("options", [
     dict(policy="dp"),
-    dict(policy="dp", use_zero=3),        # ZeRO's gathers stay outside the blocks, bucketed over the model
+    dict(policy="dp", use_zero=3),        # the blocks' gathers inside them, resharded (recomputed) there too
     dict(policy="tp", plan_ngpus=2),      # DTensors cross each call as local tensors
     dict(policy="tp", plan_ngpus=2, pas_config={"sequence_parallel": True}),   # redistributions between
 ], ids=["dp", "zero3", "tp", "tp_sp"])                                         # blocks join the reader

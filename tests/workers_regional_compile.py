@@ -32,6 +32,11 @@ def one_step(model: GPT, cfg: GPTConfig, rank: int, world: int, split_batch: boo
         "loss": loss.item(),
         "grads": {name: _local(p.grad) for name, p in model.named_parameters()},
         "collectives": collections.Counter((c.phase, c.kind, c.group, c.bytes) for c in program.collectives),
+        "in_blocks": collections.Counter((c.phase, c.kind, c.group) for c in program.collectives if c.region),
+        "in_program": collections.Counter((c.phase, c.kind, c.group) for c in program.collectives if not c.region),
+        "block_parameters": sum(1 for name, _ in model.named_parameters() if name.startswith("blocks.")),
+        "block_weights": sum(1 for name, _ in model.named_parameters()       # (read by a backward formula)
+                             if name.startswith("blocks.") and not name.endswith(".bias")),
         "compiled_once": program.compiled_once,
     }
 

@@ -24,13 +24,15 @@ class CollectiveRecord:
     group: str        # mesh dimension ("dp", "tp") or process group name
     bytes: int
     shape: tuple[int, ...]
+    region: str = ""  # the outlined block whose code issues it (once per call); "" for the program's own
 
 
-def collectives_in(graph: fx.GraphModule, phase: str, layout: Layout) -> list[CollectiveRecord]:
+def collectives_in(graph: fx.GraphModule, phase: str, layout: Layout, region: str = "") -> list[CollectiveRecord]:
     records = []
     for node in graph.graph.nodes:
         if node.target is compat.invoke_subgraph:      # a repeated block: its collectives, once per call
-            records.extend(collectives_in(getattr(graph, node.args[0].target), phase, layout))
+            name = node.args[0].target
+            records.extend(collectives_in(getattr(graph, name), phase, layout, region=name))
             continue
         kind = compat.COLLECTIVE_KINDS.get(node.target)
         if kind is None:
@@ -43,7 +45,7 @@ def collectives_in(graph: fx.GraphModule, phase: str, layout: Layout) -> list[Co
             phase=phase, kind=kind, group=layout.group_dim(group_name),
             # int(): sizes computed by a collective's fake kernel can be (constant) SymInts
             bytes=int(largest.numel()) * largest.element_size() if largest is not None else 0,
-            shape=tuple(int(size) for size in largest.shape) if largest is not None else ()))
+            shape=tuple(int(size) for size in largest.shape) if largest is not None else (), region=region))
     return records
 
 

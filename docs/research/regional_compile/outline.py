@@ -19,6 +19,10 @@ import torch
 import torch.fx as fx
 from torch._higher_order_ops.invoke_subgraph import invoke_subgraph   # == torch.ops.higher_order.invoke_subgraph
 
+# the reorder and the aliasing workaround are the pass's own (dynshard/passes/outline_repeated_blocks.py)
+from dynshard.passes.outline_repeated_blocks import _topological_order as _toposort  # noqa: F401
+from dynshard.passes.outline_repeated_blocks import unalias_subgraph_outputs  # noqa: F401
+
 _BLOCK = re.compile(r"^(.*)\.(\d+)$")
 
 
@@ -154,78 +158,3 @@ def outline_blocks(gm: fx.GraphModule, min_count: int = 2):
     graph.lint()
     gm.recompile()
     return gm, report
-
-
-def _toposort(graph: fx.Graph):
-    import heapq
-    nodes = list(graph.nodes)
-    order = {n: i for i, n in enumerate(nodes)}
-    indeg = {n: len(set(n.all_input_nodes)) for n in nodes}
-    ready = [(order[n], n.name, n) for n in nodes if indeg[n] == 0]
-    heapq.heapify(ready)
-    out = []
-    while ready:
-        _, _, n = heapq.heappop(ready)
-        out.append(n)
-        for u in n.users:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                heapq.heappush(ready, (order[u], u.name, u))
-    if len(out) != len(nodes):
-        raise RuntimeError("outlining created a cycle")
-    if out == nodes:
-        return
-    # fx.Node.prepend/append move a node; rebuild order by appending each to the previous one
-    prev = out[0]
-    if nodes[0] is not prev:
-        nodes[0].prepend(prev)
-    for n in out[1:]:
-        prev.append(n)
-        prev = n
-
-
-def unalias_subgraph_outputs(gm: fx.GraphModule) -> int:
-    """Work around a torch 2.13 Inductor bug (silent wrong gradients): after aot_autograd partitions an
-    invoke_subgraph, the forward subgraph often returns one of its INPUTS (or a view of one) as a tensor
-    saved for backward. Inductor's outer wrapper does not know that the subgraph output aliases the input
-    buffer, treats the input as dead after the call and reuses its storage ("bufN = buf3; del buf3  # reuse"),
-    overwriting the saved activation. Fix: in the outer graph, take such outputs from the input directly
-    (re-applying the view chain outside), so the outer graph sees the real lifetime.
-
-    Run on each graph handed to Inductor's inner compile (forward and backward). Returns #outputs rewired."""
-    import torch._ops
-
-    count = 0
-    graph = gm.graph
-    for node in list(graph.nodes):
-        if not (node.op == "call_function" and node.target is invoke_subgraph):
-            continue
-        sub = getattr(gm, node.args[0].target)
-        placeholders = list(sub.graph.find_nodes(op="placeholder"))
-        outs = next(iter(sub.graph.find_nodes(op="output"))).args[0]
-        for k, o in enumerate(outs):
-            chain = []
-            cur = o
-            while isinstance(cur, fx.Node) and cur.op == "call_function" and \
-                    isinstance(cur.target, torch._ops.OpOverload) and cur.target.is_view and \
-                    isinstance(cur.args[0], fx.Node):
-                chain.append(cur)
-                cur = cur.args[0]
-            if not (isinstance(cur, fx.Node) and cur.op == "placeholder"):
-                continue
-            outer_input = node.args[2 + placeholders.index(cur)]
-            users = [u for u in node.users if u.target is operator.getitem and u.args[1] == k]
-            for u in users:
-                with graph.inserting_before(u):
-                    env = {cur: outer_input}
-                    val = outer_input
-                    for c in reversed(chain):
-                        val = graph.node_copy(c, lambda a: env.get(a, a))
-                        env[c] = val
-                u.replace_all_uses_with(val)
-                graph.erase_node(u)
-                count += 1
-    if count:
-        graph.lint()
-        gm.recompile()
-    return count
