@@ -66,10 +66,21 @@ def train(recompute: str = "", user_checkpoint: bool = False, **options) -> dict
     return {
         "losses": losses, "ref_losses": ref_losses,
         "saved_bytes": report.saved_bytes(), "programs": len(report.programs),
-        "backward_matmuls": len(_MATMUL.findall(backward)),
+        "backward_matmuls": matmuls_run(backward),
         "collectives": collections.Counter((c.phase, c.kind, c.group) for c in report.collectives()),
+        "in_blocks": collections.Counter((c.phase, c.kind, c.group) for c in report.collectives() if c.region),
         "explain": str(report),
     }
+
+
+def matmuls_run(code: str) -> int:
+    """Matmuls a program's code runs: an outlined block's code (after ``# <block>, called N times``,
+    see backend/compile.py's program_code) counts once per call."""
+    sections = re.split(r"\n# \S+, called (\d+) times", code)
+    total = len(_MATMUL.findall(sections[0]))
+    for calls, body in zip(sections[1::2], sections[2::2]):
+        total += int(calls) * len(_MATMUL.findall(body))
+    return total
 
 
 def unknown_name_error() -> str:
@@ -96,7 +107,7 @@ def tensor_parallel_scenarios(rank: int, world: int) -> dict:
     return {
         # unrolled as a recomputed program is: aot_eager partitions an outlined block with the min-cut
         # partitioner (aot_autograd's choice for invoke_subgraph), which alone saves 44% less
-        "plain": train("", policy="tp", plan_ngpus=2, regional_compile=False),
+        "plain": train("", policy="tp", plan_ngpus=2),
         "block": train("Block", policy="tp", plan_ngpus=2),
         "user": train("", user_checkpoint=True, policy="tp", plan_ngpus=2),
     }

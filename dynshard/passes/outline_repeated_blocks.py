@@ -23,10 +23,14 @@ top of the program.
 When it applies (anything else compiles unrolled, as before):
   - ``Config.regional_compile`` (the default) and at least two blocks alike (with the same planned
     placements);
-  - no ``recompute_modules`` and no ``torch.utils.checkpoint`` in the model: their tags would reach the
-    subgraph, but its partitioner then recomputes a collective in the backward (one more all-reduce per
-    step in the tp test), which dynshard's ``force_save_collectives`` prevents on the unrolled graph;
   - each block is convex (no path leaves it and comes back) and everything it passes on is a tensor.
+``recompute_modules`` and a user's ``torch.utils.checkpoint`` compose with it: their tags reach the
+block's subgraph (invoke_subgraph traces it from the tagged nodes), and dynshard's own communication,
+left untagged, is saved by the block's partitioner (``force_save_collectives``) as on an unrolled
+program. (An earlier reading, that the block's partitioner recomputed a collective, compared an
+outlined program with an unrolled one: under aot_eager the unrolled one is partitioned by min-cut only
+when it carries tags, and then saves the cross-entropy's all-reduce that the outlined program's
+untagged top level recomputes.)
 
 Inside a tensor-parallel unit the values between ops are DTensors, which ``invoke_subgraph`` does not
 take: they cross each call as local tensors (:class:`_Boundary`). A redistribution dynshard inserted
@@ -65,8 +69,7 @@ _KEPT_META = ("val", "example_value", "tensor_meta", "stack_trace", "nn_module_s
 
 
 def outline_repeated_blocks(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if not ctx.config.regional_compile or ctx.config.recompute_names or \
-            any("recompute" in node.meta for node in gm.graph.nodes):     # (a user's checkpoint)
+    if not ctx.config.regional_compile:
         return gm
     placements = ctx.propagation.placements if ctx.propagation is not None else {}
     outlined = outline_blocks(gm, split_values=ctx.layout.tp_mesh is not None, placements=placements)
