@@ -104,6 +104,9 @@ class Explanation:
             lines.append("  collectives as traced (Inductor may still bucket independent all-reduces)")
             rows = [("phase", "collective", "group", "bytes", "shape")] + [
                 (c.phase, c.kind, c.group, str(c.bytes), str(list(c.shape))) for c in program.collectives]
+            if any(c.region for c in program.collectives):     # which repeated block issues it, per call
+                rows = [row + (c.region or "-" if c is not None else "in",)
+                        for row, c in zip(rows, (None, *program.collectives))]
             lines += _table(rows) if program.collectives else ["  no collectives"]
             for fallback in program.fallbacks:
                 lines.append(f"  replicated fallback: {fallback}")

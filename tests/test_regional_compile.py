@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import operator
 
 import pytest
@@ -118,6 +119,11 @@ def test_a_blocks_own_parameters_communicate_inside_it_once_per_call():
     for result in (dp, zero3):
         assert result[True]["in_blocks"] + result[True]["in_program"] == result[False]["in_program"]
         assert result[False]["in_blocks"] == {}
+    # explain says where each collective runs: a block (once per call) or the program ("-")
+    rows = [line.split() for line in zero3[True]["explain"].splitlines() if line.split()[:2] in (
+        ["forward", "all_gather"], ["backward", "reduce_scatter"])]
+    assert collections.Counter(row[-1] for row in rows) == {
+        "dynshard_block_0": 2 * per_block, "-": 2 * (zero3[True]["in_program"][("forward", "all_gather", "dp")])}
 
 
 @pytest.mark.parametrize("options", [

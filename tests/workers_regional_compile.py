@@ -27,7 +27,8 @@ def one_step(model: GPT, cfg: GPTConfig, rank: int, world: int, split_batch: boo
         idx, targets = idx.chunk(world)[rank], targets.chunk(world)[rank]
     loss = compiled(idx, targets)
     loss.backward()
-    (program,) = dynshard.explain(compiled).programs
+    report = dynshard.explain(compiled)
+    (program,) = report.programs
     return {
         "loss": loss.item(),
         "grads": {name: _local(p.grad) for name, p in model.named_parameters()},
@@ -38,6 +39,7 @@ def one_step(model: GPT, cfg: GPTConfig, rank: int, world: int, split_batch: boo
         "block_weights": sum(1 for name, _ in model.named_parameters()       # (read by a backward formula)
                              if name.startswith("blocks.") and not name.endswith(".bias")),
         "compiled_once": program.compiled_once,
+        "explain": str(report),
     }
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from typing import Any, Sequence
 
@@ -31,8 +32,12 @@ def collectives_in(graph: fx.GraphModule, phase: str, layout: Layout, region: st
     records = []
     for node in graph.graph.nodes:
         if node.target is compat.invoke_subgraph:      # a repeated block: its collectives, once per call
-            name = node.args[0].target
-            records.extend(collectives_in(getattr(graph, name), phase, layout, region=name))
+            body = getattr(graph, node.args[0].target)
+            # the block's name: the call's identifier, which aot_autograd's partitioning turns into
+            # "partitioned_fw_<name>_<n>" (and "..._bw_...")
+            partitioned = re.fullmatch(r"partitioned_[fb]w_(.+)_\d+", str(node.args[1]))
+            name = partitioned.group(1) if partitioned else str(node.args[1])
+            records.extend(collectives_in(body, phase, layout, region=name))
             continue
         kind = compat.COLLECTIVE_KINDS.get(node.target)
         if kind is None:
