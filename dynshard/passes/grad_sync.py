@@ -1,8 +1,9 @@
 """How a parameter enters the per-rank program across data-parallel units, and how its gradient leaves.
 
-One autograd function per parameter, at the top of the program, does DDP's and ZeRO's work inside the
-traced graphs (aot_autograd records its forward in the forward graph and its backward in the backward
-graph, so Inductor buckets and schedules the collectives with the compute):
+One autograd function per parameter, inserted at the top of the program (regional compilation then
+moves a repeated block's own into that block), does DDP's and ZeRO's work inside the traced graphs
+(aot_autograd records its forward in the forward graph and its backward in the backward graph, so
+Inductor buckets and schedules the collectives with the compute):
 
 - replicated over "dp" (zero 0): forward casts to the compute dtype; backward all-reduces the gradient
   in the reduce dtype and averages it (DDP).
