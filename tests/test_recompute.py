@@ -152,7 +152,7 @@ def test_tensor_parallel_recompute_cuts_saved_bytes_without_communicating_again(
         # cross-entropy's max that aot_eager's default partitioner recomputes outside the blocks)
         assert block["collectives"][("forward", "all_reduce", "tp")] == 4 + 1 + 3
         assert block["collectives"][("backward", "all_reduce", "tp")] == plain["collectives"][
-            ("backward", "all_reduce", "tp")] in (4 + 1, 4 + 2)
+            ("backward", "all_reduce", "tp")] == 4 + 1 + 1
         # the blocks are compiled once, recomputed, and communicate in the backward only what they must
         assert block["in_blocks"] == plain["in_blocks"] == {("forward", "all_reduce", "tp"): 4,
                                                             ("backward", "all_reduce", "tp"): 4}

@@ -105,8 +105,8 @@ def single_process_scenarios(rank: int, world: int) -> dict:
 
 def tensor_parallel_scenarios(rank: int, world: int) -> dict:
     return {
-        # unrolled as a recomputed program is: aot_eager partitions an outlined block with the min-cut
-        # partitioner (aot_autograd's choice for invoke_subgraph), which alone saves 44% less
+        # outlined as the recomputed program is: aot_eager partitions an outlined block with the min-cut
+        # partitioner (aot_autograd's choice for invoke_subgraph), which alone saves 44% less than unrolled
         "plain": train("", policy="tp", plan_ngpus=2),
         "block": train("Block", policy="tp", plan_ngpus=2),
         "user": train("", user_checkpoint=True, policy="tp", plan_ngpus=2),

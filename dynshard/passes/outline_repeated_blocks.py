@@ -243,18 +243,14 @@ def _find_blocks(graph: fx.Graph, placements: dict[str, Any] | None = None) -> l
             reads = [owner[arg] for arg in node.all_input_nodes if owner.get(arg) is not None]
             if reads and last[reads[0][0]] > i:
                 owner[node] = reads[0]
-    for node in reversed(ops):
-        if owner[node] is None and _is_inserted(node) and any(owner.get(arg) for arg in node.all_input_nodes):
-            readers = {owner.get(user) for user in node.users}
-            if len(readers) == 1 and None not in readers:
-                owner[node] = readers.pop()
     state = set()       # a parameter's or buffer's wrapper, and what dynshard computes from it alone
     for node in ops:
         if owner[node] is None and _is_inserted(node) and (node.meta.get("wraps") in ("parameter", "buffer") or (
                 node.all_input_nodes and all(arg in state for arg in node.all_input_nodes))):
             state.add(node)
-    for node in reversed(ops):
-        if node in state:
+    for node in reversed(ops):      # (readers first, so that a chain joins the block its last node does)
+        if node in state or (owner[node] is None and _is_inserted(node) and
+                             any(owner.get(arg) for arg in node.all_input_nodes)):
             readers = {owner.get(user) for user in node.users}
             if len(readers) == 1 and None not in readers:
                 owner[node] = readers.pop()
