@@ -40,3 +40,19 @@ def test_inductor_knows_every_setting_dynshard_patches():
     patches = _patches(Config(use_zero=1, use_async_reducer=True), zero=True, cuda=True)
     with torch._inductor.config.patch(patches):
         pass
+
+
+def test_a_gathered_bucket_is_copied_out_as_each_parameter_gathered_along_rows():
+    from dynshard.runtime.gathered_bucket import copy_out
+
+    shapes = [torch.Size([3, 4]), torch.Size([2]), torch.Size([1, 2, 3])]
+    group = 2
+    shards = [[torch.randn(shape) for shape in shapes] for _ in range(group)]      # per rank
+    gathered = torch.cat([torch.cat([s.flatten() for s in rank]) for rank in shards])
+    outs = copy_out(gathered, group, shapes)
+    for index, out in enumerate(outs):
+        assert out.is_contiguous()
+        assert torch.equal(out, torch.cat([rank[index] for rank in shards]))
+    torch.library.opcheck(torch.ops.dynshard.copy_out_gathered,
+                          (gathered, group, [s.numel() for s in shapes], [d for s in shapes for d in s],
+                           [len(s) for s in shapes]))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
+from models import GPTConfig
 from workers_memory import optimizer_api, train_cases
 
 BF16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
@@ -201,3 +202,14 @@ def test_scale_grads_gradient_scaler_and_autocast_on_zero_shards():
         assert rank["skipped"] and rank["scale"] == 512.0  # an inf on one rank skips the step on every rank
         assert rank["stepped_after"]
         assert max(rank["submodule_errors"]) < 1e-6, rank["submodule_errors"]
+
+
+def test_zero3_under_inductor_trains_like_one_process_and_copies_each_bucket_out_with_one_call():
+    """Inductor buckets a block's gathers; dynshard::copy_out_gathered copies the bucket's parameters out
+    (one ATen call, not one generated kernel per parameter). In the backward every block regathers
+    its bucket, and the program its own (embedding, head, final norm)."""
+    case = {"use_zero": 3, "compiler": "inductor", "count_ops": ["dynshard::copy_out_gathered"]}
+    for (result,) in run_ranks(train_cases, 2, "gpt", "dp", 1, [case], timeout=900):
+        assert_trains_like_one_process(result, case)
+        steps = 3
+        assert result["op_calls"] == {"dynshard::copy_out_gathered": steps * (GPTConfig().layers + 1)}, result

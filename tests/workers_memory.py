@@ -2,17 +2,35 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dynshard
 from dynshard.runtime.accumulation import ACCUMULATION
 from workers import _unit_rows, build
 
 LR = 0.05
+
+
+class OpCounter(TorchDispatchMode):
+    """Calls of the named ops (``"namespace::name"``) while active, compiled backward programs' included."""
+
+    supports_higher_order_operators = True
+
+    def __init__(self, names):
+        super().__init__()
+        self.names = set(names)
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.name in self.names:
+            self.calls[func._schema.name] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _sgd(params):
@@ -38,6 +56,7 @@ def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: 
     builder = case.pop("optimizer", "plain")
     clip = case.pop("clip", None)
     hooks = case.pop("hooks", False)
+    counter = OpCounter(case.pop("count_ops", ()))
     model, make_batch = build(model_name)
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
@@ -62,7 +81,9 @@ def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: 
             last = micro == accumulate - 1
             with contextlib.nullcontext() if last or accumulate == 1 else dynshard.no_sync(compiled):
                 loss = compiled(*rows) / accumulate
-                loss.backward()
+                with counter if counter.names else contextlib.nullcontext():    # (backward only: Dynamo
+                    # runs a frame eagerly under a dispatch mode)
+                    loss.backward()
             total += loss.detach()
         ref_loss = _reference_backward(reference, global_batch, case.get("mixed_precision"))
         if clip is not None:
@@ -95,7 +116,7 @@ def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: 
         "relocated_equals_local": all(torch.equal(relocated[k], v) for k, v in model.state_dict().items()),
         "collectives": [(c.phase, c.kind, c.group, c.bytes) for c in report.collectives()],
         "no_sync_collectives": no_sync_collectives,
-        "flush_buckets": flushes, "norms": norms, "weight_norms": weight_norms, "hook_calls": hook_calls,
+        "op_calls": dict(counter.calls), "flush_buckets": flushes, "norms": norms, "weight_norms": weight_norms, "hook_calls": hook_calls,
         "bytes": bytes_at_rest[-1],
         "full_bytes": sum(v.numel() * v.element_size() for k, v in full.items()),
         "explain": str(report),

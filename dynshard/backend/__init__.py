@@ -42,6 +42,8 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     device_type = _device_type(example_inputs)
     ensure_process_group(device_type)
     config = config.resolve(world_size())
+    if config.compiler == "inductor" and device_type == "cpu":
+        compat.start_cpu_isa_probe()     # overlaps planning and aot_autograd; Inductor needs it to generate code
     if config.describe() not in _logged_configs:
         _logged_configs.add(config.describe())
         log.info("%s", config.describe())

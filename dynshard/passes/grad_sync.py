@@ -13,7 +13,7 @@ Inductor buckets and schedules the collectives with the compute):
   ``zero_use_reduce_scatter``, plus an all-reduce across zero groups), or all-reduce over "dp" and slice
   (level 1, nnScaler's default: bitwise DDP's gradients).
 
-The gradient is summed, divided by the number of units (a mean, as DDP) and cast back to the
+The gradient is averaged over the units by the collective (a mean, as DDP) and cast back to the
 parameter's dtype, so the optimizer steps fp32 master shards. In the no-sync variant of a program
 (gradient accumulation, :mod:`dynshard.runtime.accumulation`) nothing is communicated: a ZeRO parameter
 arrives as a whole replica and every gradient stays local until the accumulation is flushed.
@@ -34,7 +34,6 @@ class GradSync:
     """What one parameter needs across data-parallel units (group names are the traced ones)."""
 
     dp_group: str
-    dp_size: int
     zero: ZeroSpec | None = None
     shard_group: str = ""
     replica_group: str | None = None
@@ -57,16 +56,19 @@ class GradSync:
             return grad.to(dtype)
         if self.reduce_dtype is not None:
             grad = grad.to(self.reduce_dtype)
+        # averaged by the collective ("avg": NCCL's and gloo's own), not by a division after it, which
+        # Inductor would compile as one more kernel per bucket
         if zero is None:
-            grad = compat.all_reduce_sum(grad, self.dp_group)
+            grad = compat.all_reduce(grad, self.dp_group, "avg")
         elif zero.reduce_scatter:
-            grad = compat.reduce_scatter_rows(pad_rows(grad, zero.padded_rows), zero.group_size, self.shard_group)
+            grad = compat.reduce_scatter_rows(pad_rows(grad, zero.padded_rows), zero.group_size, self.shard_group,
+                                              "avg")
             if self.replica_group is not None:
-                grad = compat.all_reduce_sum(grad, self.replica_group)
+                grad = compat.all_reduce(grad, self.replica_group, "avg")
         else:
-            grad = compat.all_reduce_sum(pad_rows(grad, zero.padded_rows), self.dp_group)
+            grad = compat.all_reduce(pad_rows(grad, zero.padded_rows), self.dp_group, "avg")
             grad = grad.narrow(0, self.rank * zero.shard_rows, zero.shard_rows)
-        return (grad / self.dp_size).to(dtype)
+        return grad.to(dtype)
 
 
 class SyncOverDP(torch.autograd.Function):

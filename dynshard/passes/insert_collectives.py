@@ -96,7 +96,7 @@ def grad_sync_for(inp, ctx: PassContext) -> GradSync | None:
         return None
     policy = config.mixed_precision
     compute = policy.param_dtype if policy is not None and inp.dtype.is_floating_point else None
-    sync = GradSync(dp_group=layout.dp_group.group_name, dp_size=layout.dp_size, communicate=ctx.sync_grads,
+    sync = GradSync(dp_group=layout.dp_group.group_name, communicate=ctx.sync_grads,
                     compute_dtype=compute, reduce_dtype=(policy.reduce_dtype or compute) if policy else None)
     if zero is None:
         return sync

@@ -1,0 +1,186 @@
+"""Inductor and aot_autograd: how dynshard compiles each rank's program (private pieces of
+``torch._inductor`` / ``torch._functorch`` wrapped here, re-exported by :mod:`dynshard.compat`)."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+
+from . import _c10d, invoke_subgraph, isolated_tracing
+
+
+def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str,
+                     on_graph: Callable[[fx.GraphModule, str], None], freeze: bool = False,
+                     joint_pass: Callable | None = None, patches: dict | None = None,
+                     backward: Callable | None = None, partition_pass: Callable | None = None):
+    """aot_autograd + the configured compiler; ``on_graph(graph, phase)`` sees each forward/backward
+    graph (phase "forward", "backward" or "inference") before it is compiled. ``joint_pass(joint,
+    inputs)`` runs on the joint graph before it is partitioned (functorch's ``joint_custom_pass``);
+    ``patches`` are Inductor settings. The result is called as ``run(*args)`` (aot_module_simplified's
+    convention, whatever ``_boxed_call`` it copies). ``backward(graph, inputs, compile_graph)`` replaces
+    the backward's compilation: it returns the boxed backward, compiling graphs with ``compile_graph``.
+    ``partition_pass(joint)`` runs right before each partitioner call: on the program's joint graph and
+    on each outlined block's, which aot_autograd partitions before ``joint_pass`` runs."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.debugging import boxed_nop
+
+    joint = torch._functorch.config.patch(joint_custom_pass=joint_pass) if joint_pass else contextlib.nullcontext()
+    with isolated_tracing(), joint:
+        if compiler == "aot_eager":
+            def recorder(phase_if_training: str):
+                def compile_graph(graph: fx.GraphModule, inputs):
+                    on_graph(graph, phase_if_training)
+                    if phase_if_training == "backward" and backward is not None:
+                        return backward(graph, inputs, boxed_nop)
+                    return boxed_nop(graph, inputs)
+                return compile_graph
+
+            from torch._functorch.partitioners import default_partition
+
+            partition = {} if partition_pass is None else {"partition_fn": _partition_after(partition_pass,
+                                                                                           default_partition)}
+            backend = aot_autograd(fw_compiler=recorder("forward"), bw_compiler=recorder("backward"),
+                                   inference_compiler=recorder("inference"), **partition)
+            return backend(gm, list(example_inputs))
+
+        from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        # registers the bucketing custom ops, which programs loaded from Inductor's cache call
+        importlib.import_module("torch._inductor.fx_passes.bucketing")
+
+        def inner_compile(graph: fx.GraphModule, inputs, **kwargs):
+            wait_cpu_isa_probe()
+            with gather_buckets_copied_out():     # the backward too: compiled here, at its first call
+                return _inner_compile(graph, inputs, **kwargs)
+
+        def _inner_compile(graph: fx.GraphModule, inputs, **kwargs):
+            if kwargs.get("is_backward"):
+                phase = "backward"
+            elif kwargs.get("is_inference"):
+                phase = "inference"
+            else:
+                phase = "forward"
+            on_graph(graph, phase)
+            if phase == "backward" and backward is not None:
+                return backward(graph, inputs, lambda part, part_inputs: compile_fx_inner(part, part_inputs, **kwargs))
+            return compile_fx_inner(graph, inputs, **kwargs)
+
+        # independent all-reduces (data-parallel gradients) go out in buckets, as DDP's reducer does
+        # (one bucket measured faster than DDP's 1 MB + 25 MB on CPU/gloo: benchmarks/bench_gpt.py)
+        patches = {"bucket_all_reduces_fx": "all", **(patches or {}), **({"freezing": True} if freeze else {})}
+        if partition_pass is not None:
+            patches["custom_partitioner_fn"] = _partition_after(partition_pass)
+        if any(node.target is invoke_subgraph for node in gm.graph.nodes):
+            # torch 2.13: around an invoke_subgraph call Inductor reuses buffers that are still live
+            # (wrong gradients, exact loss; see passes/outline_repeated_blocks.py): allocate instead
+            patches["allow_buffer_reuse"] = False
+        return compile_fx(gm, list(example_inputs), inner_compile=inner_compile, config_patches=patches)
+
+
+@contextlib.contextmanager
+def gather_buckets_copied_out() -> Iterator[None]:
+    """Inductor's all-gather bucketing ("custom_ops" mode, ``bucketing.
+    all_gather_merge_fn_to_trace_custom_ops``) with each bucket's copy-out as one
+    ``dynshard::copy_out_gathered`` call instead of one generated kernel per parameter (see
+    runtime/gathered_bucket.py). Buckets of mixed dtypes keep Inductor's own copy-out."""
+    from torch._inductor.fx_passes import bucketing
+
+    from ..runtime.gathered_bucket import copy_out
+
+    inductor_merge = bucketing.all_gather_merge_fn_to_trace_custom_ops
+
+    def merge(ag_ins, group_name, group_size: int, dtype, out_dtypes, rank: int):
+        if any(out_dtype != dtype for out_dtype in out_dtypes) or any(a.dim() == 0 for a in ag_ins):
+            return inductor_merge(ag_ins, group_name, group_size, dtype, out_dtypes, rank)
+        numel = sum(a.numel() for a in ag_ins)
+        gathered = torch.ops.bucketing._pre_bucket_all_gather(      # the copy-in, as Inductor's merge
+            ag_ins, group_size, dtype, [bucketing._ALL_DTYPES.index(dtype)] * len(ag_ins), rank,
+            bucketing._compute_foreach_groups(ag_ins, out_dtypes))
+        gathered = torch.ops.c10d_functional.wait_tensor(_c10d.all_gather_into_tensor_out.default(
+            gathered.narrow(0, numel * rank, numel), group_size, group_name, out=gathered))
+        return copy_out(gathered, group_size, [a.shape for a in ag_ins])
+
+    bucketing.all_gather_merge_fn_to_trace_custom_ops = merge
+    try:
+        yield
+    finally:
+        bucketing.all_gather_merge_fn_to_trace_custom_ops = inductor_merge
+
+
+_ISA_PROBES: list = []
+
+
+def start_cpu_isa_probe() -> None:
+    """Start Inductor's probe of the CPU's vector instruction sets (``cpu_vec_isa.valid_vec_isa_list``:
+    a g++ build and a dlopen per candidate, 7-9 s on a 2-core machine, once per process) in the
+    background, so that it overlaps planning and aot_autograd instead of delaying the first kernel."""
+    import threading
+
+    from torch._inductor import cpu_vec_isa
+
+    if not _ISA_PROBES:
+        probe = threading.Thread(target=cpu_vec_isa.valid_vec_isa_list, name="dynshard-isa-probe", daemon=True)
+        probe.start()
+        _ISA_PROBES.append(probe)
+
+
+def wait_cpu_isa_probe() -> None:
+    """Wait for :func:`start_cpu_isa_probe` (its result is cached; a second probe would redo the builds)."""
+    for probe in _ISA_PROBES:
+        probe.join()
+
+
+def _partition_after(before: Callable[[fx.GraphModule], Any], partitioner: Callable | None = None):
+    """A partitioner that runs ``before(joint)`` first: Inductor's ``custom_partitioner_fn`` (min-cut),
+    or aot_autograd's ``partition_fn`` (``partitioner``). Either is also what aot_autograd partitions an
+    ``invoke_subgraph``'s joint graph with, which is why dynshard's joint tags are set here."""
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.custom_graph_pass import CustomPartitionerFn
+
+    class PartitionAfter(CustomPartitionerFn):
+        def __call__(self, gm: fx.GraphModule, joint_inputs, **kwargs):
+            before(gm)
+            return (partitioner or min_cut_rematerialization_partition)(gm, joint_inputs, **kwargs)
+
+        def uuid(self) -> None:     # (not cacheable; Inductor's FX graph cache is bypassed for these programs)
+            return None
+    return PartitionAfter()
+
+
+def bucketing_patches(gathers_and_scatters: bool, bucket_cap_mb: float | None, overlap: bool) -> dict:
+    """Inductor settings that merge independent collectives into buckets (and overlap them on GPU).
+
+    All-reduces are always bucketed; ZeRO's parameter all-gathers ("only_fsdp": gathers of one graph
+    input) and gradient reduce-scatters when ``gathers_and_scatters``. ``bucket_cap_mb`` caps each
+    bucket (None or 0: Inductor's default, effectively one bucket per graph)."""
+    patches: dict[str, Any] = {"bucket_all_reduces_fx": "all"}
+    kinds = ["all_reduces"]
+    if gathers_and_scatters:
+        # "custom_ops": merged buckets traced as one op each; measured 10% faster to compile than
+        # "default" (ZeRO-3 GPT, 2 layers) for the same steps
+        patches.update(bucket_all_gathers_fx="only_fsdp", bucket_reduce_scatters_fx="all",
+                       bucket_all_gathers_bucket_mode="custom_ops", bucket_reduce_scatters_bucket_mode="custom_ops")
+        kinds += ["all_gathers", "reduce_scatters"]
+    if bucket_cap_mb:
+        for kind in kinds:
+            patches[f"bucket_{kind}_fx_bucket_size_determinator"] = _BucketCap(bucket_cap_mb)
+    if overlap:   # the scheduler estimates compute by benchmarking kernels: GPU only
+        patches["aten_distributed_optimizations.enable_overlap_scheduling"] = True
+        patches["aten_distributed_optimizations.collective_bucketing"] = True
+    return patches
+
+
+class _BucketCap:
+    """A bucket-size determinator (MB for every bucket); a class so that its repr is stable."""
+
+    def __init__(self, megabytes: float):
+        self.megabytes = megabytes
+
+    def __call__(self, bucket_index: int) -> float:
+        return self.megabytes
+
+    def __repr__(self) -> str:
+        return f"BucketCap({self.megabytes})"
