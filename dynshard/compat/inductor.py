@@ -115,16 +115,31 @@ _ISA_PROBES: list = []
 
 def start_cpu_isa_probe() -> None:
     """Start Inductor's probe of the CPU's vector instruction sets (``cpu_vec_isa.valid_vec_isa_list``:
-    a g++ build and a dlopen per candidate, 7-9 s on a 2-core machine, once per process) in the
-    background, so that it overlaps planning and aot_autograd instead of delaying the first kernel."""
+    a g++ build and a dlopen per candidate the CPU claims, one after another, 7-9 s on a 2-core machine,
+    once per process) in the background, so that it overlaps planning and aot_autograd instead of
+    delaying the first kernel. The candidates are probed at once (each ``bool(isa)`` is cached), then
+    ``valid_vec_isa_list`` reads their results."""
+    import platform
     import threading
 
     from torch._inductor import cpu_vec_isa
 
+    def probe() -> None:
+        if platform.machine() in ("x86_64", "AMD64"):
+            flags = cpu_vec_isa.x86_isa_checker()
+            claimed = [isa for isa in cpu_vec_isa.supported_vec_isa_list
+                       if all(flag in flags for flag in str(isa).split())]
+            each = [threading.Thread(target=bool, args=(isa,), daemon=True) for isa in claimed]
+            for thread in each:
+                thread.start()
+            for thread in each:
+                thread.join()
+        cpu_vec_isa.valid_vec_isa_list()
+
     if not _ISA_PROBES:
-        probe = threading.Thread(target=cpu_vec_isa.valid_vec_isa_list, name="dynshard-isa-probe", daemon=True)
-        probe.start()
-        _ISA_PROBES.append(probe)
+        thread = threading.Thread(target=probe, name="dynshard-isa-probe", daemon=True)
+        thread.start()
+        _ISA_PROBES.append(thread)
 
 
 def wait_cpu_isa_probe() -> None:
