@@ -48,6 +48,8 @@ DYNSHARD = {
     "dynshard:tpzero1": dict(policy="tp", plan_ngpus=2, use_zero=1),
     "dynshard:tpzero3": dict(policy="tp", plan_ngpus=2, use_zero=3),
 }
+# the same with Inductor code for the outlined blocks only (FSDP2 + torch.compile's scope)
+DYNSHARD.update({f"{name}-blocks": dict(fields, compile_scope="blocks") for name, fields in list(DYNSHARD.items())})
 PEERS = ("ddp", "ddp_zero", "fsdp2", "fsdp2_noreshard", "dtensor_tp", "dtensor_tp_vocab", "dtensor_tp_sp", "tp_fsdp2")
 LOSS_PARALLEL = ("dtensor_tp_vocab", "dtensor_tp_sp")     # peers whose steps run under loss_parallel()
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")

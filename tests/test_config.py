@@ -32,7 +32,8 @@ def test_every_field_can_come_from_the_environment_and_explicit_options_win():
                                     "inference_only", "constant_folding", "trace_strategy", "compiler", "cache_dir",
                                     "use_zero", "zero_ngroups", "zero_use_reduce_scatter", "use_async_reducer",
                                     "reducer_bucket_cap_mb", "mixed_precision", "recompute_modules", "param_init_fn",
-                                    "gather_outputs", "use_end2end", "trace_dir", "regional_compile"}
+                                    "gather_outputs", "use_end2end", "trace_dir", "regional_compile",
+                                    "compile_scope"}
 
 
 def test_unknown_or_unreadable_environment_variables_are_errors():
@@ -61,6 +62,8 @@ def test_runtime_ngpus_must_be_a_multiple_of_plan_ngpus():
     ({"compiler": "tvm"}, "unknown compiler 'tvm'"),
     ({"trace_strategy": "cuda"}, "unknown trace_strategy 'cuda'"),
     ({"constant_folding": True}, "needs inference_only=True"),
+    ({"compile_scope": "layers"}, "unknown compile_scope 'layers'; use one of program, blocks"),
+    ({"compile_scope": "blocks", "regional_compile": False}, "needs regional_compile=True"),
     ({"pas_config": [1]}, "pas_config must be a dict"),
 ])
 def test_invalid_fields_say_what_to_change(kwargs, message):

@@ -204,12 +204,15 @@ def test_scale_grads_gradient_scaler_and_autocast_on_zero_shards():
         assert max(rank["submodule_errors"]) < 1e-6, rank["submodule_errors"]
 
 
-def test_zero3_under_inductor_trains_like_one_process_and_copies_each_bucket_out_with_one_call():
+@pytest.mark.parametrize("scope", ["program", "blocks"])
+def test_zero3_under_inductor_trains_like_one_process_and_copies_each_bucket_out_with_one_call(scope):
     """Inductor buckets a block's gathers; dynshard::copy_out_gathered copies the bucket's parameters out
-    (one ATen call, not one generated kernel per parameter). In the backward every block regathers
-    its bucket, and the program its own (embedding, head, final norm)."""
-    case = {"use_zero": 3, "compiler": "inductor", "count_ops": ["dynshard::copy_out_gathered"]}
+    (one ATen call, not one generated kernel per parameter). In the backward every block regathers its
+    bucket, and, when Inductor compiles the whole program, the program its own (embedding, head, final
+    norm); with compile_scope="blocks" those run as traced ATen ops, gathered one by one."""
+    case = {"use_zero": 3, "compiler": "inductor", "compile_scope": scope,
+            "count_ops": ["dynshard::copy_out_gathered"]}
     for (result,) in run_ranks(train_cases, 2, "gpt", "dp", 1, [case], timeout=900):
         assert_trains_like_one_process(result, case)
-        steps = 3
-        assert result["op_calls"] == {"dynshard::copy_out_gathered": steps * (GPTConfig().layers + 1)}, result
+        steps, buckets = 3, GPTConfig().layers + (scope == "program")
+        assert result["op_calls"] == {"dynshard::copy_out_gathered": steps * buckets}, result

@@ -57,8 +57,9 @@ def test_parallel_training_matches_single_process(model, policy, plan_ngpus, wor
         assert len(backward) - 2 * GPTConfig().layers - 1 in (0, 1), results[0]["explain"]
 
 
-def test_tensor_parallel_gpt_with_inductor_matches_single_process():
-    results = run_ranks(train_parity, 2, "gpt", "tp", 2, "inductor")
+@pytest.mark.parametrize("scope", ["program", "blocks"])
+def test_tensor_parallel_gpt_with_inductor_matches_single_process(scope):
+    results = run_ranks(train_parity, 2, "gpt", "tp", 2, "inductor", 5, 4, {"compile_scope": scope})
     assert_trains_like_one_process(results)
 
 

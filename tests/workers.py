@@ -28,12 +28,12 @@ def _unit_rows(tensors, dp_rank: int, batch: int):
 
 
 def train_parity(rank: int, world: int, model_name: str, policy: str, plan_ngpus: int, compiler: str,
-                 steps: int = 5, batch: int = 4) -> dict:
+                 steps: int = 5, batch: int = 4, options: dict | None = None) -> dict:
     """Train with dynshard and, on the same global batch, single-process eager; report both."""
     model, make_batch = build(model_name)
     reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="dynshard",
-                             options=dynshard.Config(policy=policy, plan_ngpus=plan_ngpus, compiler=compiler))
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy=policy, plan_ngpus=plan_ngpus, compiler=compiler, **(options or {})))
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
     dp_rank, dp_size = dynshard.data_parallel_rank(plan_ngpus)

@@ -159,7 +159,8 @@ def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str,
                               freeze=config.constant_folding, partition_pass=_reshard_pass(config, ctx),
                               inductor_patches=compat.bucketing_patches(
                                   bool(ctx.zero) and ctx.sync_grads, _bucket_cap_mb(config),
-                                  config.use_async_reducer and device_type == "cuda"), backward=backward)
+                                  config.use_async_reducer and device_type == "cuda"), backward=backward,
+                              blocks_only=config.compile_scope == "blocks")
     program.split_outputs = ctx.split_outputs     # recorded while the program was traced
     program.outlined = ctx.outlined
     return program

@@ -98,11 +98,12 @@ class CompiledProgram:
 
 def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], compiler: str, layout: Layout,
                     inference_only: bool = False, freeze: bool = False, partition_pass=None,
-                    inductor_patches: dict | None = None, backward=None) -> CompiledProgram:
+                    inductor_patches: dict | None = None, backward=None, blocks_only: bool = False) -> CompiledProgram:
     """``partition_pass``: run on each joint graph right before it is partitioned (the program's and each
     outlined block's: ZeRO-3's recompute tags);
     ``inductor_patches``: Inductor settings for this program (collective bucketing); ``backward``: compiles
-    the backward graph instead (:mod:`.split_backward`)."""
+    the backward graph instead (:mod:`.split_backward`); ``blocks_only``: Inductor compiles the outlined
+    blocks, the program around them runs as traced (``Config.compile_scope="blocks"``)."""
     program = CompiledProgram(run=None, collectives=[], graphs={}, seconds=0.0)
 
     def on_graph(graph: fx.GraphModule, phase: str) -> None:
@@ -126,10 +127,10 @@ def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], co
     if inference_only:
         with torch.no_grad():
             program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, freeze=freeze,
-                                                  patches=inductor_patches)
+                                                  patches=inductor_patches, blocks_only=blocks_only)
     else:
         program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, joint_pass=joint_passes,
-                                              partition_pass=partition_pass,
-                                              patches=inductor_patches, backward=backward)
+                                              partition_pass=partition_pass, patches=inductor_patches,
+                                              backward=backward, blocks_only=blocks_only)
     program.seconds = time.perf_counter() - start
     return program

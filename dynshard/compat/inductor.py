@@ -16,7 +16,8 @@ from . import _c10d, invoke_subgraph, isolated_tracing
 def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str,
                      on_graph: Callable[[fx.GraphModule, str], None], freeze: bool = False,
                      joint_pass: Callable | None = None, patches: dict | None = None,
-                     backward: Callable | None = None, partition_pass: Callable | None = None):
+                     backward: Callable | None = None, partition_pass: Callable | None = None,
+                     blocks_only: bool = False):
     """aot_autograd + the configured compiler; ``on_graph(graph, phase)`` sees each forward/backward
     graph (phase "forward", "backward" or "inference") before it is compiled. ``joint_pass(joint,
     inputs)`` runs on the joint graph before it is partitioned (functorch's ``joint_custom_pass``);
@@ -24,7 +25,9 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
     convention, whatever ``_boxed_call`` it copies). ``backward(graph, inputs, compile_graph)`` replaces
     the backward's compilation: it returns the boxed backward, compiling graphs with ``compile_graph``.
     ``partition_pass(joint)`` runs right before each partitioner call: on the program's joint graph and
-    on each outlined block's, which aot_autograd partitions before ``joint_pass`` runs."""
+    on each outlined block's, which aot_autograd partitions before ``joint_pass`` runs. ``blocks_only``:
+    Inductor compiles the outlined blocks of a graph that has some, and the graph itself runs as traced
+    (:func:`_compile_blocks_only`)."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
@@ -64,9 +67,15 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
             else:
                 phase = "forward"
             on_graph(graph, phase)
+
+            def compile_graph(part: fx.GraphModule, part_inputs):
+                if blocks_only and any(node.target is invoke_subgraph for node in part.graph.nodes):
+                    return _compile_blocks_only(part, phase, compile_fx_inner)
+                return compile_fx_inner(part, part_inputs, **kwargs)
+
             if phase == "backward" and backward is not None:
-                return backward(graph, inputs, lambda part, part_inputs: compile_fx_inner(part, part_inputs, **kwargs))
-            return compile_fx_inner(graph, inputs, **kwargs)
+                return backward(graph, inputs, compile_graph)
+            return compile_graph(graph, inputs)
 
         # independent all-reduces (data-parallel gradients) go out in buckets, as DDP's reducer does
         # (one bucket measured faster than DDP's 1 MB + 25 MB on CPU/gloo: benchmarks/bench_gpt.py)
@@ -78,6 +87,48 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
             # (wrong gradients, exact loss; see passes/outline_repeated_blocks.py): allocate instead
             patches["allow_buffer_reuse"] = False
         return compile_fx(gm, list(example_inputs), inner_compile=inner_compile, config_patches=patches)
+
+
+def _compile_blocks_only(graph: fx.GraphModule, phase: str, compile_fx_inner: Callable):
+    """Each outlined block's partitioned graph (its forward, or its backward) compiled by Inductor once,
+    called where ``invoke_subgraph`` called it; the rest of ``graph`` runs as its traced ATen ops, as
+    aot_eager runs a graph (torch's regional-compilation recipe: compile only what repeats)."""
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._guards import TracingContext
+
+    compiled: dict[str, str] = {}
+    for node in list(graph.graph.nodes):
+        if node.target is not invoke_subgraph:
+            continue
+        name, operands = node.args[0].target, node.args[2:]
+        if name not in compiled:
+            examples = [a.meta["val"] if isinstance(a, fx.Node) else a for a in operands]
+            # (a compile reports its outputs' strides to the tracing context, where aot_autograd reads
+            # the program's: a block's go to a list of their own; the program's outputs keep their traced ones)
+            with TracingContext.report_output_strides():
+                block = compile_fx_inner(getattr(graph, name), examples, is_backward=phase == "backward",
+                                         is_inference=phase == "inference")
+            compiled[name] = f"{name}_compiled"
+            graph.add_submodule(compiled[name], _CompiledBlock(block))
+        with graph.graph.inserting_before(node):
+            call = graph.graph.call_module(compiled[name], tuple(operands))
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        graph.graph.erase_node(node)
+    graph.graph.eliminate_dead_code()
+    graph.recompile()
+    return make_boxed_func(graph.forward)
+
+
+class _CompiledBlock(torch.nn.Module):
+    """An Inductor-compiled graph (boxed: it takes a list) as a module the traced program calls."""
+
+    def __init__(self, compiled: Callable):
+        super().__init__()
+        self.compiled = compiled
+
+    def forward(self, *args):
+        return self.compiled(list(args))
 
 
 @contextlib.contextmanager
