@@ -18,6 +18,8 @@ zero1rs  "dp", use_zero 1, zero_use_reduce_scatter  the same peer
 zero2    "dp", use_zero 2                         FSDP2 (fully_shard per block and root,
                                                   reshard_after_forward=False) + compile
 zero3    "dp", use_zero 3                         FSDP2 (fully_shard per block and root) + torch.compile
+zero2blk zero2 with compile_scope "blocks"        the zero2 peer: both compile the blocks only with Inductor
+zero3blk zero3 with compile_scope "blocks"        the zero3 peer (FSDP2's hooks break the graph around blocks)
 tpzero1  "tp", plan_ngpus 2, use_zero 1, 4 ranks  DTensor TP (tp mesh dim) x FSDP2 (dp mesh dim) + torch.compile
 tpzero3  "tp", plan_ngpus 2, use_zero 3, 4 ranks  the same peer
 
@@ -60,10 +62,12 @@ CASES = {
     "zero1rs": (2, "dynshard:zero1rs", "ddp_zero", "DDP + ZeroRedundancyOpt + compile"),
     "zero2": (2, "dynshard:zero2", "fsdp2_noreshard", "FSDP2 no reshard + compile"),
     "zero3": (2, "dynshard:zero3", "fsdp2", "FSDP2 + compile"),
+    "zero2blk": (2, "dynshard:zero2-blocks", "fsdp2_noreshard", "FSDP2 no reshard + compile"),
+    "zero3blk": (2, "dynshard:zero3-blocks", "fsdp2", "FSDP2 + compile"),
     "tpzero1": (4, "dynshard:tpzero1", "tp_fsdp2", "DTensor TP x FSDP2 + compile"),
     "tpzero3": (4, "dynshard:tpzero3", "tp_fsdp2", "DTensor TP x FSDP2 + compile"),
 }
-DEFAULT_CASES = "tp,dp,zero1,zero2,zero3,tpzero3"
+DEFAULT_CASES = "tp,dp,zero1,zero2,zero3,zero2blk,zero3blk,tpzero3"
 VOCAB_CASES = ("tpvocab", "tpsp")        # minima with the tied embedding / LM head split along the vocabulary
 MODEL_ARGS = ("steps", "warmup", "layers", "d_model", "heads", "seq", "vocab", "batch")
 
@@ -211,7 +215,7 @@ def minima(case: str, ranks: int, args) -> dict[str, float]:
         tp_wire = 2 * (tp - 1) / tp * tp_traced
     ring = (dp - 1) / dp
     level = {"dp": 0, "tp": 0, "tpvocab": 0, "tpsp": 0, "zero1": 1, "zero1rs": 1, "zero2": 2, "zero3": 3,
-             "tpzero1": 1, "tpzero3": 3}[case]
+             "zero2blk": 2, "zero3blk": 3, "tpzero1": 1, "tpzero3": 3}[case]
     if dp == 1:
         traced, wire = 0, 0.0
     elif level == 0:
@@ -294,7 +298,8 @@ def main() -> None:
     for case in cases:
         ranks, ours, peer, peer_name = CASES[case]
         limits = minima(case, ranks, args)
-        pair = [dict(jobs[ours], case=case, name="dynshard", **limits), dict(jobs[peer], case=case, name=peer_name,
+        name = "dynshard compile_scope=blocks" if ours.endswith("-blocks") else "dynshard"
+        pair = [dict(jobs[ours], case=case, name=name, **limits), dict(jobs[peer], case=case, name=peer_name,
                                                                            **limits)]
         if all("error" not in r for r in pair):
             pair[0]["first_ratio"] = pair[0]["first_step_s"] / pair[1]["first_step_s"]

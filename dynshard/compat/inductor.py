@@ -82,9 +82,10 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
         patches = {"bucket_all_reduces_fx": "all", **(patches or {}), **({"freezing": True} if freeze else {})}
         if partition_pass is not None:
             patches["custom_partitioner_fn"] = _partition_after(partition_pass)
-        if any(node.target is invoke_subgraph for node in gm.graph.nodes):
+        if any(node.target is invoke_subgraph for node in gm.graph.nodes) and not blocks_only:
             # torch 2.13: around an invoke_subgraph call Inductor reuses buffers that are still live
             # (wrong gradients, exact loss; see passes/outline_repeated_blocks.py): allocate instead
+            # (blocks_only: Inductor compiles each block alone, no call inside what it compiles)
             patches["allow_buffer_reuse"] = False
         return compile_fx(gm, list(example_inputs), inner_compile=inner_compile, config_patches=patches)
 
