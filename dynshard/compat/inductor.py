@@ -115,8 +115,10 @@ def _compile_blocks_only(graph: fx.GraphModule, phase: str, compile_fx_inner: Ca
             call = graph.graph.call_module(compiled[name], tuple(operands))
         call.meta = dict(node.meta)
         node.replace_all_uses_with(call)
+        subgraph = node.args[0]
         graph.graph.erase_node(node)
-    graph.graph.eliminate_dead_code()
+        if not subgraph.users:          # the subgraph's get_attr, read by no other call
+            graph.graph.erase_node(subgraph)
     graph.recompile()
     return make_boxed_func(graph.forward)
 
