@@ -60,7 +60,8 @@ class Config:
     compile_scope: what Inductor generates code for. "program": the whole program. "blocks": only the
         blocks regional_compile outlined; the program around them (embedding, head, loss) runs as its
         traced ATen ops (torch's regional-compilation recipe, and FSDP2 + torch.compile's scope: a
-        faster first step, the top level unfused). A program with no outlined block is compiled whole.
+        faster first step, the top level unfused). A program with no outlined block is compiled whole;
+        so is the weight-gradient half of a split (zero-bubble) backward. No effect with aot_eager.
     cache_dir: where plans are stored so that a restart skips planning; None keeps them in memory only.
     trace_dir: pipeline policies: each rank writes a Chrome trace of its steps there
         (``dynshard_trace_rank<r>.json``: forward, backward, send and receive waits; Perfetto opens it).

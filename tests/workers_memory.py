@@ -28,8 +28,9 @@ class OpCounter(TorchDispatchMode):
         self.calls = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func._schema.name in self.names:
-            self.calls[func._schema.name] += 1
+        name = getattr(getattr(func, "_schema", None), "name", None)     # (higher-order ops have none)
+        if name in self.names:
+            self.calls[name] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -116,7 +117,8 @@ def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: 
         "relocated_equals_local": all(torch.equal(relocated[k], v) for k, v in model.state_dict().items()),
         "collectives": [(c.phase, c.kind, c.group, c.bytes) for c in report.collectives()],
         "no_sync_collectives": no_sync_collectives,
-        "op_calls": dict(counter.calls), "flush_buckets": flushes, "norms": norms, "weight_norms": weight_norms, "hook_calls": hook_calls,
+        "op_calls": dict(counter.calls),
+        "flush_buckets": flushes, "norms": norms, "weight_norms": weight_norms, "hook_calls": hook_calls,
         "bytes": bytes_at_rest[-1],
         "full_bytes": sum(v.numel() * v.element_size() for k, v in full.items()),
         "explain": str(report),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -94,7 +95,7 @@ def _compile_blocks_only(graph: fx.GraphModule, phase: str, compile_fx_inner: Ca
     """Each outlined block's partitioned graph (its forward, or its backward) compiled by Inductor once,
     called where ``invoke_subgraph`` called it; the rest of ``graph`` runs as its traced ATen ops, as
     aot_eager runs a graph (torch's regional-compilation recipe: compile only what repeats)."""
-    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._dynamo.backends.debugging import boxed_nop
     from torch._guards import TracingContext
 
     compiled: dict[str, str] = {}
@@ -104,6 +105,11 @@ def _compile_blocks_only(graph: fx.GraphModule, phase: str, compile_fx_inner: Ca
         name, operands = node.args[0].target, node.args[2:]
         if name not in compiled:
             examples = [a.meta["val"] if isinstance(a, fx.Node) else a for a in operands]
+            for output in getattr(graph, name).graph.find_nodes(op="output"):
+                # the traced program reads them with the strides it was traced with (Inductor marks
+                # a forward block's outputs so itself, a backward block's not)
+                output.meta["user_visible_output_idxs"] = [i for i, value in enumerate(output.args[0])
+                                                           if isinstance(value, fx.Node)]
             # (a compile reports its outputs' strides to the tracing context, where aot_autograd reads
             # the program's: a block's go to a list of their own; the program's outputs keep their traced ones)
             with TracingContext.report_output_strides():
@@ -117,10 +123,10 @@ def _compile_blocks_only(graph: fx.GraphModule, phase: str, compile_fx_inner: Ca
         node.replace_all_uses_with(call)
         subgraph = node.args[0]
         graph.graph.erase_node(node)
-        if not subgraph.users:          # the subgraph's get_attr, read by no other call
+        if not subgraph.users:          # the uncompiled subgraph, called no more
             graph.graph.erase_node(subgraph)
-    graph.recompile()
-    return make_boxed_func(graph.forward)
+            graph.delete_submodule(subgraph.target)
+    return boxed_nop(graph, [])         # (boxed: frees each saved tensor after its last use, as aot_eager)
 
 
 class _CompiledBlock(torch.nn.Module):
@@ -164,7 +170,7 @@ def gather_buckets_copied_out() -> Iterator[None]:
         bucketing.all_gather_merge_fn_to_trace_custom_ops = inductor_merge
 
 
-_ISA_PROBES: list = []
+_ISA_PROBES: list = []      # the probe thread, once per process
 
 
 def start_cpu_isa_probe() -> None:
@@ -172,34 +178,50 @@ def start_cpu_isa_probe() -> None:
     a g++ build and a dlopen per candidate the CPU claims, one after another, 7-9 s on a 2-core machine,
     once per process) in the background, so that it overlaps planning and aot_autograd instead of
     delaying the first kernel. The candidates are probed at once (each ``bool(isa)`` is cached), then
-    ``valid_vec_isa_list`` reads their results."""
+    ``valid_vec_isa_list`` reads their results. Until the probe ends, a ``valid_vec_isa_list`` call
+    from another thread (an Inductor compile dynshard does not drive) waits for it instead of probing
+    the same ISA objects a second time, concurrently."""
     import platform
-    import threading
 
-    from torch._inductor import cpu_vec_isa
+    # imported here, not first in two threads at once
+    from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
+
+    if _ISA_PROBES:
+        return
+    unprobed = cpu_vec_isa.valid_vec_isa_list
 
     def probe() -> None:
-        if platform.machine() in ("x86_64", "AMD64"):
-            flags = cpu_vec_isa.x86_isa_checker()
-            claimed = [isa for isa in cpu_vec_isa.supported_vec_isa_list
-                       if all(flag in flags for flag in str(isa).split())]
-            each = [threading.Thread(target=bool, args=(isa,), daemon=True) for isa in claimed]
-            for thread in each:
-                thread.start()
-            for thread in each:
-                thread.join()
-        cpu_vec_isa.valid_vec_isa_list()
+        try:
+            if platform.machine() in ("x86_64", "AMD64"):
+                flags = cpu_vec_isa.x86_isa_checker()
+                claimed = [isa for isa in cpu_vec_isa.supported_vec_isa_list
+                           if all(flag in flags for flag in str(isa).split())]
+                candidates = [threading.Thread(target=bool, args=(isa,), daemon=True) for isa in claimed]
+                for candidate in candidates:
+                    candidate.start()
+                for candidate in candidates:
+                    candidate.join()
+            unprobed()
+        except Exception:  # noqa: BLE001 - Inductor probes again, and reports, when it needs the list
+            pass
+        finally:
+            cpu_vec_isa.valid_vec_isa_list = unprobed
 
-    if not _ISA_PROBES:
-        thread = threading.Thread(target=probe, name="dynshard-isa-probe", daemon=True)
-        thread.start()
-        _ISA_PROBES.append(thread)
+    def after_probe():
+        wait_cpu_isa_probe()
+        return unprobed()
+
+    thread = threading.Thread(target=probe, name="dynshard-isa-probe", daemon=True)
+    _ISA_PROBES.append(thread)
+    cpu_vec_isa.valid_vec_isa_list = after_probe
+    thread.start()
 
 
 def wait_cpu_isa_probe() -> None:
     """Wait for :func:`start_cpu_isa_probe` (its result is cached; a second probe would redo the builds)."""
     for probe in _ISA_PROBES:
-        probe.join()
+        if probe is not threading.current_thread():
+            probe.join()
 
 
 def _partition_after(before: Callable[[fx.GraphModule], Any], partitioner: Callable | None = None):
