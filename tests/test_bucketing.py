@@ -54,5 +54,4 @@ def test_a_gathered_bucket_is_copied_out_as_each_parameter_gathered_along_rows()
         assert out.is_contiguous()
         assert torch.equal(out, torch.cat([rank[index] for rank in shards]))
     torch.library.opcheck(torch.ops.dynshard.copy_out_gathered,
-                          (gathered, group, [s.numel() for s in shapes], [d for s in shapes for d in s],
-                           [len(s) for s in shapes]))
+                          (gathered, group, [d for s in shapes for d in s], [len(s) for s in shapes]))

@@ -43,11 +43,6 @@ def reduce_scatter_rows(tensor: torch.Tensor, group_size: int, group_name: str, 
     return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(tensor.contiguous(), op, group_size, group_name))
 
 
-def all_reduce_sum(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
-    """Functional all-reduce (sum)."""
-    return all_reduce(tensor, group_name, "sum")
-
-
 def all_reduce(tensor: torch.Tensor, group_name: str, op: str) -> torch.Tensor:
     """Functional all-reduce (``op``: "sum", "avg", ...)."""
     return _c10d.wait_tensor(_c10d.all_reduce(tensor.contiguous(), op, group_name))

@@ -12,6 +12,8 @@ bucketing through it.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -28,25 +30,23 @@ def _gathered_shape(shape: list[int], group_size: int) -> list[int]:
 
 
 @torch.library.custom_op("dynshard::copy_out_gathered", mutates_args=())
-def copy_out_gathered(gathered: torch.Tensor, group_size: int, numels: list[int], dims: list[int],
-                      ndims: list[int]) -> list[torch.Tensor]:
-    """``gathered``: the flat all-gather output of a bucket; ``numels``: each input shard's number of
-    elements; ``dims``/``ndims``: the shards' shapes, flattened (a schema takes no nested lists). Returns
-    each parameter gathered along dim 0, contiguous."""
-    outs = [gathered.new_empty(_gathered_shape(shape, group_size)) for shape in _shapes(dims, ndims)]
-    torch.split_with_sizes_copy(gathered.view(group_size, -1), numels, dim=1,
+def copy_out_gathered(gathered: torch.Tensor, group_size: int, dims: list[int], ndims: list[int]) -> list[torch.Tensor]:
+    """``gathered``: the flat all-gather output of a bucket; ``dims``/``ndims``: the input shards' shapes,
+    flattened (a schema takes no nested lists). Returns each parameter gathered along dim 0, contiguous."""
+    shapes = _shapes(dims, ndims)
+    outs = [gathered.new_empty(_gathered_shape(shape, group_size)) for shape in shapes]
+    torch.split_with_sizes_copy(gathered.view(group_size, -1), [math.prod(shape) for shape in shapes], dim=1,
                                 out=[out.view(group_size, -1) for out in outs])
     return outs
 
 
 @copy_out_gathered.register_fake
-def _(gathered, group_size, numels, dims, ndims):
+def _(gathered, group_size, dims, ndims):
     return [gathered.new_empty(_gathered_shape(shape, group_size)) for shape in _shapes(dims, ndims)]
 
 
 def copy_out(gathered: torch.Tensor, group_size: int, shard_shapes: list[torch.Size]) -> list[torch.Tensor]:
     """Each parameter of a gathered bucket whose input shards had ``shard_shapes`` (one dtype)."""
-    numels = [shape.numel() for shape in shard_shapes]
-    return list(torch.ops.dynshard.copy_out_gathered(gathered, group_size, numels,
+    return list(torch.ops.dynshard.copy_out_gathered(gathered, group_size,
                                                      [d for shape in shard_shapes for d in shape],
                                                      [len(shape) for shape in shard_shapes]))
