@@ -71,6 +71,24 @@ def test_blocks_that_repeat_share_one_subgraph_and_compute_the_same(hiddens, exp
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
 
 
+def test_a_blocks_schema_is_generated_once_however_often_it_is_called(monkeypatch):
+    """torch retraces a block for its schema at every call that needs gradients (aot_autograd's metadata
+    pass and joint trace); dynshard's compile works it out once per block and operand signature."""
+    generated = []
+    generate = type(compat.invoke_subgraph).gen_schema
+
+    def counting(self, subgraph, identifier, *operands):
+        generated.append(identifier)
+        return generate(self, subgraph, identifier, *operands)
+
+    monkeypatch.setattr(type(compat.invoke_subgraph), "gen_schema", counting)
+    torch.manual_seed(0)
+    compiled_with_outlining(Stack((16, 16, 16, 16)), torch.randn(4, 8))
+    assert collections.Counter(generated) == {"dynshard_block_0": 1, "fw_dynshard_block_0": 1,
+                                              "bw_dynshard_block_0_0": 1}
+    assert "gen_schema" not in vars(compat.invoke_subgraph)     # torch's own, once the compile is done
+
+
 def test_a_block_read_through_an_outside_value_is_left_inline():
     """A block whose later op reads an outside value computed from the block (not convex) would form
     a cycle as one call: it is compiled unrolled."""

@@ -33,7 +33,7 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
     from torch._dynamo.backends.debugging import boxed_nop
 
     joint = torch._functorch.config.patch(joint_custom_pass=joint_pass) if joint_pass else contextlib.nullcontext()
-    with isolated_tracing(), joint:
+    with isolated_tracing(), joint, block_schemas_memoized():
         if compiler == "aot_eager":
             def recorder(phase_if_training: str):
                 def compile_graph(graph: fx.GraphModule, inputs):
@@ -168,6 +168,42 @@ def gather_buckets_copied_out() -> Iterator[None]:
         yield
     finally:
         bucketing.all_gather_merge_fn_to_trace_custom_ops = inductor_merge
+
+
+@contextlib.contextmanager
+def block_schemas_memoized() -> Iterator[None]:
+    """``invoke_subgraph``'s schema worked out once per block and operand signature. torch 2.13 works it
+    out (``gen_schema``: the block traced again, to find input mutations) at every call that needs
+    gradients, in aot_autograd's metadata pass and again in its joint trace: on a tp program, where the
+    trace goes through DTensor, that was half of aot_autograd's time. A block's schema depends on its
+    graph and its operands' types only, so each repeat of the block gets the first call's."""
+    if "gen_schema" in vars(invoke_subgraph):      # a compile inside a compile: the outer one's cache
+        yield
+        return
+    from torch._higher_order_ops.invoke_subgraph import FunctionalizeCtxWrapper
+
+    generate = invoke_subgraph.gen_schema
+    schemas: dict[tuple, tuple] = {}
+
+    def gen_schema(subgraph, identifier, *operands):
+        graph = subgraph.subgraph if isinstance(subgraph, FunctionalizeCtxWrapper) else subgraph
+        key = (id(graph), identifier, *map(_operand_signature, operands))
+        if key not in schemas:      # (the graph is kept with its schema: its id stays its own)
+            schemas[key] = (graph, generate(subgraph, identifier, *operands))
+        return schemas[key][1]
+
+    invoke_subgraph.gen_schema = gen_schema
+    try:
+        yield
+    finally:
+        del invoke_subgraph.gen_schema
+
+
+def _operand_signature(operand: Any) -> tuple:
+    if isinstance(operand, torch.Tensor):
+        return (type(operand), operand.dtype, operand.device, tuple(operand.shape), operand.stride(),
+                operand.requires_grad)
+    return (type(operand), repr(operand) if isinstance(operand, (int, torch.SymInt)) else None)
 
 
 _ISA_PROBES: list = []      # the probe thread, once per process

@@ -58,11 +58,11 @@ class Layout:
         """The ranks of this unit at this rank's tp coordinate, one per pipeline rank."""
         return self.mesh.get_group("pp") if "pp" in self.dim_names else None
 
-    @property
+    @functools.cached_property
     def dim_names(self) -> tuple[str, ...]:
         return tuple(self.mesh.mesh_dim_names) if self.mesh is not None else ()
 
-    @property
+    @functools.cached_property      # (slicing a DeviceMesh builds a new one: planning asks thousands of times)
     def tp_mesh(self) -> DeviceMesh | None:
         """The mesh that tensors are placed on: the ranks of this plan unit (None if a unit is 1 rank)."""
         return self.mesh["tp"] if "tp" in self.dim_names else None
@@ -72,7 +72,7 @@ class Layout:
         """The ranks holding the same part of the model in other units (gradients are averaged here)."""
         return self.mesh.get_group("dp") if "dp" in self.dim_names else None
 
-    @property
+    @functools.cached_property
     def placement_dims(self) -> tuple[str, ...]:
         """Placements are given per dimension of ``tp_mesh``: ("tp",) or () when a unit is one rank."""
         return ("tp",) if self.tp_mesh is not None else ()
