@@ -225,8 +225,10 @@ def start_cpu_isa_probe() -> None:
     if _ISA_PROBES:
         return
     unprobed = cpu_vec_isa.valid_vec_isa_list
+    load_in_child = cpu_vec_isa.VecISA._probe_load
 
     def probe() -> None:
+        cpu_vec_isa.VecISA._probe_load = _load_verdict_shared_on_host(load_in_child)
         try:
             if platform.machine() in ("x86_64", "AMD64"):
                 flags = cpu_vec_isa.x86_isa_checker()
@@ -241,6 +243,7 @@ def start_cpu_isa_probe() -> None:
         except Exception:  # noqa: BLE001 - Inductor probes again, and reports, when it needs the list
             pass
         finally:
+            cpu_vec_isa.VecISA._probe_load = load_in_child
             cpu_vec_isa.valid_vec_isa_list = unprobed
 
     def after_probe():
@@ -251,6 +254,31 @@ def start_cpu_isa_probe() -> None:
     _ISA_PROBES.append(thread)
     cpu_vec_isa.valid_vec_isa_list = after_probe
     thread.start()
+
+
+def _load_verdict_shared_on_host(load_in_child: Callable) -> Callable:
+    """Inductor checks that each ISA's test library loads by starting a Python child that dlopens it
+    (0.2 s each, six per process): every rank of a host repeated the same checks on the same files.
+    The first rank to check one records the verdict beside the library, for this host only (a cache
+    directory shared between hosts may be read by another CPU); the others read it. Inductor calls
+    this holding the library's file lock, so a verdict is written once and never read half-written."""
+    import os
+    import socket
+
+    def probe_load(isa, output_path: str) -> bool:
+        verdict = f"{output_path}.{socket.gethostname()}.loads"
+        try:
+            with open(verdict) as fh:
+                return fh.read() == "1"
+        except OSError:
+            pass
+        loads = load_in_child(isa, output_path)
+        with contextlib.suppress(OSError):
+            with open(f"{verdict}.{os.getpid()}", "w") as fh:
+                fh.write("1" if loads else "0")
+            os.replace(f"{verdict}.{os.getpid()}", verdict)
+        return loads
+    return probe_load
 
 
 def wait_cpu_isa_probe() -> None:

@@ -1,0 +1,25 @@
+"""dynshard.compat.inductor: the pieces around Inductor that make a first compile cheaper."""
+
+from __future__ import annotations
+
+import socket
+
+from dynshard.compat.inductor import _load_verdict_shared_on_host
+
+
+def test_a_libraries_load_check_runs_once_per_host_and_later_ranks_read_its_verdict(tmp_path):
+    checked = []
+
+    def load_in_child(isa, path):
+        checked.append(path)
+        return path.endswith("good.so")
+
+    probe_load = _load_verdict_shared_on_host(load_in_child)
+    good, bad = str(tmp_path / "good.so"), str(tmp_path / "bad.so")
+    first = [probe_load(None, good), probe_load(None, bad)]
+    again = [probe_load(None, good), probe_load(None, bad)]      # another rank of this host
+    assert first == again == [True, False]
+    assert checked == [good, bad]
+    assert (tmp_path / f"good.so.{socket.gethostname()}.loads").read_text() == "1"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [f"good.so.{socket.gethostname()}.loads", f"bad.so.{socket.gethostname()}.loads"])  # no temporaries left
