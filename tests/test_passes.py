@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import unittest.mock
 import warnings
 
@@ -230,6 +231,37 @@ def test_planning_on_the_meta_device_gives_the_same_plan(fake_world):
     torch._dynamo.reset()
     on_meta = plan_for(MLP(), inputs, policy="tp", plan_ngpus=2, trace_strategy="meta")
     assert on_meta.placements == on_device.placements
+
+
+@pytest.mark.parametrize("options", [{}, {"pas_config": {"sequence_parallel": True}}])
+def test_a_policys_trials_run_again_only_from_their_first_change_and_plan_the_same(fake_world, options):
+    """Each trial of the tp policy (one column split) reuses the values an earlier propagation computed
+    before the first node the trial changes; the plan is the one propagating everything every time."""
+    import sys
+
+    from dynshard.backend import PLANS
+
+    propagation = sys.modules["dynshard.passes.propagate_sharding"]
+    cfg = GPTConfig(layers=4)
+    reused = []
+    run = propagation.ShardingInterpreter.run
+
+    def counting(interpreter, *args, initial_env=None, **kwargs):
+        reused.append((len(initial_env or {}), len(interpreter.module.graph.nodes)))
+        return run(interpreter, *args, initial_env=initial_env, **kwargs)
+
+    def plan(**patches):
+        torch._dynamo.reset()
+        PLANS.clear()
+        torch.manual_seed(0)
+        with unittest.mock.patch.multiple(propagation, **patches) if patches else contextlib.nullcontext():
+            return format_plan(plan_for(GPT(cfg), gpt_batch(cfg, 4, 0), policy="tp", plan_ngpus=2, **options))
+
+    with unittest.mock.patch.object(propagation.ShardingInterpreter, "run", counting):
+        with_reuse = plan()
+    assert with_reuse == plan(_reusable_prefix=lambda *args: ({}, None))
+    # the trials of the last block (and of the vocabulary) reuse most of the graph
+    assert max(kept / nodes for kept, nodes in reused) > 0.5, reused
 
 
 class TestSequenceParallelPlans(expecttest.TestCase):

@@ -89,6 +89,7 @@ class Propagation:
     constraints: dict = dataclasses.field(default_factory=dict)   # the activation placements propagated
     matched_slices: dict[str, MatchedSlice] = dataclasses.field(default_factory=dict)  # by chain[0]
     env: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # fx node -> fake value
+    placed: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # ShardingInterpreter's
 
     def prefix(self, names: set[str]) -> "Propagation":
         """What this propagation recorded for the nodes called ``names`` only."""
@@ -147,7 +148,8 @@ class ShardingInterpreter(fx.Interpreter):
 
     def __init__(self, gm: fx.GraphModule, layout: Layout, input_placements: Sequence[tuple[Placement, ...]],
                  input_meta: Sequence[Any], warn: bool, constraints: dict):
-        super().__init__(gm)
+        # every value is kept: a later trial of the policy reuses those before its first change
+        super().__init__(gm, garbage_collect_values=False)
         self.layout = layout
         self.constraints = constraints
         self.placed: dict[fx.Node, DTensor] = {}     # values placed for some of their readers only
@@ -397,8 +399,10 @@ def propagate(gm: fx.GraphModule, ctx: PassContext, input_placements: Sequence[t
         interpreter = ShardingInterpreter(gm, ctx.layout, input_placements, meta, warn, dict(ctx.constraints))
         if known is not None:
             interpreter.result = dataclasses.replace(known, input_placements=tuple(input_placements))
+            interpreter.placed = {n: v for n, v in reuse.placed.items() if n in initial_env}
         interpreter.run(*([None] * len(ctx.inputs)), initial_env=initial_env)
     interpreter.result.env = interpreter.env
+    interpreter.result.placed = interpreter.placed
     interpreter.result.constraints = dict(ctx.constraints)
     return interpreter.result
 
