@@ -457,5 +457,5 @@ def abstract_device_mesh(device_type: str, size: int, dim_name: str):
 
 
 # how each rank's program is compiled (at the end: the submodule reads the helpers above)
-from .inductor import (bucketing_patches, compile_per_rank, gather_buckets_copied_out,  # noqa: E402,F401
-                       start_cpu_isa_probe, wait_cpu_isa_probe)
+from .cpu_isa import start_cpu_isa_probe, wait_cpu_isa_probe  # noqa: E402,F401
+from .inductor import bucketing_patches, compile_per_rank, gather_buckets_copied_out  # noqa: E402,F401

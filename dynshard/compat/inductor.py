@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import threading
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
 
 from . import _c10d, invoke_subgraph, isolated_tracing
+from .cpu_isa import wait_cpu_isa_probe
 
 
 def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str,
@@ -204,88 +204,6 @@ def _operand_signature(operand: Any) -> tuple:
         return (type(operand), operand.dtype, operand.device, tuple(operand.shape), operand.stride(),
                 operand.requires_grad)
     return (type(operand), repr(operand) if isinstance(operand, (int, torch.SymInt)) else None)
-
-
-_ISA_PROBES: list = []      # the probe thread, once per process
-
-
-def start_cpu_isa_probe() -> None:
-    """Start Inductor's probe of the CPU's vector instruction sets (``cpu_vec_isa.valid_vec_isa_list``:
-    a g++ build and a dlopen per candidate the CPU claims, one after another, 7-9 s on a 2-core machine,
-    once per process) in the background, so that it overlaps planning and aot_autograd instead of
-    delaying the first kernel. The candidates are probed at once (each ``bool(isa)`` is cached), then
-    ``valid_vec_isa_list`` reads their results. Until the probe ends, a ``valid_vec_isa_list`` call
-    from another thread (an Inductor compile dynshard does not drive) waits for it instead of probing
-    the same ISA objects a second time, concurrently."""
-    import platform
-
-    # imported here, not first in two threads at once
-    from torch._inductor import codecache, cpp_builder, cpu_vec_isa  # noqa: F401
-
-    if _ISA_PROBES:
-        return
-    unprobed = cpu_vec_isa.valid_vec_isa_list
-    load_in_child = cpu_vec_isa.VecISA._probe_load
-
-    def probe() -> None:
-        cpu_vec_isa.VecISA._probe_load = _load_verdict_shared_on_host(load_in_child)
-        try:
-            if platform.machine() in ("x86_64", "AMD64"):
-                flags = cpu_vec_isa.x86_isa_checker()
-                claimed = [isa for isa in cpu_vec_isa.supported_vec_isa_list
-                           if all(flag in flags for flag in str(isa).split())]
-                candidates = [threading.Thread(target=bool, args=(isa,), daemon=True) for isa in claimed]
-                for candidate in candidates:
-                    candidate.start()
-                for candidate in candidates:
-                    candidate.join()
-            unprobed()
-        except Exception:  # noqa: BLE001 - Inductor probes again, and reports, when it needs the list
-            pass
-        finally:
-            cpu_vec_isa.VecISA._probe_load = load_in_child
-            cpu_vec_isa.valid_vec_isa_list = unprobed
-
-    def after_probe():
-        wait_cpu_isa_probe()
-        return unprobed()
-
-    thread = threading.Thread(target=probe, name="dynshard-isa-probe", daemon=True)
-    _ISA_PROBES.append(thread)
-    cpu_vec_isa.valid_vec_isa_list = after_probe
-    thread.start()
-
-
-def _load_verdict_shared_on_host(load_in_child: Callable) -> Callable:
-    """Inductor checks that each ISA's test library loads by starting a Python child that dlopens it
-    (0.2 s each, six per process): every rank of a host repeated the same checks on the same files.
-    The first rank to check one records the verdict beside the library, for this host only (a cache
-    directory shared between hosts may be read by another CPU); the others read it. Inductor calls
-    this holding the library's file lock, so a verdict is written once and never read half-written."""
-    import os
-    import socket
-
-    def probe_load(isa, output_path: str) -> bool:
-        verdict = f"{output_path}.{socket.gethostname()}.loads"
-        try:
-            with open(verdict) as fh:
-                return fh.read() == "1"
-        except OSError:
-            pass
-        loads = load_in_child(isa, output_path)
-        with contextlib.suppress(OSError):
-            with open(f"{verdict}.{os.getpid()}", "w") as fh:
-                fh.write("1" if loads else "0")
-            os.replace(f"{verdict}.{os.getpid()}", verdict)
-        return loads
-    return probe_load
-
-
-def wait_cpu_isa_probe() -> None:
-    """Wait for :func:`start_cpu_isa_probe` (its result is cached; a second probe would redo the builds)."""
-    for probe in _ISA_PROBES:
-        if probe is not threading.current_thread():
-            probe.join()
 
 
 def _partition_after(before: Callable[[fx.GraphModule], Any], partitioner: Callable | None = None):

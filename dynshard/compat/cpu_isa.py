@@ -1,0 +1,116 @@
+"""Inductor's probe of the CPU's vector instruction sets (``torch._inductor.cpu_vec_isa``), made cheaper
+and moved off the first compile's path.
+
+Inductor works out once per process which vector ISAs it can compile for (``valid_vec_isa_list``):
+for every ISA the CPU claims, a g++ build of a test file that includes ATen's vector headers (about
+3 s of CPU each), then a Python child that dlopens the library (0.2 s each, six per process). On a
+2-core machine that was 7-9 s before the first kernel, paid by every rank. dynshard:
+
+- starts it in the background at the first backend call (:func:`start_cpu_isa_probe`), so it overlaps
+  planning and aot_autograd; Inductor's first compile waits for it (:func:`wait_cpu_isa_probe`);
+- builds only the best ISA the CPU claims, and a lesser one only when it fails: Inductor generates code
+  for the first valid ISA (``pick_vec_isa``) unless ``config.cpp.simdlen`` or ``ATEN_CPU_CAPABILITY``
+  asks for another, and then every candidate is probed as Inductor does;
+- lets the first rank of a host record each library's load verdict for the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import socket
+import threading
+from typing import Callable, Sequence
+
+_ISA_PROBES: list = []      # the probe thread, once per process
+
+
+def start_cpu_isa_probe() -> None:
+    """Start the probe in the background. Until it ends, a ``valid_vec_isa_list`` call from another
+    thread (an Inductor compile dynshard does not drive) waits for it instead of probing the same ISA
+    objects a second time, concurrently (their ``__bool__`` edits their flags while it builds)."""
+    # imported here, not first in two threads at once
+    from torch._inductor import codecache, config, cpp_builder, cpu_vec_isa  # noqa: F401
+
+    if _ISA_PROBES:
+        return
+    inductor_list = cpu_vec_isa.valid_vec_isa_list
+    load_in_child = cpu_vec_isa.VecISA._probe_load
+    found: list = [inductor_list]      # what valid_vec_isa_list is once the probe ends
+
+    def probe() -> None:
+        cpu_vec_isa.VecISA._probe_load = _load_verdict_shared_on_host(load_in_child)
+        try:
+            if platform.machine() in ("x86_64", "AMD64"):
+                flags = cpu_vec_isa.x86_isa_checker()
+                claimed = [isa for isa in cpu_vec_isa.supported_vec_isa_list
+                           if all(flag in flags for flag in str(isa).split())]
+                if config.cpp.simdlen is None and not os.environ.get("ATEN_CPU_CAPABILITY") \
+                        and config.cpp.vec_isa_ok is None:
+                    best = first_valid(claimed)
+                    found[0] = lambda: list(best)
+                    return
+                _probe_at_once(claimed)
+            inductor_list()
+        except Exception:  # noqa: BLE001 - Inductor probes again, and reports, when it needs the list
+            found[0] = inductor_list
+        finally:
+            cpu_vec_isa.VecISA._probe_load = load_in_child
+            cpu_vec_isa.valid_vec_isa_list = found[0]
+
+    def after_probe():
+        wait_cpu_isa_probe()
+        return found[0]()
+
+    thread = threading.Thread(target=probe, name="dynshard-isa-probe", daemon=True)
+    _ISA_PROBES.append(thread)
+    cpu_vec_isa.valid_vec_isa_list = after_probe
+    thread.start()
+
+
+def wait_cpu_isa_probe() -> None:
+    """Wait for :func:`start_cpu_isa_probe` (its result is cached; a second probe would redo the builds)."""
+    for probe in _ISA_PROBES:
+        if probe is not threading.current_thread():
+            probe.join()
+
+
+def first_valid(claimed: Sequence) -> list:
+    """The best of ``claimed`` (best first, as Inductor lists them) that builds and loads, as the list
+    ``pick_vec_isa`` reads its first entry from; the ISAs after it are never built."""
+    for isa in claimed:
+        if isa:
+            return [isa]
+    return []
+
+
+def _probe_at_once(claimed: Sequence) -> None:
+    """Every candidate probed in a thread of its own (each ``bool(isa)`` is cached for Inductor)."""
+    candidates = [threading.Thread(target=bool, args=(isa,), daemon=True) for isa in claimed]
+    for candidate in candidates:
+        candidate.start()
+    for candidate in candidates:
+        candidate.join()
+
+
+def _load_verdict_shared_on_host(load_in_child: Callable) -> Callable:
+    """Inductor checks that each ISA's test library loads by starting a Python child that dlopens it:
+    every rank of a host repeated the same checks on the same files. The first rank to check one
+    records the verdict beside the library, for this host only (a cache directory shared between hosts
+    may be read by another CPU); the others read it. Inductor calls this holding the library's file
+    lock, so a verdict is written once and never read half-written."""
+    def probe_load(isa, output_path: str) -> bool:
+        verdict = f"{output_path}.{socket.gethostname()}.loads"
+        try:
+            with open(verdict) as fh:
+                return fh.read() == "1"
+        except OSError:
+            pass
+        loads = load_in_child(isa, output_path)
+        with contextlib.suppress(OSError):
+            with open(f"{verdict}.{os.getpid()}", "w") as fh:
+                fh.write("1" if loads else "0")
+            os.replace(f"{verdict}.{os.getpid()}", verdict)
+        return loads
+    return probe_load
