@@ -24,6 +24,7 @@ import threading
 from typing import Callable, Sequence
 
 _ISA_PROBES: list = []      # the probe thread, once per process
+_STARTING = threading.Lock()
 
 
 def start_cpu_isa_probe() -> None:
@@ -33,8 +34,12 @@ def start_cpu_isa_probe() -> None:
     # imported here, not first in two threads at once
     from torch._inductor import codecache, config, cpp_builder, cpu_vec_isa  # noqa: F401
 
-    if _ISA_PROBES:
-        return
+    with _STARTING:
+        if not _ISA_PROBES:
+            _start_probe(cpu_vec_isa, config)
+
+
+def _start_probe(cpu_vec_isa, config) -> None:
     inductor_list = cpu_vec_isa.valid_vec_isa_list
     load_in_child = cpu_vec_isa.VecISA._probe_load
     found: list = [inductor_list]      # what valid_vec_isa_list is once the probe ends
@@ -46,10 +51,10 @@ def start_cpu_isa_probe() -> None:
                 flags = cpu_vec_isa.x86_isa_checker()
                 claimed = [isa for isa in cpu_vec_isa.supported_vec_isa_list
                            if all(flag in flags for flag in str(isa).split())]
-                if config.cpp.simdlen is None and not os.environ.get("ATEN_CPU_CAPABILITY") \
-                        and config.cpp.vec_isa_ok is None:
+                if _best_is_picked(config) and config.cpp.vec_isa_ok is None:
                     best = first_valid(claimed)
-                    found[0] = lambda: list(best)
+                    # (asked again at each call: a later compile may set simdlen, and get Inductor's list)
+                    found[0] = lambda: list(best) if _best_is_picked(config) else inductor_list()
                     return
                 _probe_at_once(claimed)
             inductor_list()
@@ -76,6 +81,11 @@ def wait_cpu_isa_probe() -> None:
             probe.join()
 
 
+def _best_is_picked(config) -> bool:
+    """Whether ``pick_vec_isa`` takes the first valid ISA (no width or capability asked for)."""
+    return config.cpp.simdlen is None and not os.environ.get("ATEN_CPU_CAPABILITY")
+
+
 def first_valid(claimed: Sequence) -> list:
     """The best of ``claimed`` (best first, as Inductor lists them) that builds and loads, as the list
     ``pick_vec_isa`` reads its first entry from; the ISAs after it are never built."""
@@ -96,21 +106,29 @@ def _probe_at_once(claimed: Sequence) -> None:
 
 def _load_verdict_shared_on_host(load_in_child: Callable) -> Callable:
     """Inductor checks that each ISA's test library loads by starting a Python child that dlopens it:
-    every rank of a host repeated the same checks on the same files. The first rank to check one
-    records the verdict beside the library, for this host only (a cache directory shared between hosts
-    may be read by another CPU); the others read it. Inductor calls this holding the library's file
-    lock, so a verdict is written once and never read half-written."""
+    every rank of a host repeated the same checks on the same files. The first rank whose check passes
+    records it beside the library, for this host only (a cache directory shared between hosts may be
+    read by another CPU) and for this build of the library (its size and time); the others read it. A
+    failed check is not recorded (it may be a timeout or a killed child): the next process checks again.
+    Inductor calls this holding the library's file lock, and the record is written by a rename."""
     def probe_load(isa, output_path: str) -> bool:
-        verdict = f"{output_path}.{socket.gethostname()}.loads"
+        record = f"{output_path}.{socket.gethostname()}.loads"
         try:
-            with open(verdict) as fh:
-                return fh.read() == "1"
-        except OSError:
+            with open(record) as fh:
+                if fh.read() == _library_version(output_path):
+                    return True
+        except (OSError, UnicodeDecodeError):
             pass
         loads = load_in_child(isa, output_path)
-        with contextlib.suppress(OSError):
-            with open(f"{verdict}.{os.getpid()}", "w") as fh:
-                fh.write("1" if loads else "0")
-            os.replace(f"{verdict}.{os.getpid()}", verdict)
+        if loads:
+            with contextlib.suppress(OSError):
+                with open(f"{record}.{os.getpid()}", "w") as fh:
+                    fh.write(_library_version(output_path))
+                os.replace(f"{record}.{os.getpid()}", record)
         return loads
     return probe_load
+
+
+def _library_version(path: str) -> str:
+    stat = os.stat(path)
+    return f"{stat.st_size}:{stat.st_mtime_ns}"

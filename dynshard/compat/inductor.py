@@ -187,7 +187,7 @@ def block_schemas_memoized() -> Iterator[None]:
 
     def gen_schema(subgraph, identifier, *operands):
         graph = subgraph.subgraph if isinstance(subgraph, FunctionalizeCtxWrapper) else subgraph
-        key = (id(graph), identifier, *map(_operand_signature, operands))
+        key = (type(subgraph), id(graph), identifier, *map(_operand_signature, operands))
         if key not in schemas:      # (the graph is kept with its schema: its id stays its own)
             schemas[key] = (graph, generate(subgraph, identifier, *operands))
         return schemas[key][1]
@@ -195,8 +195,8 @@ def block_schemas_memoized() -> Iterator[None]:
     invoke_subgraph.gen_schema = gen_schema
     try:
         yield
-    finally:
-        del invoke_subgraph.gen_schema
+    finally:       # (a second thread's compile may have replaced it, and removed it first: no error)
+        vars(invoke_subgraph).pop("gen_schema", None)
 
 
 def _operand_signature(operand: Any) -> tuple:

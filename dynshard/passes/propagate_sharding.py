@@ -430,6 +430,8 @@ def propagate_sharding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Pass: record each node's placements (``node.meta["dynshard_placements"]``) and the plan's cost."""
     placements = [ctx.placements[inp.index] for inp in ctx.inputs]
     ctx.propagation = propagate(gm, ctx, placements, warn=True)
+    # (the plan outlives the compile; the fake value of every node need not)
+    ctx.propagation.env, ctx.propagation.placed = {}, {}
     for node in gm.graph.nodes:
         if node.name in ctx.propagation.placements:
             node.meta["dynshard_placements"] = ctx.propagation.placements[node.name]
