@@ -11,7 +11,7 @@ for every ISA the CPU claims, a g++ build of a test file that includes ATen's ve
 - builds only the best ISA the CPU claims, and a lesser one only when it fails: Inductor generates code
   for the first valid ISA (``pick_vec_isa``) unless ``config.cpp.simdlen`` or ``ATEN_CPU_CAPABILITY``
   asks for another, and then every candidate is probed as Inductor does;
-- lets the first rank of a host record each library's load verdict for the others.
+- lets the first rank of a host whose load check of a test library passes record it for the others.
 """
 
 from __future__ import annotations
@@ -42,9 +42,10 @@ def start_cpu_isa_probe() -> None:
 def _start_probe(cpu_vec_isa, config) -> None:
     inductor_list = cpu_vec_isa.valid_vec_isa_list
     load_in_child = cpu_vec_isa.VecISA._probe_load
-    found: list = [inductor_list]      # what valid_vec_isa_list is once the probe ends
+    answer = inductor_list      # what valid_vec_isa_list is once the probe ends
 
     def probe() -> None:
+        nonlocal answer
         cpu_vec_isa.VecISA._probe_load = _load_verdict_shared_on_host(load_in_child)
         try:
             if platform.machine() in ("x86_64", "AMD64"):
@@ -54,19 +55,19 @@ def _start_probe(cpu_vec_isa, config) -> None:
                 if _best_is_picked(config) and config.cpp.vec_isa_ok is None:
                     best = first_valid(claimed)
                     # (asked again at each call: a later compile may set simdlen, and get Inductor's list)
-                    found[0] = lambda: list(best) if _best_is_picked(config) else inductor_list()
+                    answer = lambda: list(best) if _best_is_picked(config) else inductor_list()  # noqa: E731
                     return
                 _probe_at_once(claimed)
             inductor_list()
         except Exception:  # noqa: BLE001 - Inductor probes again, and reports, when it needs the list
-            found[0] = inductor_list
+            answer = inductor_list
         finally:
             cpu_vec_isa.VecISA._probe_load = load_in_child
-            cpu_vec_isa.valid_vec_isa_list = found[0]
+            cpu_vec_isa.valid_vec_isa_list = answer
 
     def after_probe():
         wait_cpu_isa_probe()
-        return found[0]()
+        return answer()
 
     thread = threading.Thread(target=probe, name="dynshard-isa-probe", daemon=True)
     _ISA_PROBES.append(thread)

@@ -89,7 +89,7 @@ class Propagation:
     constraints: dict = dataclasses.field(default_factory=dict)   # the activation placements propagated
     matched_slices: dict[str, MatchedSlice] = dataclasses.field(default_factory=dict)  # by chain[0]
     env: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # fx node -> fake value
-    placed: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # ShardingInterpreter's
+    placed: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # values placed for some readers
 
     def prefix(self, names: set[str]) -> "Propagation":
         """What this propagation recorded for the nodes called ``names`` only."""
