@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 
 from . import _c10d, invoke_subgraph, isolated_tracing
+from .cpp_kernel_batches import cpp_kernels_batched
 from .cpu_isa import wait_cpu_isa_probe
 
 
@@ -57,8 +58,8 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
 
         def inner_compile(graph: fx.GraphModule, inputs, **kwargs):
             wait_cpu_isa_probe()
-            with gather_buckets_copied_out():     # the backward too: compiled here, at its first call
-                return _inner_compile(graph, inputs, **kwargs)
+            with gather_buckets_copied_out(), cpp_kernels_batched():    # the backward too: compiled here,
+                return _inner_compile(graph, inputs, **kwargs)                # at its first call
 
         def _inner_compile(graph: fx.GraphModule, inputs, **kwargs):
             if kwargs.get("is_backward"):

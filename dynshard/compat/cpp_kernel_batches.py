@@ -1,0 +1,199 @@
+"""Inductor's C++ kernels of one compiled graph built as a few libraries instead of one each.
+
+On CPU Inductor builds every kernel as its own Python extension: one g++ run per kernel. Each run
+loads the precompiled ``cpp_prefix.h`` (~150 MB) before it compiles a line: measured 0.45 s of a
+kernel's 0.6-1.0 s, so a graph of 10 kernels spends most of its compile loading the same header.
+:func:`cpp_kernels_batched` collects the kernels a generated module defines (``async_compile.
+cpp_pybinding``) and, when the module first waits for one, builds them as ``compile_threads``
+libraries of balanced size, compiled in parallel by Inductor's own pool and code cache (so ranks
+with the same program share them as before, and a warm cache finds them).
+
+Each kernel keeps its code and Inductor's Python binding, each inside a namespace of its own; its
+``kernel`` loses C linkage (the binding calls it from the same file), and the library's
+``PyInit_kernel`` gathers the kernels' entry points into one module. Include and macro lines move to
+the top of the file, ahead of every namespace (they are the same in every kernel). A kernel whose
+code does not have that shape, or that defines macros of its own, is built alone, as Inductor does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+from typing import Any, Callable, Iterator, Sequence
+
+_ENTRY = re.compile(r'extern\s+"C"\s+(void\s+kernel\s*\()')
+_HOISTED = ("#include", "#define PY_SSIZE_T_CLEAN")
+_state = threading.local()            # .active: this thread's compile batches its kernels
+_installed = {"count": 0, "single": None}
+_install_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def cpp_kernels_batched() -> Iterator[None]:
+    """While active in this thread, the C++ kernels of each module Inductor generates are built in
+    batches (above)."""
+    from torch._inductor.async_compile import get_compile_threads
+
+    if getattr(_state, "active", False) or get_compile_threads() <= 1:
+        yield      # nested (already batching), or no pool: each kernel is compiled when defined
+        return
+    _install()
+    _state.active = True
+    try:
+        yield
+    finally:
+        _state.active = False
+        _uninstall()
+
+
+def _install() -> None:
+    """``AsyncCompile.cpp_pybinding`` replaced while any thread batches (counted: compiles may overlap)."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    with _install_lock:
+        _installed["count"] += 1
+        if _installed["count"] > 1:
+            return
+        single = _installed["single"] = AsyncCompile.cpp_pybinding
+
+        def cpp_pybinding(self, argtypes: list[str], source_code: str):
+            if not getattr(_state, "active", False) or not _batchable(source_code):
+                return single(self, argtypes, source_code)
+            batch = vars(self).setdefault("_dynshard_cpp_batch", _Batch(self))
+            return batch.add(argtypes, source_code)
+
+        AsyncCompile.cpp_pybinding = cpp_pybinding
+
+
+def _uninstall() -> None:
+    from torch._inductor.async_compile import AsyncCompile
+
+    with _install_lock:
+        _installed["count"] -= 1
+        if _installed["count"] == 0:
+            AsyncCompile.cpp_pybinding = _installed.pop("single")
+            _installed["single"] = None
+
+
+def _batchable(source_code: str) -> bool:
+    body = [line.strip() for line in source_code.splitlines()]
+    defines = [line for line in body if line.startswith(("#define", "#undef"))]
+    return len(_ENTRY.findall(source_code)) == 1 and not defines
+
+
+class _Batch:
+    """The kernels one generated module defined, built together at its first wait."""
+
+    def __init__(self, async_compile):
+        self.async_compile = async_compile
+        self.kernels: list[tuple[list[str], str]] = []
+        self.results: list[Callable[[], Any]] | None = None
+        self.lock = threading.Lock()
+
+    def add(self, argtypes: list[str], source_code: str):
+        from torch._inductor.codecache import LambdaFuture
+
+        with self.lock:
+            if self.results is not None:     # defined after the others were built: a batch of its own
+                return _Batch(self.async_compile).add(argtypes, source_code)
+            index = len(self.kernels)
+            self.kernels.append((argtypes, source_code))
+        return LambdaFuture(lambda: self.result(index))
+
+    def result(self, index: int):
+        with self.lock:
+            if self.results is None:
+                self.results = self._build()
+        return self.results[index]()
+
+    def _build(self) -> list[Callable[[], Any]]:
+        from torch._inductor.async_compile import get_compile_threads
+        from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+        groups = _balanced(range(len(self.kernels)), [len(code) for _, code in self.kernels],
+                           get_compile_threads())
+        results: list[Callable[[], Any] | None] = [None] * len(self.kernels)
+        for group in groups:
+            if len(group) == 1:
+                argtypes, code = self.kernels[group[0]]
+                results[group[0]] = _single(argtypes, code, self.async_compile.submit)
+                continue
+            library = CppPythonBindingsCodeCache.load_async(
+                _library_source([self.kernels[i] for i in group]), "cpu", submit_fn=self.async_compile.submit)
+            for slot, index in enumerate(group):
+                results[index] = _entry(library, slot)
+        return results
+
+
+def _single(argtypes: list[str], code: str, submit: Callable) -> Callable[[], Any]:
+    from torch._inductor.codecache import CppPythonBindingsCodeCache
+
+    return CppPythonBindingsCodeCache.load_pybinding_async(argtypes, code, submit_fn=submit)
+
+
+def _entry(library: Callable[[], Any], slot: int) -> Callable[[], Any]:
+    return lambda: getattr(library(), f"kernel_{slot}")
+
+
+def _balanced(indices: Sequence[int], sizes: Sequence[int], bins: int) -> list[list[int]]:
+    """Indices in ``bins`` groups of about equal total size (largest first into the lightest group);
+    deterministic, so that ranks compiling the same kernels build the same libraries."""
+    groups: list[list[int]] = [[] for _ in range(max(1, min(bins, len(indices))))]
+    totals = [0] * len(groups)
+    for index in sorted(indices, key=lambda i: (-sizes[i], i)):
+        lightest = totals.index(min(totals))
+        groups[lightest].append(index)
+        totals[lightest] += sizes[index]
+    return [sorted(group) for group in groups if group]
+
+
+def _library_source(kernels: Sequence[tuple[list[str], str]]) -> str:
+    """One C++ file defining each kernel and its binding in a namespace, and ``PyInit_kernel``."""
+    from torch._inductor.codecache import CppPythonBindingsCodeCache as Bindings
+
+    hoisted: dict[str, None] = {}
+    parts = []
+    for slot, (argtypes, code) in enumerate(kernels):
+        parse = ", ".join(f"parse_arg<{argtype.replace('const ', '')}>(args, {n})"
+                          for n, argtype in enumerate(argtypes))
+        binding = Bindings.suffix_template.format(
+            arg_len=len(argtypes), call_entry_func=Bindings.call_entry_function.format(parse),
+            entry_func=f"kernel_{slot}", extra_parse_arg=Bindings.extra_parse_arg.format(array_len=-1))
+        body = []
+        for line in (_ENTRY.sub(r"\1", code, count=1) + binding).splitlines():
+            if line.strip().startswith(_HOISTED):
+                hoisted[line.strip()] = None
+            else:
+                body.append(line)
+        parts.append(f"namespace dynshard_kernel_{slot} {{\n" + "\n".join(body) + f"\n}}  // dynshard_kernel_{slot}\n")
+    init = "\n".join(f"    {{\"kernel_{slot}\", dynshard_kernel_{slot}::PyInit_kernel_{slot}}},"
+                     for slot in range(len(kernels)))
+    return "\n".join(hoisted) + "\n\n" + "\n".join(parts) + _INIT_TEMPLATE.replace("@ENTRIES@", init)
+
+
+_INIT_TEMPLATE = """
+static struct PyModuleDef dynshard_kernels = {PyModuleDef_HEAD_INIT, "kernel", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit_kernel(void) {
+    struct Entry { const char* name; PyObject* (*init)(void); };
+    static const Entry entries[] = {
+@ENTRIES@
+    };
+    PyObject* module = PyModule_Create(&dynshard_kernels);
+    if (module == NULL) {
+        return NULL;
+    }
+    for (const Entry& entry : entries) {
+        PyObject* part = entry.init();
+        PyObject* function = part == NULL ? NULL : PyObject_GetAttrString(part, entry.name);
+        Py_XDECREF(part);
+        if (function == NULL || PyModule_AddObject(module, entry.name, function) < 0) {
+            Py_XDECREF(function);
+            Py_DECREF(module);
+            return NULL;
+        }
+    }
+    return module;
+}
+"""
