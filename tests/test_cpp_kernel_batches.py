@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from dynshard.compat.cpp_kernel_batches import _balanced, _batchable, cpp_kernels_batched
@@ -30,18 +32,50 @@ def _three_kernels(x):
     return mixed.sum(0) + mixed.amax(1).sum(), scores.cumsum(0)
 
 
-def test_a_graphs_kernels_built_together_compute_what_each_built_alone_computes(tmp_path):
-    torch._dynamo.reset()
-    x = torch.randn(33, 17)
-    expected = _three_kernels(x)
+def _compiled(x, cache_dir, batched: bool, **options):
     from torch._inductor import config
     from torch._inductor.utils import fresh_cache
 
-    # (with one compile thread Inductor compiles each kernel where it is defined: nothing to batch)
-    with config.patch(compile_threads=2), fresh_cache(dir=str(tmp_path)), cpp_kernels_batched():
-        actual = torch.compile(_three_kernels, backend="inductor")(x)
-        sources = [path.read_text() for path in tmp_path.rglob("*.cpp")]
+    cache_dir.mkdir(exist_ok=True)
     torch._dynamo.reset()
-    torch.testing.assert_close(actual, expected)
+    # (with one compile thread Inductor compiles each kernel where it is defined: nothing to batch)
+    with config.patch(compile_threads=2), fresh_cache(dir=str(cache_dir)), \
+            (cpp_kernels_batched() if batched else contextlib.nullcontext()):
+        out = torch.compile(_three_kernels, backend="inductor", options=options)(x)
+        sources = [path.read_text() for path in cache_dir.rglob("*.cpp")]
+    torch._dynamo.reset()
+    return out, sources
+
+
+def test_a_graphs_kernels_built_together_compute_exactly_what_each_built_alone_computes(tmp_path):
+    x = torch.randn(33, 17, generator=torch.Generator().manual_seed(0))
+    alone, _ = _compiled(x, tmp_path / "alone", batched=False)
+    together, sources = _compiled(x, tmp_path / "together", batched=True)
+    torch.testing.assert_close(together, alone, rtol=0, atol=0)
     libraries = [source for source in sources if "PyInit_kernel_1" in source]
     assert len(libraries) == 1 and "dynshard_kernel_0::PyInit_kernel_0" in libraries[0]
+
+
+def test_a_compile_with_one_compile_thread_builds_each_kernel_where_it_is_defined(tmp_path):
+    # (Inductor's wait waits for nothing with one thread: a kernel left to build later would never be)
+    x = torch.randn(33, 17, generator=torch.Generator().manual_seed(0))
+    out, sources = _compiled(x, tmp_path, batched=True, compile_threads=1)
+    torch.testing.assert_close(out, _three_kernels(x), rtol=1e-4, atol=1e-4)
+    assert not any("PyInit_kernel_1" in source for source in sources)
+
+
+def test_when_a_library_does_not_compile_each_of_its_kernels_is_built_alone(monkeypatch):
+    from torch._inductor.exc import CppCompileError
+
+    from dynshard.compat import cpp_kernel_batches
+
+    def load():
+        raise CppCompileError(["g++", "library.cpp"], "library.cpp:3: error: redefinition")
+
+    alone = []
+    monkeypatch.setattr(cpp_kernel_batches, "_single",
+                        lambda argtypes, code, submit: lambda: alone.append(code) or f"built {code}")
+    library = cpp_kernel_batches._Library(load)
+    entries = [library.entry(slot, [], f"kernel {slot}", submit=None) for slot in range(2)]
+    assert [entry() for entry in entries] == ["built kernel 0", "built kernel 1"]
+    assert alone == ["kernel 0", "kernel 1"]

@@ -10,9 +10,11 @@ with the same program share them as before, and a warm cache finds them).
 
 Each kernel keeps its code and Inductor's Python binding, each inside a namespace of its own; its
 ``kernel`` loses C linkage (the binding calls it from the same file), and the library's
-``PyInit_kernel`` gathers the kernels' entry points into one module. Include and macro lines move to
-the top of the file, ahead of every namespace (they are the same in every kernel). A kernel whose
-code does not have that shape, or that defines macros of its own, is built alone, as Inductor does.
+``PyInit_kernel`` gathers the kernels' entry points into one module. Include lines move to the top
+of the file, ahead of every namespace, the kernels' first and then the bindings' (the order of a
+kernel built alone). A kernel whose code does not have that shape (one entry point; no macros,
+conditional compilation or explicit specializations of its own) is built alone, as Inductor does, and
+so is each kernel of a library that fails to compile, so that the error is Inductor's own.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ from typing import Any, Callable, Iterator, Sequence
 
 _ENTRY = re.compile(r'extern\s+"C"\s+(void\s+kernel\s*\()')
 _HOISTED = ("#include", "#define PY_SSIZE_T_CLEAN")
+_NOT_BATCHABLE = ("#define", "#undef", "#if", "#elif", "#else", "#endif", "template <>", "template<>")
 _state = threading.local()            # .active: this thread's compile batches its kernels
-_installed = {"count": 0, "single": None}
+_installed = {"count": 0, "single": None, "batching": None}
 _install_lock = threading.Lock()
 
 
@@ -49,7 +52,7 @@ def cpp_kernels_batched() -> Iterator[None]:
 
 def _install() -> None:
     """``AsyncCompile.cpp_pybinding`` replaced while any thread batches (counted: compiles may overlap)."""
-    from torch._inductor.async_compile import AsyncCompile
+    from torch._inductor.async_compile import AsyncCompile, get_compile_threads, kernel_code_log
 
     with _install_lock:
         _installed["count"] += 1
@@ -58,12 +61,15 @@ def _install() -> None:
         single = _installed["single"] = AsyncCompile.cpp_pybinding
 
         def cpp_pybinding(self, argtypes: list[str], source_code: str):
-            if not getattr(_state, "active", False) or not _batchable(source_code):
+            # (one compile thread: AsyncCompile.wait waits for nothing, so each kernel is built here)
+            if (not getattr(_state, "active", False) or get_compile_threads() <= 1
+                    or not _batchable(source_code)):
                 return single(self, argtypes, source_code)
+            kernel_code_log.info("CPP+Bindings Kernel:\n%s", source_code)
             batch = vars(self).setdefault("_dynshard_cpp_batch", _Batch(self))
             return batch.add(argtypes, source_code)
 
-        AsyncCompile.cpp_pybinding = cpp_pybinding
+        AsyncCompile.cpp_pybinding = _installed["batching"] = cpp_pybinding
 
 
 def _uninstall() -> None:
@@ -72,14 +78,14 @@ def _uninstall() -> None:
     with _install_lock:
         _installed["count"] -= 1
         if _installed["count"] == 0:
-            AsyncCompile.cpp_pybinding = _installed.pop("single")
-            _installed["single"] = None
+            if AsyncCompile.cpp_pybinding is _installed["batching"]:   # (else: patched since; leave it)
+                AsyncCompile.cpp_pybinding = _installed["single"]
+            _installed["single"] = _installed["batching"] = None
 
 
 def _batchable(source_code: str) -> bool:
-    body = [line.strip() for line in source_code.splitlines()]
-    defines = [line for line in body if line.startswith(("#define", "#undef"))]
-    return len(_ENTRY.findall(source_code)) == 1 and not defines
+    lines = [line.strip() for line in source_code.splitlines()]
+    return len(_ENTRY.findall(source_code)) == 1 and not any(line.startswith(_NOT_BATCHABLE) for line in lines)
 
 
 class _Batch:
@@ -119,10 +125,10 @@ class _Batch:
                 argtypes, code = self.kernels[group[0]]
                 results[group[0]] = _single(argtypes, code, self.async_compile.submit)
                 continue
-            library = CppPythonBindingsCodeCache.load_async(
-                _library_source([self.kernels[i] for i in group]), "cpu", submit_fn=self.async_compile.submit)
+            library = _Library(CppPythonBindingsCodeCache.load_async(
+                _library_source([self.kernels[i] for i in group]), "cpu", submit_fn=self.async_compile.submit))
             for slot, index in enumerate(group):
-                results[index] = _entry(library, slot)
+                results[index] = library.entry(slot, *self.kernels[index], self.async_compile.submit)
         return results
 
 
@@ -132,8 +138,28 @@ def _single(argtypes: list[str], code: str, submit: Callable) -> Callable[[], An
     return CppPythonBindingsCodeCache.load_pybinding_async(argtypes, code, submit_fn=submit)
 
 
-def _entry(library: Callable[[], Any], slot: int) -> Callable[[], Any]:
-    return lambda: getattr(library(), f"kernel_{slot}")
+class _Library:
+    """A library of several kernels; if it does not compile, each of its kernels is built alone."""
+
+    def __init__(self, load: Callable[[], Any]):
+        self.load, self.module, self.failed = load, None, False
+        self.lock = threading.Lock()
+
+    def entry(self, slot: int, argtypes: list[str], code: str, submit: Callable) -> Callable[[], Any]:
+        return lambda: self.kernel(slot, argtypes, code, submit)
+
+    def kernel(self, slot: int, argtypes: list[str], code: str, submit: Callable):
+        from torch._inductor.exc import CppCompileError
+
+        with self.lock:
+            if self.module is None and not self.failed:
+                try:
+                    self.module = self.load()
+                except CppCompileError:
+                    self.failed = True
+        if self.failed:
+            return _single(argtypes, code, submit)()
+        return getattr(self.module, f"kernel_{slot}")
 
 
 def _balanced(indices: Sequence[int], sizes: Sequence[int], bins: int) -> list[list[int]]:
@@ -152,7 +178,8 @@ def _library_source(kernels: Sequence[tuple[list[str], str]]) -> str:
     """One C++ file defining each kernel and its binding in a namespace, and ``PyInit_kernel``."""
     from torch._inductor.codecache import CppPythonBindingsCodeCache as Bindings
 
-    hoisted: dict[str, None] = {}
+    hoisted = {line.strip(): None for _, code in kernels for line in code.splitlines()
+               if line.strip().startswith(_HOISTED)}
     parts = []
     for slot, (argtypes, code) in enumerate(kernels):
         parse = ", ".join(f"parse_arg<{argtype.replace('const ', '')}>(args, {n})"
@@ -184,6 +211,9 @@ PyMODINIT_FUNC PyInit_kernel(void) {
     if (module == NULL) {
         return NULL;
     }
+    #ifdef Py_GIL_DISABLED
+        PyUnstable_Module_SetGIL(module, Py_MOD_GIL_NOT_USED);
+    #endif
     for (const Entry& entry : entries) {
         PyObject* part = entry.init();
         PyObject* function = part == NULL ? NULL : PyObject_GetAttrString(part, entry.name);
