@@ -18,10 +18,12 @@ def test_kernels_are_split_into_balanced_groups_the_same_way_on_every_rank():
     assert _balanced(range(1), [3], 4) == [[0]]
 
 
-def test_a_kernel_with_macros_of_its_own_or_another_entry_point_is_built_alone():
-    entry = 'extern "C"  void  kernel(float* out)\n{\n}\n'
+def test_a_kernel_with_macros_conditions_or_specializations_of_its_own_or_another_entry_is_built_alone():
+    entry = 'extern "C"  void  kernel(float* out)\n{\n    #pragma omp simd\n}\n'
     assert _batchable('#include "x.h"\n' + entry)
     assert not _batchable("#define N 4\n" + entry)
+    assert not _batchable('#if defined(CPU_CAPABILITY_AVX512)\n#include "x.h"\n#endif\n' + entry)
+    assert not _batchable("template <> struct Helper<float> {};\n" + entry)
     assert not _batchable(entry.replace("kernel", "other"))
     assert not _batchable(entry + entry.replace("kernel(", "kernel(int n, "))
 
