@@ -48,6 +48,13 @@ def all_reduce(tensor: torch.Tensor, group_name: str, op: str) -> torch.Tensor:
     return _c10d.wait_tensor(_c10d.all_reduce(tensor.contiguous(), op, group_name))
 
 
+def group_rank(group_name: str) -> int:
+    """This process's rank in the process group registered as ``group_name`` (functional collectives' name)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return torch.distributed.get_rank(_resolve_process_group(group_name))
+
+
 def register_logger(name: str) -> None:
     """Make ``TORCH_LOGS=dynshard`` switch dynshard's logger on (torch._logging registry)."""
     from torch._logging._internal import log_registry, register_log
@@ -459,3 +466,4 @@ def abstract_device_mesh(device_type: str, size: int, dim_name: str):
 # how each rank's program is compiled (at the end: the submodule reads the helpers above)
 from .cpu_isa import start_cpu_isa_probe, wait_cpu_isa_probe  # noqa: E402,F401
 from .inductor import bucketing_patches, compile_per_rank, gather_buckets_copied_out  # noqa: E402,F401
+from .mask_partial import mask_offsets_read_at_run_time  # noqa: E402,F401

@@ -13,6 +13,7 @@ import torch.fx as fx
 from . import _c10d, invoke_subgraph, isolated_tracing
 from .cpp_kernel_batches import cpp_kernels_batched
 from .cpu_isa import wait_cpu_isa_probe
+from .mask_partial import mask_offsets_read_at_run_time
 
 
 def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str,
@@ -34,7 +35,7 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
     from torch._dynamo.backends.debugging import boxed_nop
 
     joint = torch._functorch.config.patch(joint_custom_pass=joint_pass) if joint_pass else contextlib.nullcontext()
-    with isolated_tracing(), joint, block_schemas_memoized():
+    with isolated_tracing(), joint, block_schemas_memoized(), mask_offsets_read_at_run_time():
         if compiler == "aot_eager":
             def recorder(phase_if_training: str):
                 def compile_graph(graph: fx.GraphModule, inputs):

@@ -1,0 +1,27 @@
+"""The vocabulary-parallel masks read the rank's offset when the program runs: every tp coordinate
+compiles the same program (and so shares every generated kernel), computing what torch computes."""
+
+from __future__ import annotations
+
+import torch
+
+from distributed import run_ranks
+from workers_mesh_coordinate import TABLE_ROWS, masked_indices, tp_programs
+
+
+def test_masks_with_the_offset_read_at_run_time_equal_torchs():
+    for rank, result in enumerate(run_ranks(masked_indices, 2)):
+        assert sorted(result) == sorted(TABLE_ROWS)
+        for rows, ((torch_masked, torch_mask), (masked, mask)) in result.items():
+            assert torch.equal(mask, torch_mask), (rank, rows)
+            assert torch.equal(masked, torch_masked), (rank, rows)
+            assert masked.dtype == torch_masked.dtype
+
+
+def test_tensor_parallel_coordinates_compile_the_same_program():
+    first, second = run_ranks(tp_programs, 2, "aot_eager")
+    assert set(first) == {"forward", "backward"}
+    assert "dynshard.mesh_coordinate" in first["forward"]
+    # (the backward still takes this coordinate's rows of the tied embedding's gradient as split[coordinate],
+    # a view: on the benchmark GPT Inductor generates the same backward kernels on both coordinates)
+    assert first["forward"] == second["forward"]
