@@ -11,7 +11,7 @@ from workers_mesh_coordinate import TABLE_ROWS, masked_indices, tp_programs
 
 def test_masks_with_the_offset_read_at_run_time_equal_torchs():
     for rank, result in enumerate(run_ranks(masked_indices, 2)):
-        assert sorted(result) == sorted(TABLE_ROWS)
+        assert len(result) == 3 * len(TABLE_ROWS)
         for rows, ((torch_masked, torch_mask), (masked, mask)) in result.items():
             assert torch.equal(mask, torch_mask), (rank, rows)
             assert torch.equal(masked, torch_masked), (rank, rows)

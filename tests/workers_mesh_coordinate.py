@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.placement_types import _MaskPartial
 
 import dynshard
@@ -21,17 +21,25 @@ def masked_indices(rank: int, world: int) -> dict:
     """torch's ``_MaskPartial`` masking and dynshard's (offset read at run time) on the same indices."""
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (world,))
+    # ranks in descending order: a rank's index in the group (sorted) is not its coordinate, torch's is kept
+    descending = DeviceMesh("cpu", torch.arange(world - 1, -1, -1))
     results = {}
     for rows in TABLE_ROWS:
         ids = torch.randint(0, rows, (5, 6), generator=torch.Generator().manual_seed(rows))
-        per_way = []
-        for read_at_run_time in (False, True):
-            placement = _MaskPartial(offset_shape=torch.Size([rows, 4]), offset_dim=0)
-            with compat.mask_offsets_read_at_run_time() if read_at_run_time else contextlib.nullcontext():
-                masked = placement._partition_value(ids, mesh, 0)
-            per_way.append((masked, placement.mask_buffer.data))
-        results[rows] = per_way
+        results[rows] = _both_ways(ids, rows, mesh)
+        results[(rows, "int32 scalar")] = _both_ways(ids[0, 0].to(torch.int32), rows, mesh)
+        results[(rows, "descending mesh")] = _both_ways(ids, rows, descending)
     return results
+
+
+def _both_ways(ids: torch.Tensor, rows: int, mesh) -> list:
+    per_way = []
+    for read_at_run_time in (False, True):
+        placement = _MaskPartial(offset_shape=torch.Size([rows, 4]), offset_dim=0)
+        with compat.mask_offsets_read_at_run_time() if read_at_run_time else contextlib.nullcontext():
+            masked = placement._partition_value(ids, mesh, 0)
+        per_way.append((masked, placement.mask_buffer.data))
+    return per_way
 
 
 def tp_programs(rank: int, world: int, compiler: str) -> dict:

@@ -7,27 +7,45 @@ Python int unless ``torch.distributed.config.compile_on_one_rank`` is set and th
 (dynshard's has none, see ``compat.new_fake_mode``). The replacement computes the same mask and masked
 indices from ``dynshard::mesh_coordinate`` (torch's ``Shard.local_shard_size_and_offset``: shards of
 ``ceil(size / n)`` rows, the last ones shorter or empty), so the code Inductor generates is the same on
-every coordinate.
+every coordinate. It keeps torch's own where the rank in the dimension's process group is not the mesh
+coordinate (a mesh whose rows are not ascending: ``new_group`` sorts its ranks) or the mesh has no
+process groups.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
 import torch
 from torch.distributed.tensor.placement_types import _MaskPartial
 
+_TORCH_PARTITION_VALUE = _MaskPartial.__dict__["_partition_value"]
+_installed = 0                  # contexts open (compiles on several threads may overlap)
+_lock = threading.Lock()
+
+
+def _group_ranked_by_coordinate(mesh, mesh_dim: int) -> str | None:
+    """The name of the process group of ``mesh_dim`` when this rank's index in it is its mesh coordinate."""
+    try:
+        group = mesh.get_group(mesh_dim)
+    except RuntimeError:        # a mesh without process groups (``_init_backend=False``)
+        return None
+    coordinate = mesh.get_coordinate()
+    if coordinate is None or torch.distributed.get_rank(group) != coordinate[mesh_dim]:
+        return None
+    return group.group_name
+
 
 def _partition_value(self, tensor: torch.Tensor, mesh, mesh_dim: int) -> torch.Tensor:
-    if not mesh._is_current_rank_part_of_mesh():
-        raise AssertionError("rank is not part of mesh")
-    if self.offset_shape is None:
-        raise AssertionError("offset_shape needs to be set for _MaskPartial")
+    group_name = _group_ranked_by_coordinate(mesh, mesh_dim)
+    if group_name is None or self.offset_shape is None:
+        return _TORCH_PARTITION_VALUE(self, tensor, mesh, mesh_dim)
     size, parts = self.offset_shape[self.offset_dim], mesh.size(mesh_dim)
     rows = -(-size // parts)
-    coordinate = torch.ops.dynshard.mesh_coordinate(tensor, mesh.get_group(mesh_dim).group_name)
-    start = coordinate * rows
+    # (in the indices' dtype: torch subtracts a Python int, which keeps int32 indices int32)
+    start = (torch.ops.dynshard.mesh_coordinate(tensor, group_name) * rows).to(tensor.dtype)
     end = start + rows
     if size % parts:
         start, end = start.clamp(max=size), end.clamp(max=size)
@@ -40,12 +58,18 @@ def _partition_value(self, tensor: torch.Tensor, mesh, mesh_dim: int) -> torch.T
 
 @contextlib.contextmanager
 def mask_offsets_read_at_run_time() -> Iterator[None]:
-    """Within: ``_MaskPartial`` masks with the offset read at run time (restored on exit)."""
+    """Within: ``_MaskPartial`` masks with the offset read at run time (torch's restored when the last
+    context open, on any thread, exits)."""
     from ..runtime import mesh_coordinate  # noqa: F401  (registers dynshard::mesh_coordinate)
 
-    original = _MaskPartial.__dict__["_partition_value"]
-    _MaskPartial._partition_value = _partition_value
+    global _installed
+    with _lock:
+        _installed += 1
+        _MaskPartial._partition_value = _partition_value
     try:
         yield
     finally:
-        _MaskPartial._partition_value = original
+        with _lock:
+            _installed -= 1
+            if not _installed:
+                _MaskPartial._partition_value = _TORCH_PARTITION_VALUE
