@@ -231,9 +231,9 @@ def keep_shapes_static() -> None:
 def new_fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    # No ShapeEnv, although Inductor's FX graph cache bypasses graphs compiled without one ("No shape
-    # env"): with one, aot_autograd fakeifies the program's inputs with symbolic sizes (a dynamic-shape
-    # program) and Dynamo's next recompile of the frame goes dynamic too. See docs/design.md.
+    # The planning passes' fake mode: no ShapeEnv (nothing symbolic to track). Inductor's compiles get one,
+    # with the program's inputs fakeified statically (compat.inductor._cacheable_fake_mode), for its FX
+    # graph cache. See docs/design.md.
     return FakeTensorMode(allow_non_fake_inputs=True)
 
 

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import _c10d, invoke_subgraph, isolated_tracing
 from .cpp_kernel_batches import cpp_kernels_batched
@@ -35,7 +36,10 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
     from torch._dynamo.backends.debugging import boxed_nop
 
     joint = torch._functorch.config.patch(joint_custom_pass=joint_pass) if joint_pass else contextlib.nullcontext()
-    with isolated_tracing(), joint, block_schemas_memoized(), mask_offsets_read_at_run_time():
+    fake_mode = None
+    if compiler != "aot_eager" and not freeze:     # (freezing reads the real parameters)
+        fake_mode, example_inputs = _cacheable_fake_mode(example_inputs)
+    with isolated_tracing(fake_mode), joint, block_schemas_memoized(), mask_offsets_read_at_run_time():
         if compiler == "aot_eager":
             def recorder(phase_if_training: str):
                 def compile_graph(graph: fx.GraphModule, inputs):
@@ -82,7 +86,8 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
 
         # independent all-reduces (data-parallel gradients) go out in buckets, as DDP's reducer does
         # (one bucket measured faster than DDP's 1 MB + 25 MB on CPU/gloo: benchmarks/bench_gpt.py)
-        patches = {"bucket_all_reduces_fx": "all", **(patches or {}), **({"freezing": True} if freeze else {})}
+        patches = {"bucket_all_reduces_fx": "all", **(patches or {}), **({"freezing": True} if freeze else {}),
+                   "post_grad_custom_pre_pass": _DYNSHARD_COMPILE}
         if partition_pass is not None:
             patches["custom_partitioner_fn"] = _partition_after(partition_pass)
         if any(node.target is invoke_subgraph for node in gm.graph.nodes) and not blocks_only:
@@ -91,6 +96,38 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
             # (blocks_only: Inductor compiles each block alone, no call inside what it compiles)
             patches["allow_buffer_reuse"] = False
         return compile_fx(gm, list(example_inputs), inner_compile=inner_compile, config_patches=patches)
+
+
+def _cacheable_fake_mode(example_inputs: Sequence[Any]):
+    """A fake mode with a ShapeEnv, which Inductor's FX graph cache needs (it bypasses graphs compiled
+    without one: "No shape env", so a restart regenerated every kernel), and the program's tensor inputs
+    fakeified in it with static shapes: aot_autograd takes its own mode's fake inputs as they are, where
+    it would give real ones symbolic sizes (a dynamic-shape program) because the mode has a ShapeEnv.
+    (None, inputs) where an input is a number, which aot_autograd would make symbolic all the same."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    if any(isinstance(x, (int, float, torch.SymInt)) for x in example_inputs):
+        return None, example_inputs
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    return fake_mode, [fake_mode.from_tensor(x, static_shapes=True)
+                       if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
+                       for x in example_inputs]
+
+
+class _DynshardCompile(CustomGraphPass):
+    """Does nothing; in every dynshard compile's Inductor settings so that its FX graph cache entries are
+    its own: a cached program calls ``dynshard::copy_out_gathered`` where Inductor's bucketing would copy
+    parameters out itself (:func:`gather_buckets_copied_out`)."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        return "dynshard: copy_out_gathered bucket merge, v1"
+
+
+_DYNSHARD_COMPILE = _DynshardCompile()
 
 
 def _compile_blocks_only(graph: fx.GraphModule, phase: str, compile_fx_inner: Callable):
@@ -220,8 +257,13 @@ def _partition_after(before: Callable[[fx.GraphModule], Any], partitioner: Calla
             before(gm)
             return (partitioner or min_cut_rematerialization_partition)(gm, joint_inputs, **kwargs)
 
-        def uuid(self) -> None:     # (not cacheable; Inductor's FX graph cache is bypassed for these programs)
-            return None
+        def uuid(self) -> str:
+            return "dynshard: partition after tagging"
+
+        def __reduce__(self):
+            # pickled only into the cache key of Inductor's FX graph cache (its settings), whose graph is
+            # the partitioned one: what the partitioner did is hashed with it
+            return (str, (self.uuid(),))
     return PartitionAfter()
 
 

@@ -1,0 +1,29 @@
+"""What each rank runs in the compile-cache tests (module level, so spawned processes can import it)."""
+
+from __future__ import annotations
+
+import torch
+from torch._dynamo.utils import counters
+
+import dynshard
+from models import GPT, GPTConfig, gpt_batch
+
+
+def train_with_inductor(rank: int, world: int, options: dict) -> dict:
+    """Two SGD steps of the test GPT compiled by Inductor: losses, this rank's parameters and what
+    Inductor's FX graph cache did."""
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = GPT(cfg)
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(compiler="inductor", **options))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for step in range(2):
+        loss = compiled(*gpt_batch(cfg, 2, step * world + rank))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    cache = {kind: counters["inductor"][f"fxgraph_cache_{kind}"] for kind in ("hit", "miss", "bypass")}
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "cache": cache}
