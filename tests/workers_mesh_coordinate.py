@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.placement_types import _MaskPartial
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dynshard
 from dynshard import compat
@@ -26,20 +27,32 @@ def masked_indices(rank: int, world: int) -> dict:
     results = {}
     for rows in TABLE_ROWS:
         ids = torch.randint(0, rows, (5, 6), generator=torch.Generator().manual_seed(rows))
-        results[rows] = _both_ways(ids, rows, mesh)
+        results[(rows, "ids")] = _both_ways(ids, rows, mesh)
         results[(rows, "int32 scalar")] = _both_ways(ids[0, 0].to(torch.int32), rows, mesh)
         results[(rows, "descending mesh")] = _both_ways(ids, rows, descending)
     return results
 
 
+class _OpsCalled(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.add(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 def _both_ways(ids: torch.Tensor, rows: int, mesh) -> list:
+    """[(masked, mask) by torch, (masked, mask, whether the offset was read at run time) by dynshard]"""
     per_way = []
     for read_at_run_time in (False, True):
         placement = _MaskPartial(offset_shape=torch.Size([rows, 4]), offset_dim=0)
-        with compat.mask_offsets_read_at_run_time() if read_at_run_time else contextlib.nullcontext():
+        with compat.mask_offsets_read_at_run_time() if read_at_run_time else contextlib.nullcontext(), \
+                _OpsCalled() as ops:
             masked = placement._partition_value(ids, mesh, 0)
         per_way.append((masked, placement.mask_buffer.data))
-    return per_way
+    return [*per_way[:1], (*per_way[1], "dynshard.mesh_coordinate.default" in ops.names)]
 
 
 def tp_programs(rank: int, world: int, compiler: str) -> dict:

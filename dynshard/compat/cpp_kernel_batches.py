@@ -24,12 +24,37 @@ import re
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
+from .counted_patch import CountedPatch
+
 _ENTRY = re.compile(r'extern\s+"C"\s+(void\s+kernel\s*\()')
 _HOISTED = ("#include", "#define PY_SSIZE_T_CLEAN")
 _NOT_BATCHABLE = ("#define", "#undef", "#if", "#elif", "#else", "#endif", "template <>", "template<>")
 _state = threading.local()            # .active: this thread's compile batches its kernels
-_installed = {"count": 0, "single": None, "batching": None}
-_install_lock = threading.Lock()
+
+
+def _async_compile() -> type:
+    from torch._inductor.async_compile import AsyncCompile
+
+    return AsyncCompile
+
+
+def _batching(single: Callable) -> Callable:
+    """``AsyncCompile.cpp_pybinding`` that collects the kernels of a thread that batches (``single``:
+    Inductor's, which builds one kernel)."""
+    from torch._inductor.async_compile import get_compile_threads, kernel_code_log
+
+    def cpp_pybinding(self, argtypes: list[str], source_code: str):
+        # (one compile thread: AsyncCompile.wait waits for nothing, so each kernel is built here)
+        if (not getattr(_state, "active", False) or get_compile_threads() <= 1
+                or not _batchable(source_code)):
+            return single(self, argtypes, source_code)
+        kernel_code_log.info("CPP+Bindings Kernel:\n%s", source_code)
+        batch = vars(self).setdefault("_dynshard_cpp_batch", _Batch(self))
+        return batch.add(argtypes, source_code)
+    return cpp_pybinding
+
+
+_PATCH = CountedPatch(_async_compile, "cpp_pybinding", _batching)
 
 
 @contextlib.contextmanager
@@ -41,46 +66,12 @@ def cpp_kernels_batched() -> Iterator[None]:
     if getattr(_state, "active", False) or get_compile_threads() <= 1:
         yield      # nested (already batching), or no pool: each kernel is compiled when defined
         return
-    _install()
-    _state.active = True
-    try:
-        yield
-    finally:
-        _state.active = False
-        _uninstall()
-
-
-def _install() -> None:
-    """``AsyncCompile.cpp_pybinding`` replaced while any thread batches (counted: compiles may overlap)."""
-    from torch._inductor.async_compile import AsyncCompile, get_compile_threads, kernel_code_log
-
-    with _install_lock:
-        _installed["count"] += 1
-        if _installed["count"] > 1:
-            return
-        single = _installed["single"] = AsyncCompile.cpp_pybinding
-
-        def cpp_pybinding(self, argtypes: list[str], source_code: str):
-            # (one compile thread: AsyncCompile.wait waits for nothing, so each kernel is built here)
-            if (not getattr(_state, "active", False) or get_compile_threads() <= 1
-                    or not _batchable(source_code)):
-                return single(self, argtypes, source_code)
-            kernel_code_log.info("CPP+Bindings Kernel:\n%s", source_code)
-            batch = vars(self).setdefault("_dynshard_cpp_batch", _Batch(self))
-            return batch.add(argtypes, source_code)
-
-        AsyncCompile.cpp_pybinding = _installed["batching"] = cpp_pybinding
-
-
-def _uninstall() -> None:
-    from torch._inductor.async_compile import AsyncCompile
-
-    with _install_lock:
-        _installed["count"] -= 1
-        if _installed["count"] == 0:
-            if AsyncCompile.cpp_pybinding is _installed["batching"]:   # (else: patched since; leave it)
-                AsyncCompile.cpp_pybinding = _installed["single"]
-            _installed["single"] = _installed["batching"] = None
+    with _PATCH.applied():
+        _state.active = True
+        try:
+            yield
+        finally:
+            _state.active = False
 
 
 def _batchable(source_code: str) -> bool:

@@ -86,8 +86,8 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
 
         # independent all-reduces (data-parallel gradients) go out in buckets, as DDP's reducer does
         # (one bucket measured faster than DDP's 1 MB + 25 MB on CPU/gloo: benchmarks/bench_gpt.py)
-        patches = {"bucket_all_reduces_fx": "all", **(patches or {}), **({"freezing": True} if freeze else {}),
-                   "post_grad_custom_pre_pass": _DYNSHARD_COMPILE}
+        patches = {"bucket_all_reduces_fx": "all", **(patches or {}), **({"freezing": True} if freeze else {})}
+        patches["post_grad_custom_pre_pass"] = _marked_dynshards(torch._inductor.config.post_grad_custom_pre_pass)
         if partition_pass is not None:
             patches["custom_partitioner_fn"] = _partition_after(partition_pass)
         if any(node.target is invoke_subgraph for node in gm.graph.nodes) and not blocks_only:
@@ -128,6 +128,14 @@ class _DynshardCompile(CustomGraphPass):
 
 
 _DYNSHARD_COMPILE = _DynshardCompile()
+
+
+def _marked_dynshards(user_passes) -> Any:
+    """The post-grad passes the user set (they still run, and key the cache as Inductor keys them),
+    then dynshard's mark."""
+    if not user_passes:
+        return _DYNSHARD_COMPILE
+    return [*(user_passes if isinstance(user_passes, (list, tuple)) else [user_passes]), _DYNSHARD_COMPILE]
 
 
 def _compile_blocks_only(graph: fx.GraphModule, phase: str, compile_fx_inner: Callable):

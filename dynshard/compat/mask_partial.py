@@ -15,15 +15,14 @@ process groups.
 from __future__ import annotations
 
 import contextlib
-import threading
 from typing import Iterator
 
 import torch
 from torch.distributed.tensor.placement_types import _MaskPartial
 
+from .counted_patch import CountedPatch
+
 _TORCH_PARTITION_VALUE = _MaskPartial.__dict__["_partition_value"]
-_installed = 0                  # contexts open (compiles on several threads may overlap)
-_lock = threading.Lock()
 
 
 def _group_ranked_by_coordinate(mesh, mesh_dim: int) -> str | None:
@@ -56,20 +55,14 @@ def _partition_value(self, tensor: torch.Tensor, mesh, mesh_dim: int) -> torch.T
     return masked
 
 
+_PATCH = CountedPatch(lambda: _MaskPartial, "_partition_value", lambda torch_partition_value: _partition_value)
+
+
 @contextlib.contextmanager
 def mask_offsets_read_at_run_time() -> Iterator[None]:
     """Within: ``_MaskPartial`` masks with the offset read at run time (torch's restored when the last
     context open, on any thread, exits)."""
     from ..runtime import mesh_coordinate  # noqa: F401  (registers dynshard::mesh_coordinate)
 
-    global _installed
-    with _lock:
-        _installed += 1
-        _MaskPartial._partition_value = _partition_value
-    try:
+    with _PATCH.applied():
         yield
-    finally:
-        with _lock:
-            _installed -= 1
-            if not _installed:
-                _MaskPartial._partition_value = _TORCH_PARTITION_VALUE
