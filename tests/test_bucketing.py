@@ -55,3 +55,42 @@ def test_a_gathered_bucket_is_copied_out_as_each_parameter_gathered_along_rows()
         assert torch.equal(out, torch.cat([rank[index] for rank in shards]))
     torch.library.opcheck(torch.ops.dynshard.copy_out_gathered,
                           (gathered, group, [d for s in shapes for d in s], [len(s) for s in shapes]))
+
+
+def _merged(ag_ins, group_name, group_size, dtype, out_dtypes, rank):
+    from torch._inductor.fx_passes import bucketing
+
+    with compat.gather_buckets_copied_out():
+        return bucketing.all_gather_merge_fn_to_trace_custom_ops(ag_ins, group_name, group_size, dtype,
+                                                                out_dtypes, rank)
+
+
+def test_a_gathered_bucket_is_the_same_code_on_every_rank_of_the_group():
+    """Inductor's FX graph cache does not key the rank: ranks with one program read one entry."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def traced(rank: int, dtypes) -> str:
+        ag_ins = [torch.randn(4, 3), torch.randn(6)]
+        fn = lambda *shards: _merged(list(shards), "7", 4, torch.float32, dtypes, rank)   # noqa: E731
+        return make_fx(fn, tracing_mode="fake")(*ag_ins).code
+
+    for dtypes in ([torch.float32, torch.float32], [torch.float32, torch.bfloat16]):
+        codes = {traced(rank, dtypes) for rank in range(4)}
+        assert len(codes) == 1, codes
+
+
+def test_a_gathered_bucket_of_several_dtypes_gives_each_shard_back_in_its_dtype():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ag_ins = [torch.randn(4, 3), torch.randn(6).to(torch.bfloat16), torch.randn(2, 2)]
+        out_dtypes = [torch.float32, torch.bfloat16, torch.bfloat16]
+        outs = _merged(ag_ins, dist.group.WORLD.group_name, 1, torch.float32, out_dtypes, 0)
+        for shard, out, dtype in zip(ag_ins, outs, out_dtypes):
+            assert out.dtype == dtype and out.shape == shard.shape
+            assert torch.equal(out, shard.to(dtype))
+        same = _merged(ag_ins[:1], dist.group.WORLD.group_name, 1, torch.float32, [torch.float32], 0)
+        assert torch.equal(same[0], ag_ins[0])
+    finally:
+        dist.destroy_process_group()

@@ -190,9 +190,17 @@ class _CompiledBlock(torch.nn.Module):
 @contextlib.contextmanager
 def gather_buckets_copied_out() -> Iterator[None]:
     """Inductor's all-gather bucketing ("custom_ops" mode, ``bucketing.
-    all_gather_merge_fn_to_trace_custom_ops``) with each bucket's copy-out as one
-    ``dynshard::copy_out_gathered`` call instead of one generated kernel per parameter (see
-    runtime/gathered_bucket.py). Buckets of mixed dtypes keep Inductor's own copy-out."""
+    all_gather_merge_fn_to_trace_custom_ops``), with two changes:
+
+    - the bucket does not depend on this rank's place in the group. Inductor's merge gathers in place
+      (the input is the output's chunk at the rank's offset), with the rank a constant of the generated
+      code, which Inductor's FX graph cache does not key: ranks whose programs are the same (a
+      data-parallel group, or any ranks once :mod:`.shared_compiles` names groups the same) read one
+      entry, and an in-place gather from another rank's chunk is undefined under NCCL. Here the shards
+      are packed into a buffer of their own (Inductor's packing op, as for a group of one) and gathered
+      out of place: the same copies, one more shard-sized buffer;
+    - each bucket's copy-out is one ``dynshard::copy_out_gathered`` call instead of one generated kernel
+      per parameter (see runtime/gathered_bucket.py), where the bucket has one dtype."""
     from torch._inductor.fx_passes import bucketing
 
     from ..runtime.gathered_bucket import copy_out
@@ -200,15 +208,18 @@ def gather_buckets_copied_out() -> Iterator[None]:
     inductor_merge = bucketing.all_gather_merge_fn_to_trace_custom_ops
 
     def merge(ag_ins, group_name, group_size: int, dtype, out_dtypes, rank: int):
-        if any(out_dtype != dtype for out_dtype in out_dtypes) or any(a.dim() == 0 for a in ag_ins):
-            return inductor_merge(ag_ins, group_name, group_size, dtype, out_dtypes, rank)
-        numel = sum(a.numel() for a in ag_ins)
-        gathered = torch.ops.bucketing._pre_bucket_all_gather(      # the copy-in, as Inductor's merge
-            ag_ins, group_size, dtype, [bucketing._ALL_DTYPES.index(dtype)] * len(ag_ins), rank,
+        packed = torch.ops.bucketing._pre_bucket_all_gather(     # a group of one: [p0 p1 ...], no rank
+            ag_ins, 1, dtype, [bucketing._ALL_DTYPES.index(d) for d in out_dtypes], 0,
             bucketing._compute_foreach_groups(ag_ins, out_dtypes))
-        gathered = torch.ops.c10d_functional.wait_tensor(_c10d.all_gather_into_tensor_out.default(
-            gathered.narrow(0, numel * rank, numel), group_size, group_name, out=gathered))
-        return copy_out(gathered, group_size, [a.shape for a in ag_ins])
+        gathered = torch.ops.c10d_functional.wait_tensor(
+            _c10d.all_gather_into_tensor.default(packed, group_size, group_name))
+        if all(out_dtype == dtype for out_dtype in out_dtypes) and all(a.dim() > 0 for a in ag_ins):
+            return copy_out(gathered, group_size, [a.shape for a in ag_ins])
+        # Inductor's own unpacking (several dtypes in one buffer, or 0-dim shards)
+        sizes = [a.numel() * out_dtype.itemsize // dtype.itemsize for a, out_dtype in zip(ag_ins, out_dtypes)]
+        rows = torch.split_with_sizes(gathered.reshape(group_size, -1), sizes, dim=1)
+        return [row.view(out_dtype).reshape((a.shape[0] * group_size, *a.shape[1:]) if a.dim() else (group_size,))
+                for row, a, out_dtype in zip(rows, ag_ins, out_dtypes)]
 
     bucketing.all_gather_merge_fn_to_trace_custom_ops = merge
     try:
