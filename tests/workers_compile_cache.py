@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch._dynamo.utils import counters
 
@@ -10,8 +12,8 @@ from models import GPT, GPTConfig, gpt_batch
 
 
 def train_with_inductor(rank: int, world: int, options: dict) -> dict:
-    """Two SGD steps of the test GPT compiled by Inductor: losses, this rank's parameters and what
-    Inductor's FX graph cache did."""
+    """Two SGD steps of the test GPT compiled by Inductor: losses, this rank's parameters, what
+    Inductor's FX graph cache did and the process-group names the compiled code's collectives use."""
     torch.manual_seed(0)
     cfg = GPTConfig()
     model = GPT(cfg)
@@ -26,4 +28,18 @@ def train_with_inductor(rank: int, world: int, options: dict) -> dict:
         losses.append(loss.item())
     cache = {kind: counters["inductor"][f"fxgraph_cache_{kind}"] for kind in ("hit", "miss", "bypass")}
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "cache": cache}
+            "cache": cache, "group_names": sorted(_group_names_in_generated_code())}
+
+
+def _group_names_in_generated_code() -> set[str]:
+    """The group names Inductor's generated modules pass to collectives and to the mesh coordinate."""
+    from torch._inductor.codecache import PyCodeCache
+
+    names = set()
+    for module in list(PyCodeCache.modules) + list(PyCodeCache.modules_no_attr.values()):
+        with open(module.__file__) as source:
+            for line in source:
+                if "_c10d_functional." in line or "mesh_coordinate" in line:
+                    # (torch's group names are numbers)
+                    names.update(n for n in re.findall(r"'([^']*)'", line) if re.fullmatch(r"\d+|dynshard:.*", n))
+    return names

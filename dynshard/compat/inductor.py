@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from typing import Any, Callable, Iterator, Sequence
 
@@ -15,6 +16,7 @@ from . import _c10d, invoke_subgraph, isolated_tracing
 from .cpp_kernel_batches import cpp_kernels_batched
 from .cpu_isa import wait_cpu_isa_probe
 from .mask_partial import mask_offsets_read_at_run_time
+from .shared_compiles import compile_shared
 
 
 def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str,
@@ -60,6 +62,9 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
         # registers the bucketing custom ops, which programs loaded from Inductor's cache call
         importlib.import_module("torch._inductor.fx_passes.bucketing")
+        # a cacheable compile: one rank of the host compiles each distinct graph, the others read it
+        compile_inductor = (compile_fx_inner if fake_mode is None
+                            else functools.partial(compile_shared, compile_fx_inner))
 
         def inner_compile(graph: fx.GraphModule, inputs, **kwargs):
             wait_cpu_isa_probe()
@@ -77,8 +82,8 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
 
             def compile_graph(part: fx.GraphModule, part_inputs):
                 if blocks_only and any(node.target is invoke_subgraph for node in part.graph.nodes):
-                    return _compile_blocks_only(part, phase, compile_fx_inner)
-                return compile_fx_inner(part, part_inputs, **kwargs)
+                    return _compile_blocks_only(part, phase, compile_inductor)
+                return compile_inductor(part, part_inputs, **kwargs)
 
             if phase == "backward" and backward is not None:
                 return backward(graph, inputs, compile_graph)

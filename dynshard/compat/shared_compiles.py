@@ -1,0 +1,124 @@
+"""The ranks on one host compile each distinct program once; the others read it from Inductor's cache.
+
+Every rank of a job compiles its own program, and most ranks' programs are the same ones: a data-parallel
+group's ranks hold the same shards, and with the mesh coordinate read at run time
+(:mod:`dynshard.runtime.mesh_coordinate`) so do the ranks of a tensor-parallel group, up to the names of
+their process groups. Two things make each distinct program one Inductor compile per host:
+
+- **Groups named by their shape** (:func:`groups_named_by_shape`). A functional collective names its
+  process group, and groups of one mesh dimension have different names on different ranks ("1" for ranks
+  {0, 1}, "2" for {2, 3}). Before Inductor sees a graph, each group name is replaced by an alias that says
+  which ranks the group holds relative to its first ("dynshard:0,2": every second rank), registered on this
+  rank for its own group (``_register_process_group``; names are looked up where each rank runs, never sent).
+  Nothing Inductor generates may then depend on the rank's place in a group, or a rank would run another
+  rank's code: the bucketed all-gathers do not (``compat.gather_buckets_copied_out``), the vocabulary masks
+  read the coordinate at run time.
+- **One compile at a time per distinct graph** (:func:`compiled_once_per_host`). Ranks reach a graph at
+  the same moment, so all of them would miss the cache and compile. A file lock named by the graph's code
+  and inputs (in Inductor's cache directory, so shared by the ranks that share the cache) lets the first
+  compile it and write the cache entry, which the others then read. The lock only orders the work: what
+  a rank runs is still what Inductor's own key finds, and a graph that hashes differently is compiled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+
+ALIAS_PREFIX = "dynshard:"
+
+
+def groups_named_by_shape(graph: fx.GraphModule) -> fx.GraphModule:
+    """``graph`` (and the graphs it calls) with every ``group_name`` argument of an op replaced by its
+    alias, registered for this rank's group."""
+    for module in graph.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        changed = False
+        for node in module.graph.nodes:
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                continue
+            for index, argument in enumerate(node.target._schema.arguments):
+                if argument.name != "group_name":
+                    continue
+                if index < len(node.args) and isinstance(node.args[index], str):
+                    alias = group_alias(node.args[index])
+                    if alias != node.args[index]:
+                        node.update_arg(index, alias)
+                        changed = True
+                elif isinstance(node.kwargs.get("group_name"), str):
+                    alias = group_alias(node.kwargs["group_name"])
+                    if alias != node.kwargs["group_name"]:
+                        node.update_kwarg("group_name", alias)
+                        changed = True
+        if changed:
+            module.recompile()
+    return graph
+
+
+def group_alias(group_name: str) -> str:
+    """The name of the group ``group_name`` by the ranks it holds relative to its first, registered on
+    this rank (a second group of the same shape on this rank gets "#1", and so on). The name itself when
+    it is an alias already or names no group."""
+    from torch._C._distributed_c10d import _register_process_group, _resolve_process_group
+
+    if group_name.startswith(ALIAS_PREFIX):
+        return group_name
+    try:
+        group = _resolve_process_group(group_name)
+    except (RuntimeError, ValueError):
+        return group_name
+    ranks = sorted(torch.distributed.get_process_group_ranks(group))
+    base = ALIAS_PREFIX + ",".join(str(rank - ranks[0]) for rank in ranks)
+    for copy in range(len(ranks) + 16):
+        alias = base if copy == 0 else f"{base}#{copy}"
+        try:
+            registered = _resolve_process_group(alias)
+        except (RuntimeError, ValueError):
+            _register_process_group(alias, group)
+            return alias
+        if registered is group:
+            return alias
+    return group_name
+
+
+@contextlib.contextmanager
+def compiled_once_per_host(graph: fx.GraphModule, inputs: Sequence[Any]) -> Iterator[None]:
+    """Held while ``graph`` is compiled: the other ranks of this host (those sharing Inductor's cache
+    directory) wait here to compile a graph of the same code and inputs, and then read the entry this
+    compile wrote. Nothing is held where Inductor's FX graph cache is off."""
+    from torch._inductor import config
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from torch.utils._filelock import FileLock
+
+    if not config.fx_graph_cache or torch.compiler.config.force_disable_caches:
+        yield
+        return
+    directory = os.path.join(cache_dir(), "dynshard_compiles")
+    os.makedirs(directory, exist_ok=True)
+    with FileLock(os.path.join(directory, f"{graph_digest(graph, inputs)}.lock")):
+        yield
+
+
+def graph_digest(graph: fx.GraphModule, inputs: Sequence[Any]) -> str:
+    """A digest of the code of ``graph`` and of the graphs it calls, and of its inputs' metadata."""
+    parts = [module.code for module in graph.modules() if isinstance(module, fx.GraphModule)]
+    for value in inputs:
+        if isinstance(value, torch.Tensor):
+            parts.append(f"{value.dtype} {value.device} {tuple(value.shape)} {value.stride()} "
+                         f"{value.requires_grad}")
+        else:
+            parts.append(repr(value))
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def compile_shared(compile: Callable[..., Any], graph: fx.GraphModule, inputs: Sequence[Any], **kwargs):
+    """``compile(graph, inputs, **kwargs)`` with the groups named by shape, one rank of this host at a time."""
+    groups_named_by_shape(graph)
+    with compiled_once_per_host(graph, inputs):
+        return compile(graph, inputs, **kwargs)
