@@ -16,7 +16,7 @@ from . import _c10d, invoke_subgraph, isolated_tracing
 from .cpp_kernel_batches import cpp_kernels_batched
 from .cpu_isa import wait_cpu_isa_probe
 from .mask_partial import mask_offsets_read_at_run_time
-from .shared_compiles import compile_shared
+from .shared_compiles import compile_shared, rank_free_compiles
 
 
 def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str,
@@ -123,13 +123,16 @@ def _cacheable_fake_mode(example_inputs: Sequence[Any]):
 class _DynshardCompile(CustomGraphPass):
     """Does nothing; in every dynshard compile's Inductor settings so that its FX graph cache entries are
     its own: a cached program calls ``dynshard::copy_out_gathered`` where Inductor's bucketing would copy
-    parameters out itself (:func:`gather_buckets_copied_out`)."""
+    parameters out itself, and gathers out of place (:func:`gather_buckets_copied_out`)."""
 
     def __call__(self, graph: fx.Graph) -> None:
         return None
 
     def uuid(self) -> str:
-        return "dynshard: copy_out_gathered bucket merge, v1"
+        # where a compile may bake the rank in (GPU overlap scheduling), each rank keeps its own entries
+        rank = "" if rank_free_compiles() or not torch.distributed.is_initialized() else \
+            f", rank {torch.distributed.get_rank()}"
+        return f"dynshard: copy_out_gathered bucket merge, rank-free gathers, v2{rank}"
 
 
 _DYNSHARD_COMPILE = _DynshardCompile()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 from typing import Any, Callable, Iterator, Sequence
 
@@ -31,6 +32,9 @@ import torch
 import torch.fx as fx
 
 ALIAS_PREFIX = "dynshard:"
+LOCK_TIMEOUT_S = 600      # then a rank compiles the graph itself: a compile that long is no hang to wait on
+
+log = logging.getLogger("dynshard")
 
 
 def groups_named_by_shape(graph: fx.GraphModule) -> fx.GraphModule:
@@ -65,7 +69,8 @@ def group_alias(group_name: str) -> str:
     """The name of the group ``group_name`` by the ranks it holds relative to its first, registered on
     this rank (a second group of the same shape on this rank gets "#1", and so on). The name itself when
     it is an alias already or names no group."""
-    from torch._C._distributed_c10d import _register_process_group, _resolve_process_group
+    from torch._C._distributed_c10d import (_register_process_group, _resolve_process_group,
+                                            _unregister_process_group)
 
     if group_name.startswith(ALIAS_PREFIX):
         return group_name
@@ -79,12 +84,24 @@ def group_alias(group_name: str) -> str:
         alias = base if copy == 0 else f"{base}#{copy}"
         try:
             registered = _resolve_process_group(alias)
-        except (RuntimeError, ValueError):
+        except (RuntimeError, ValueError):     # free, or left by a destroyed group (c10d keeps the name)
+            _unregister_process_group(alias)
             _register_process_group(alias, group)
             return alias
         if registered is group:
             return alias
     return group_name
+
+
+def rank_free_compiles() -> bool:
+    """Whether Inductor's settings let ranks share compiles: False where a compile runs collectives (GPU
+    overlap scheduling aligns its estimates across ranks and times collectives, distributed autotuning,
+    the SPMD check: a rank holding the lock would wait for ranks that wait for it) or bakes the rank into
+    the code (overlap scheduling buckets gathers with Inductor's in-place merge)."""
+    from torch._inductor import config
+
+    return not (config.aten_distributed_optimizations.enable_overlap_scheduling
+                or config.aten_distributed_optimizations.spmd_check or config.distributed_max_autotune_gemm)
 
 
 @contextlib.contextmanager
@@ -94,15 +111,24 @@ def compiled_once_per_host(graph: fx.GraphModule, inputs: Sequence[Any]) -> Iter
     compile wrote. Nothing is held where Inductor's FX graph cache is off."""
     from torch._inductor import config
     from torch._inductor.runtime.cache_dir_utils import cache_dir
-    from torch.utils._filelock import FileLock
+    from filelock import FileLock, Timeout      # (a dependency of torch)
 
     if not config.fx_graph_cache or torch.compiler.config.force_disable_caches:
         yield
         return
     directory = os.path.join(cache_dir(), "dynshard_compiles")
     os.makedirs(directory, exist_ok=True)
-    with FileLock(os.path.join(directory, f"{graph_digest(graph, inputs)}.lock")):
+    lock = FileLock(os.path.join(directory, f"{graph_digest(graph, inputs)}.lock"), timeout=LOCK_TIMEOUT_S)
+    try:
+        lock.acquire()
+    except Timeout:
+        log.warning("dynshard: another rank has compiled this graph for %d s; compiling it here too", LOCK_TIMEOUT_S)
         yield
+        return
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def graph_digest(graph: fx.GraphModule, inputs: Sequence[Any]) -> str:
@@ -118,7 +144,10 @@ def graph_digest(graph: fx.GraphModule, inputs: Sequence[Any]) -> str:
 
 
 def compile_shared(compile: Callable[..., Any], graph: fx.GraphModule, inputs: Sequence[Any], **kwargs):
-    """``compile(graph, inputs, **kwargs)`` with the groups named by shape, one rank of this host at a time."""
+    """``compile(graph, inputs, **kwargs)`` with the groups named by shape, one rank of this host at a time
+    (as it is where Inductor's settings do not let ranks share compiles)."""
+    if not rank_free_compiles():
+        return compile(graph, inputs, **kwargs)
     groups_named_by_shape(graph)
     with compiled_once_per_host(graph, inputs):
         return compile(graph, inputs, **kwargs)
