@@ -79,3 +79,30 @@ def test_a_rank_compiles_a_graph_itself_when_another_holds_it_too_long(world_of_
         compiled = shared_compiles.compile_shared(lambda g, i: "compiled", graph, inputs)
     assert compiled == "compiled"
     assert "compiling it here too" in caplog.text
+
+
+def test_ranks_compile_a_graph_side_by_side_once_the_cache_bypassed_it(world_of_one, tmp_path, monkeypatch):
+    from filelock import FileLock, Timeout
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    group = dist.new_group([0])
+    graph, inputs = _all_reduce_graph(group.group_name), [torch.ones(3)]
+    shared_compiles.groups_named_by_shape(graph)
+    lock = str(tmp_path / "dynshard_compiles" / f"{shared_compiles.graph_digest(graph, inputs)}.lock")
+
+    def held_by_this_compile() -> bool:
+        probe = FileLock(lock, timeout=0)
+        try:
+            probe.acquire()
+        except Timeout:
+            return True
+        probe.release()
+        return False
+
+    def bypassing_compile(g, i):
+        counters["inductor"]["fxgraph_cache_bypass"] += 1
+        return held_by_this_compile()
+
+    assert shared_compiles.compile_shared(bypassing_compile, graph, inputs) is True      # the first: locked
+    assert shared_compiles.compile_shared(bypassing_compile, graph, inputs) is False     # then: side by side

@@ -18,15 +18,16 @@ their process groups. Two things make each distinct program one Inductor compile
   and inputs (in Inductor's cache directory, so shared by the ranks that share the cache) lets the first
   compile it and write the cache entry, which the others then read. The lock only orders the work: what
   a rank runs is still what Inductor's own key finds, and a graph that hashes differently is compiled.
+  A graph the cache bypasses (something in it Inductor cannot key) is marked so, and the ranks then
+  compile it side by side rather than one after another.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -104,31 +105,42 @@ def rank_free_compiles() -> bool:
                 or config.aten_distributed_optimizations.spmd_check or config.distributed_max_autotune_gemm)
 
 
-@contextlib.contextmanager
-def compiled_once_per_host(graph: fx.GraphModule, inputs: Sequence[Any]) -> Iterator[None]:
-    """Held while ``graph`` is compiled: the other ranks of this host (those sharing Inductor's cache
-    directory) wait here to compile a graph of the same code and inputs, and then read the entry this
-    compile wrote. Nothing is held where Inductor's FX graph cache is off."""
+def compiled_once_per_host(graph: fx.GraphModule, inputs: Sequence[Any], compile_now: Callable[[], Any]) -> Any:
+    """``compile_now()`` under a lock named by ``graph``: the other ranks of this host (those sharing
+    Inductor's cache directory) wait to compile a graph of the same code and inputs, and then read the
+    entry this compile wrote. Nothing is held where Inductor's FX graph cache is off, and the waiting
+    ends for all once a compile of the graph bypassed the cache (a mark beside the lock): the ranks
+    then compile it side by side, as without the lock."""
+    from filelock import FileLock, Timeout      # (a dependency of torch)
+    from torch._dynamo.utils import counters
     from torch._inductor import config
     from torch._inductor.runtime.cache_dir_utils import cache_dir
-    from filelock import FileLock, Timeout      # (a dependency of torch)
 
     if not config.fx_graph_cache or torch.compiler.config.force_disable_caches:
-        yield
-        return
+        return compile_now()
     directory = os.path.join(cache_dir(), "dynshard_compiles")
     os.makedirs(directory, exist_ok=True)
-    lock = FileLock(os.path.join(directory, f"{graph_digest(graph, inputs)}.lock"), timeout=LOCK_TIMEOUT_S)
+    path = os.path.join(directory, graph_digest(graph, inputs))
+    if os.path.exists(f"{path}.bypassed"):
+        return compile_now()
+    lock = FileLock(f"{path}.lock", timeout=LOCK_TIMEOUT_S)
     try:
         lock.acquire()
     except Timeout:
         log.warning("dynshard: another rank has compiled this graph for %d s; compiling it here too", LOCK_TIMEOUT_S)
-        yield
-        return
+        return compile_now()
     try:
-        yield
+        if os.path.exists(f"{path}.bypassed"):      # (written while this rank waited)
+            lock.release()
+            return compile_now()
+        bypassed = counters["inductor"]["fxgraph_cache_bypass"]
+        compiled = compile_now()
+        if counters["inductor"]["fxgraph_cache_bypass"] > bypassed:
+            open(f"{path}.bypassed", "w").close()
+        return compiled
     finally:
-        lock.release()
+        if lock.is_locked:
+            lock.release()
 
 
 def graph_digest(graph: fx.GraphModule, inputs: Sequence[Any]) -> str:
@@ -149,5 +161,4 @@ def compile_shared(compile: Callable[..., Any], graph: fx.GraphModule, inputs: S
     if not rank_free_compiles():
         return compile(graph, inputs, **kwargs)
     groups_named_by_shape(graph)
-    with compiled_once_per_host(graph, inputs):
-        return compile(graph, inputs, **kwargs)
+    return compiled_once_per_host(graph, inputs, lambda: compile(graph, inputs, **kwargs))
