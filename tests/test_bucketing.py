@@ -77,20 +77,3 @@ def test_a_gathered_bucket_is_the_same_code_on_every_rank_of_the_group():
     for dtypes in ([torch.float32, torch.float32], [torch.float32, torch.bfloat16]):
         codes = {traced(rank, dtypes) for rank in range(4)}
         assert len(codes) == 1, codes
-
-
-def test_a_gathered_bucket_of_several_dtypes_gives_each_shard_back_in_its_dtype():
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        ag_ins = [torch.randn(4, 3), torch.randn(6).to(torch.bfloat16), torch.randn(2, 2)]
-        out_dtypes = [torch.float32, torch.bfloat16, torch.bfloat16]
-        outs = _merged(ag_ins, dist.group.WORLD.group_name, 1, torch.float32, out_dtypes, 0)
-        for shard, out, dtype in zip(ag_ins, outs, out_dtypes):
-            assert out.dtype == dtype and out.shape == shard.shape
-            assert torch.equal(out, shard.to(dtype))
-        same = _merged(ag_ins[:1], dist.group.WORLD.group_name, 1, torch.float32, [torch.float32], 0)
-        assert torch.equal(same[0], ag_ins[0])
-    finally:
-        dist.destroy_process_group()
