@@ -77,3 +77,16 @@ def test_a_gathered_bucket_is_the_same_code_on_every_rank_of_the_group():
     for dtypes in ([torch.float32, torch.float32], [torch.float32, torch.bfloat16]):
         codes = {traced(rank, dtypes) for rank in range(4)}
         assert len(codes) == 1, codes
+
+
+def test_overlapping_compiles_keep_the_rank_free_merge_until_the_last_one_ends():
+    from torch._inductor.fx_passes import bucketing
+
+    inductor_merge = bucketing.all_gather_merge_fn_to_trace_custom_ops
+    first, second = compat.gather_buckets_copied_out(), compat.gather_buckets_copied_out()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)          # (another thread's compile ends first)
+    assert bucketing.all_gather_merge_fn_to_trace_custom_ops is not inductor_merge
+    second.__exit__(None, None, None)
+    assert bucketing.all_gather_merge_fn_to_trace_custom_ops is inductor_merge

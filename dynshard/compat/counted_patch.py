@@ -1,4 +1,4 @@
-"""An attribute of a torch class replaced while any of dynshard's compiles needs it replaced.
+"""An attribute of a torch class or module replaced while any of dynshard's compiles needs it replaced.
 
 Compiles may overlap (threads), so each replacement is counted: the first context in installs it, the
 last one out restores the original, unless something else replaced the attribute since (then it is
@@ -14,9 +14,9 @@ from typing import Any, Callable, Iterator
 
 class CountedPatch:
     """``owner().<name>`` set to ``replace(original)`` while :meth:`applied` is entered anywhere.
-    ``owner`` is a function, so that the class (an Inductor module's) is imported at first use only."""
+    ``owner`` is a function, so that the class or module (Inductor's) is imported at first use only."""
 
-    def __init__(self, owner: Callable[[], type], name: str, replace: Callable[[Any], Any]):
+    def __init__(self, owner: Callable[[], Any], name: str, replace: Callable[[Any], Any]):
         self.owner, self.name, self.replace = owner, name, replace
         self.count, self.original, self.replacement = 0, None, None
         self.lock = threading.Lock()

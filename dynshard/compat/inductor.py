@@ -13,6 +13,7 @@ import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from . import _c10d, invoke_subgraph, isolated_tracing
+from .counted_patch import CountedPatch
 from .cpp_kernel_batches import cpp_kernels_batched
 from .cpu_isa import wait_cpu_isa_probe
 from .mask_partial import mask_offsets_read_at_run_time
@@ -195,8 +196,7 @@ class _CompiledBlock(torch.nn.Module):
         return self.compiled(list(args))
 
 
-@contextlib.contextmanager
-def gather_buckets_copied_out() -> Iterator[None]:
+def gather_buckets_copied_out() -> contextlib.AbstractContextManager:
     """Inductor's all-gather bucketing ("custom_ops" mode, ``bucketing.
     all_gather_merge_fn_to_trace_custom_ops``), with two changes:
 
@@ -208,12 +208,23 @@ def gather_buckets_copied_out() -> Iterator[None]:
       are packed into a buffer of their own (Inductor's packing op, as for a group of one) and gathered
       out of place: the same copies, one more shard-sized buffer;
     - each bucket's copy-out is one ``dynshard::copy_out_gathered`` call instead of one generated kernel
-      per parameter (see runtime/gathered_bucket.py), where the bucket has one dtype."""
+      per parameter (see runtime/gathered_bucket.py), where the bucket has one dtype.
+
+    Counted (:mod:`.counted_patch`): a compile on another thread must not get Inductor's merge back while
+    this one still traces buckets, or a rank's entry would hold its rank."""
+    return _RANK_FREE_GATHERS.applied()
+
+
+def _bucketing_module():
     from torch._inductor.fx_passes import bucketing
 
+    return bucketing
+
+
+def _rank_free_merge(inductor_merge: Callable) -> Callable:
     from ..runtime.gathered_bucket import copy_out
 
-    inductor_merge = bucketing.all_gather_merge_fn_to_trace_custom_ops
+    bucketing = _bucketing_module()
 
     def merge(ag_ins, group_name, group_size: int, dtype, out_dtypes, rank: int):
         packed = torch.ops.bucketing._pre_bucket_all_gather(     # a group of one: [p0 p1 ...], no rank
@@ -228,12 +239,10 @@ def gather_buckets_copied_out() -> Iterator[None]:
         rows = torch.split_with_sizes(gathered.reshape(group_size, -1), sizes, dim=1)
         return [row.view(out_dtype).reshape((a.shape[0] * group_size, *a.shape[1:]) if a.dim() else (group_size,))
                 for row, a, out_dtype in zip(rows, ag_ins, out_dtypes)]
+    return merge
 
-    bucketing.all_gather_merge_fn_to_trace_custom_ops = merge
-    try:
-        yield
-    finally:
-        bucketing.all_gather_merge_fn_to_trace_custom_ops = inductor_merge
+
+_RANK_FREE_GATHERS = CountedPatch(_bucketing_module, "all_gather_merge_fn_to_trace_custom_ops", _rank_free_merge)
 
 
 @contextlib.contextmanager

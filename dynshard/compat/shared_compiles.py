@@ -51,16 +51,16 @@ def groups_named_by_shape(graph: fx.GraphModule) -> fx.GraphModule:
             for index, argument in enumerate(node.target._schema.arguments):
                 if argument.name != "group_name":
                     continue
-                if index < len(node.args) and isinstance(node.args[index], str):
-                    alias = group_alias(node.args[index])
-                    if alias != node.args[index]:
-                        node.update_arg(index, alias)
-                        changed = True
-                elif isinstance(node.kwargs.get("group_name"), str):
-                    alias = group_alias(node.kwargs["group_name"])
-                    if alias != node.kwargs["group_name"]:
-                        node.update_kwarg("group_name", alias)
-                        changed = True
+                positional = index < len(node.args)
+                name = node.args[index] if positional else node.kwargs.get("group_name")
+                alias = group_alias(name) if isinstance(name, str) else name
+                if alias == name:
+                    continue
+                if positional:
+                    node.update_arg(index, alias)
+                else:
+                    node.update_kwarg("group_name", alias)
+                changed = True
         if changed:
             module.recompile()
     return graph
