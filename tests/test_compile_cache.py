@@ -1,5 +1,5 @@
-"""A restarted job reuses what Inductor generated for its programs (the FX graph cache), and trains
-exactly as the first job did."""
+"""A restarted job reuses what aot_autograd traced and Inductor generated for its programs (their caches),
+and trains exactly as the first job did; the ranks of a host trace and generate each distinct program once."""
 
 from __future__ import annotations
 
@@ -22,21 +22,45 @@ def test_a_restarted_job_reuses_inductors_compiled_programs(tmp_path, options):
         compiled = cold["cache"]["miss"] + cold["cache"]["hit"]
         assert compiled >= 2 and cold["cache"]["bypass"] == 0, cold
         assert warm["cache"] == {"hit": compiled, "miss": 0, "bypass": 0}, (rank, warm)
+        # the program itself, traced and partitioned, read from aot_autograd's cache, and with it what
+        # explain reports of it
+        assert cold["aot_cache"]["bypass"] == 0 and warm["aot_cache"] == {"hit": 1, "miss": 0, "bypass": 0}, warm
+        assert warm["explained"] == cold["explained"], rank
         assert warm["losses"] == cold["losses"], rank
         for name, value in cold["params"].items():
             assert torch.equal(warm["params"][name], value), (rank, name)
 
 
-@pytest.mark.parametrize("options, distinct",
-                         [({"policy": "dp", "use_zero": 3}, 2), ({"policy": "tp", "plan_ngpus": 2}, 3)],
-                         ids=["zero3", "tp"])
-def test_ranks_with_the_same_program_compile_it_once(tmp_path, options, distinct):
+@pytest.mark.parametrize("options, graphs, programs",
+                         [({"policy": "dp", "use_zero": 3}, 2, 1), ({"policy": "tp", "plan_ngpus": 2}, 3, 2),
+                          ({"policy": "dp", "use_zero": 1}, 3, 2)],
+                         ids=["zero3", "tp", "zero1"])
+def test_ranks_with_the_same_program_compile_it_once(tmp_path, options, graphs, programs):
     """The ranks of a data-parallel group hold the same program, and so do those of a tensor-parallel
     group once their process groups are named by shape and the mesh coordinate is read at run time (the
     tp backward keeps each rank's rows of the tied embedding's gradient: one backward per coordinate).
-    One rank generates each distinct graph, the other reads it from the cache."""
+    One rank generates each distinct graph, the other reads it from the cache.
+    aot_autograd's cache tells apart programs that differ only in what dynshard's functions capture: the
+    tp coordinate (which half of a redistributed value a rank keeps) and ZeRO-1's rank (which rows of
+    the all-reduced gradient it keeps) each make a program of their own."""
     ranks = run_ranks(train_with_inductor, 2, options, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
-    assert sum(rank["cache"]["miss"] for rank in ranks) == distinct, ranks
-    assert sum(rank["cache"]["hit"] for rank in ranks) == 4 - distinct, ranks
+    assert sum(rank["cache"]["miss"] for rank in ranks) == graphs, ranks
+    assert sum(rank["cache"]["hit"] for rank in ranks) == 4 - graphs, ranks
+    assert sum(rank["aot_cache"]["miss"] for rank in ranks) == programs, ranks
+    assert sum(rank["aot_cache"]["hit"] for rank in ranks) == 2 - programs, ranks
     aliases = {name for rank in ranks for name in rank["group_names"]}
     assert aliases and all(name.startswith("dynshard:") for name in aliases), aliases
+
+
+def test_the_no_sync_variant_is_a_program_of_its_own_in_the_cache(tmp_path):
+    """Accumulating (``no_sync``) and reducing programs differ only in a flag their functions capture."""
+    ranks = run_ranks(train_with_inductor, 2, {"policy": "dp", "use_zero": 2}, True,
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+    assert sum(rank["aot_cache"]["miss"] for rank in ranks) == 2, ranks
+    assert sum(rank["aot_cache"]["hit"] for rank in ranks) == 2, ranks
+    uncached_env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "off"), "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
+    single = run_ranks(train_with_inductor, 2, {"policy": "dp", "use_zero": 2}, True, env=uncached_env)
+    for cached, uncached in zip(ranks, single):
+        assert cached["losses"] == uncached["losses"]
+        for name, value in uncached["params"].items():
+            assert torch.equal(cached["params"][name], value), name

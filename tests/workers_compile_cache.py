@@ -11,9 +11,10 @@ import dynshard
 from models import GPT, GPTConfig, gpt_batch
 
 
-def train_with_inductor(rank: int, world: int, options: dict) -> dict:
-    """Two SGD steps of the test GPT compiled by Inductor: losses, this rank's parameters, what
-    Inductor's FX graph cache did and the process-group names the compiled code's collectives use."""
+def train_with_inductor(rank: int, world: int, options: dict, accumulate: bool = False) -> dict:
+    """Two SGD steps of the test GPT compiled by Inductor (``accumulate``: each of two micro-batches, the
+    first under ``no_sync``): losses, this rank's parameters, what aot_autograd's and Inductor's caches
+    did, the process-group names the compiled code's collectives use and what explain reports."""
     torch.manual_seed(0)
     cfg = GPTConfig()
     model = GPT(cfg)
@@ -21,14 +22,26 @@ def train_with_inductor(rank: int, world: int, options: dict) -> dict:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
     for step in range(2):
+        if accumulate:
+            with dynshard.no_sync(compiled):
+                compiled(*gpt_batch(cfg, 2, 100 + step * world + rank)).backward()
         loss = compiled(*gpt_batch(cfg, 2, step * world + rank))
         loss.backward()
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     cache = {kind: counters["inductor"][f"fxgraph_cache_{kind}"] for kind in ("hit", "miss", "bypass")}
+    aot = {kind: counters["aot_autograd"][f"autograd_cache_{kind}"] for kind in ("hit", "miss", "bypass")}
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
-            "cache": cache, "group_names": sorted(_group_names_in_generated_code())}
+            "cache": cache, "aot_cache": aot, "group_names": sorted(_group_names_in_generated_code()),
+            "explained": _explained(compiled)}
+
+
+def _explained(compiled) -> dict:
+    """What explain says of the programs, but how long they took to compile."""
+    explanation = dynshard.explain(compiled)
+    return {"collectives": [(c.phase, c.kind, c.group, c.bytes, c.shape) for c in explanation.collectives()],
+            "saved": [(p.saved_bytes, p.saved_count) for p in explanation.programs]}
 
 
 def _group_names_in_generated_code() -> set[str]:

@@ -117,6 +117,16 @@ def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], co
             program.saved_bytes, program.saved_count = saved_activations(graph, program.forward_storages)
             program.forward_storages = set()
 
+    def keep() -> dict:
+        return {"graphs": program.graphs, "collectives": program.collectives, "saved_bytes": program.saved_bytes,
+                "saved_count": program.saved_count}
+
+    def recall(kept: dict) -> None:
+        """A program read from aot_autograd's cache: what ``on_graph`` saw when it was compiled (by this
+        rank or another rank of the same program: its graphs show that rank's process-group names)."""
+        program.graphs, program.collectives = dict(kept["graphs"]), list(kept["collectives"])
+        program.saved_bytes, program.saved_count = kept["saved_bytes"], kept["saved_count"]
+
     def joint_passes(joint: fx.GraphModule, joint_inputs) -> fx.GraphModule:
         # an outlined block's saved input read from the input itself: the partitioner then sees what
         # it is (a ZeRO-3 gather it recomputes in the backward rather than keeps) and Inductor its lifetime
@@ -127,10 +137,11 @@ def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], co
     if inference_only:
         with torch.no_grad():
             program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, freeze=freeze,
-                                                  patches=inductor_patches, blocks_only=blocks_only)
+                                                  patches=inductor_patches, blocks_only=blocks_only,
+                                                  records=(keep, recall))
     else:
         program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, joint_pass=joint_passes,
                                               partition_pass=partition_pass, patches=inductor_patches,
-                                              backward=backward, blocks_only=blocks_only)
+                                              backward=backward, blocks_only=blocks_only, records=(keep, recall))
     program.seconds = time.perf_counter() - start
     return program

@@ -12,19 +12,19 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import _c10d, invoke_subgraph, isolated_tracing
+from . import _c10d, aot_cache, invoke_subgraph, isolated_tracing
 from .counted_patch import CountedPatch
 from .cpp_kernel_batches import cpp_kernels_batched
 from .cpu_isa import wait_cpu_isa_probe
 from .mask_partial import mask_offsets_read_at_run_time
-from .shared_compiles import compile_shared, rank_free_compiles
+from .shared_compiles import compile_shared, compiled_once_per_host, rank_free_compiles
 
 
 def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str,
                      on_graph: Callable[[fx.GraphModule, str], None], freeze: bool = False,
                      joint_pass: Callable | None = None, patches: dict | None = None,
                      backward: Callable | None = None, partition_pass: Callable | None = None,
-                     blocks_only: bool = False):
+                     blocks_only: bool = False, records: tuple[Callable[[], Any], Callable[[Any], None]] | None = None):
     """aot_autograd + the configured compiler; ``on_graph(graph, phase)`` sees each forward/backward
     graph (phase "forward", "backward" or "inference") before it is compiled. ``joint_pass(joint,
     inputs)`` runs on the joint graph before it is partitioned (functorch's ``joint_custom_pass``);
@@ -34,7 +34,9 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
     ``partition_pass(joint)`` runs right before each partitioner call: on the program's joint graph and
     on each outlined block's, which aot_autograd partitions before ``joint_pass`` runs. ``blocks_only``:
     Inductor compiles the outlined blocks of a graph that has some, and the graph itself runs as traced
-    (:func:`_compile_blocks_only`)."""
+    (:func:`_compile_blocks_only`). ``records``: ``(keep, recall)``, what ``on_graph`` learned (``keep()``,
+    picklable) and how to restore it (``recall(kept)``): with them, aot_autograd's cache serves the program
+    where it can (:func:`_compile_cached`), and ``recall`` replaces ``on_graph`` on a hit."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
@@ -101,7 +103,52 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
             # (wrong gradients, exact loss; see passes/outline_repeated_blocks.py): allocate instead
             # (blocks_only: Inductor compiles each block alone, no call inside what it compiles)
             patches["allow_buffer_reuse"] = False
-        return compile_fx(gm, list(example_inputs), inner_compile=inner_compile, config_patches=patches)
+
+        def compile_now():
+            return compile_fx(gm, list(example_inputs), inner_compile=inner_compile, config_patches=patches)
+
+        if fake_mode is None or backward is not None or blocks_only or records is None or \
+                not aot_cache.program_functions_named(gm):
+            # (a split backward and Inductor's blocks alone are compiled where aot_autograd cannot save them)
+            with torch._functorch.config.patch(enable_autograd_cache=False):
+                return compile_now()
+        return _compile_cached(gm, example_inputs, compile_now, *records)
+
+
+def _compile_cached(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_now: Callable[[], Any],
+                    keep: Callable[[], Any], recall: Callable[[Any], None]):
+    """``compile_now()`` through aot_autograd's cache, one rank of the host at a time per program, the
+    backward compiled with the forward (so that the entry is saved before the next rank looks), and
+    dynshard's records of the traced graphs kept beside the entry. A hit whose records are lost is
+    compiled again."""
+    from torch._dynamo.utils import counters
+
+    aot_cache.prepared_for_cache_hits()
+    wait_cpu_isa_probe()
+
+    def compile_and_keep():
+        hits = counters["aot_autograd"]["autograd_cache_hit"]
+        compiled = compile_now()
+        if counters["aot_autograd"]["autograd_cache_hit"] == hits and len(keys) == 1:
+            aot_cache.remember(keys[0], keep())
+        return compiled
+
+    # (what a hit loads runs Inductor's code for the gathers and batches its kernels as a compile would)
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), aot_cache.aot_keys_seen() as keys, \
+            gather_buckets_copied_out(), cpp_kernels_batched():
+        hits = counters["aot_autograd"]["autograd_cache_hit"]
+        compiled = compiled_once_per_host(gm, example_inputs, compile_and_keep, cache="aot_autograd")
+        if counters["aot_autograd"]["autograd_cache_hit"] == hits:
+            return compiled
+        kept = aot_cache.remembered(keys[0]) if len(keys) == 1 else None
+        if kept is not None:
+            recall(kept)
+            return compiled
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            compiled = compile_now()
+        if len(keys) == 1:
+            aot_cache.remember(keys[0], keep())
+        return compiled
 
 
 def _cacheable_fake_mode(example_inputs: Sequence[Any]):

@@ -105,19 +105,33 @@ def rank_free_compiles() -> bool:
                 or config.aten_distributed_optimizations.spmd_check or config.distributed_max_autotune_gemm)
 
 
-def compiled_once_per_host(graph: fx.GraphModule, inputs: Sequence[Any], compile_now: Callable[[], Any]) -> Any:
+def _cache_on(cache: str) -> bool:
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    if torch.compiler.config.force_disable_caches:
+        return False
+    return functorch_config.enable_autograd_cache if cache == "aot_autograd" else inductor_config.fx_graph_cache
+
+
+_BYPASS_COUNTERS = {"inductor": ("inductor", "fxgraph_cache_bypass"),
+                    "aot_autograd": ("aot_autograd", "autograd_cache_bypass")}
+
+
+def compiled_once_per_host(graph: fx.GraphModule, inputs: Sequence[Any], compile_now: Callable[[], Any],
+                           cache: str = "inductor") -> Any:
     """``compile_now()`` under a lock named by ``graph``: the other ranks of this host (those sharing
     Inductor's cache directory) wait to compile a graph of the same code and inputs, and then read the
-    entry this compile wrote. Nothing is held where Inductor's FX graph cache is off, and the waiting
-    ends for all once a compile of the graph bypassed the cache (a mark beside the lock): the ranks
-    then compile it side by side, as without the lock."""
+    entry this compile wrote in ``cache`` (Inductor's FX graph cache, or "aot_autograd"'s). Nothing is
+    held where that cache is off, and the waiting ends for all once a compile of the graph bypassed the
+    cache (a mark beside the lock): the ranks then compile it side by side, as without the lock."""
     from filelock import FileLock, Timeout      # (a dependency of torch)
     from torch._dynamo.utils import counters
-    from torch._inductor import config
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    if not config.fx_graph_cache or torch.compiler.config.force_disable_caches:
+    if not _cache_on(cache):
         return compile_now()
+    group, counter = _BYPASS_COUNTERS[cache]
     directory = os.path.join(cache_dir(), "dynshard_compiles")
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, graph_digest(graph, inputs))
@@ -133,9 +147,9 @@ def compiled_once_per_host(graph: fx.GraphModule, inputs: Sequence[Any], compile
         if os.path.exists(f"{path}.bypassed"):      # (written while this rank waited)
             lock.release()
             return compile_now()
-        bypassed = counters["inductor"]["fxgraph_cache_bypass"]
+        bypassed = counters[group][counter]
         compiled = compile_now()
-        if counters["inductor"]["fxgraph_cache_bypass"] > bypassed:
+        if counters[group][counter] > bypassed:
             open(f"{path}.bypassed", "w").close()
         return compiled
     finally:

@@ -124,6 +124,10 @@ class _Boundary:
         self.name = name
         self.specs: dict[tuple[str, int], Any] = {}
 
+    def __dynshard_cache_state__(self) -> str:
+        # (the specs are what tracing the program records: the rest of the program decides them)
+        return self.name
+
     def localize(self, side: str):
         def to_local(value, index: int):
             spec = compat.dtensor_spec(value)

@@ -1,0 +1,269 @@
+"""aot_autograd's cache over dynshard's programs: a restart, and every rank of a host but one, reads the
+traced and partitioned program instead of tracing it through DTensor again.
+
+aot_autograd keys its cache on the graph Dynamo hands it: the graph's code, the names its calls import,
+its inputs' metadata and the compile settings. A dynshard program calls dynshard's own functions (a
+parameter's gather and gradient reduction, DTensor entry and exit, placements), which aot_autograd refuses
+("Unsupported call_function target"), and two of them with the same code may capture different state: the
+rank's tp coordinate (which chunk a Replicate->Shard redistribute keeps), ZeRO-1's rank (which rows of the
+reduced gradient it keeps), the no-sync variant's flag. The key cannot see a closure, so
+:func:`program_functions_named` calls each such function through a copy named by a digest of its code, of
+dynshard's source and of everything it captures, registered in this module where the key's pickle imports
+it. Ranks with the same program (a data-parallel group's) then share a key, and ranks whose programs differ
+only in captured state do not:
+
+- a process group's name becomes its shape (:func:`~.shared_compiles.group_alias`), as in Inductor's graphs;
+- a device mesh becomes its shape, its dimension names, its groups' shapes and this rank's coordinate;
+- a dataclass, a placement, a number: their fields or repr; a function: its code and what it captures;
+- anything else (a dict a function writes while it is traced, ``Config(gather_outputs=False)``'s output
+  specs, which a cache hit would leave unwritten) cannot be digested, and the program is compiled as
+  before, without the cache.
+
+What a hit skips is done before the compile (:func:`prepared_for_cache_hits`): the group aliases the
+cached code names are registered and the op it calls is imported. What dynshard records from the
+traced graphs (explain's collectives, code and saved bytes) is kept beside the entry, under the key
+(:func:`aot_keys_seen`, :func:`remembered`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import functools
+import hashlib
+import importlib
+import logging
+import os
+import pickle
+import threading
+import types
+from typing import Any, Iterator
+
+import torch
+import torch.fx as fx
+
+from .counted_patch import CountedPatch
+from .shared_compiles import group_alias, rank_free_compiles
+
+log = logging.getLogger("dynshard")
+
+
+class _Undigestable(Exception):
+    pass
+
+
+def program_functions_named(gm: fx.GraphModule) -> bool:
+    """Every call of ``gm`` (and of the graphs it calls) to a function aot_autograd's cache does not know
+    goes through a copy named by a digest of the function's code and captured state, and is marked as
+    aot_autograd's cache wants a wrapped function to be (``is_wrapped``, ``user_cache_hash``). False,
+    with ``gm`` left as it was, where some call's state cannot be digested."""
+    from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_node_safe
+
+    renamed: list[tuple[fx.Node, Any, str]] = []
+    for module in gm.modules():
+        if not isinstance(module, fx.GraphModule):
+            continue
+        for node in module.graph.nodes:
+            if node.op != "call_function":
+                continue
+            try:
+                check_node_safe(node)
+                continue
+            except BypassAOTAutogradCache:
+                pass
+            if not isinstance(node.target, types.FunctionType):
+                log.debug("dynshard: aot_autograd's cache skips a program calling %s", node.target)
+                return False
+            try:
+                renamed.append((node, *_named_copy(node.target)))
+            except _Undigestable as reason:
+                log.debug("dynshard: aot_autograd's cache skips a program: %s captures %s",
+                          node.target.__name__, reason)
+                return False
+    for node, copy, digest in renamed:
+        node.target = copy
+        node.meta["is_wrapped"], node.meta["user_cache_hash"] = True, digest
+    for module in gm.modules():
+        if isinstance(module, fx.GraphModule):
+            module.recompile()
+    return True
+
+
+def _named_copy(function: types.FunctionType) -> tuple[types.FunctionType, str]:
+    digest = hashlib.sha256("\n".join((dynshard_source_digest(), _rank_part(), _state(function))).encode())
+    digest = digest.hexdigest()[:20]
+    base = getattr(function, "_dynshard_base_name", function.__name__)
+    name = f"{base}_{digest}"
+    registered = globals().get(name)
+    if isinstance(registered, types.FunctionType) and registered.__code__ is function.__code__:
+        return registered, digest    # (the same code and the same state: the same behaviour)
+    # (named in the graph's code too, so that the lock of shared_compiles tells such programs apart)
+    copy = types.FunctionType(function.__code__, function.__globals__, name, function.__defaults__,
+                              function.__closure__)
+    copy.__kwdefaults__ = function.__kwdefaults__
+    copy.__dict__.update(function.__dict__)
+    copy.__module__, copy.__qualname__, copy._dynshard_base_name = __name__, name, base
+    globals()[name] = copy
+    return copy, digest
+
+
+def _rank_part() -> str:
+    """Where Inductor's settings make each rank compile its own code (``rank_free_compiles``), each rank
+    keeps its own entries at this level too."""
+    if rank_free_compiles() or not torch.distributed.is_initialized():
+        return ""
+    return f"rank {torch.distributed.get_rank()}"
+
+
+@functools.lru_cache(maxsize=1)
+def dynshard_source_digest() -> str:
+    """A digest of dynshard's source: what a captured function calls may change with it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digest = hashlib.sha256()
+    for directory, subdirectories, files in sorted(os.walk(root)):
+        subdirectories.sort()
+        for file in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(directory, file)
+            digest.update(os.path.relpath(path, root).encode())
+            with open(path, "rb") as source:
+                digest.update(source.read())
+    return digest.hexdigest()
+
+
+def _state(value: Any, depth: int = 0) -> str:
+    """A description of ``value`` that names everything a traced program could read from it, and no
+    process's identity (group names by their shape, meshes by their shape and this rank's coordinate)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.placement_types import Placement
+
+    if depth > 12:
+        raise _Undigestable("state nested too deep")
+    if value is None or isinstance(value, (bool, int, float, complex, torch.dtype, torch.device, torch.Size,
+                                           enum.Enum, type(Ellipsis))):
+        return repr(value)
+    if isinstance(value, str):
+        return repr(_group_shape(value))
+    if isinstance(value, (tuple, list)):
+        return f"{type(value).__name__}({', '.join(_state(v, depth + 1) for v in value)})"
+    if isinstance(value, (set, frozenset)):
+        return f"set({', '.join(sorted(_state(v, depth + 1) for v in value))})"
+    if isinstance(value, Placement):
+        return repr(value)
+    if isinstance(value, DeviceMesh):
+        groups = [_group_shape(value.get_group(dim).group_name) for dim in range(value.ndim)]
+        return f"mesh{tuple(value.shape)} {value.mesh_dim_names} at {value.get_coordinate()} groups {groups}"
+    if hasattr(type(value), "__dynshard_cache_state__"):
+        return f"{type(value).__qualname__}({value.__dynshard_cache_state__()})"
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = ", ".join(f"{f.name}={_state(getattr(value, f.name), depth + 1)}"
+                           for f in dataclasses.fields(value))
+        return f"{type(value).__module__}.{type(value).__qualname__}({fields})"
+    if isinstance(value, types.FunctionType):
+        code = _code_state(value.__code__)
+        cells = [_state(cell.cell_contents, depth + 1) if _filled(cell) else "<empty>"
+                 for cell in value.__closure__ or ()]
+        return (f"function {value.__module__}.{getattr(value, '_dynshard_base_name', value.__qualname__)} "
+                f"{code} defaults {_state(value.__defaults__, depth + 1)} "
+                f"kwdefaults {_state(sorted((value.__kwdefaults__ or {}).items()), depth + 1)} "
+                f"cells [{', '.join(cells)}]")
+    if isinstance(value, functools.partial):
+        return (f"partial({_state(value.func, depth + 1)}, {_state(value.args, depth + 1)}, "
+                f"{_state(sorted(value.keywords.items()), depth + 1)})")
+    if isinstance(value, (type, types.ModuleType, types.BuiltinFunctionType, torch._ops.OpOverload,
+                          torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+        return f"{type(value).__name__} {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', value)}"
+    raise _Undigestable(f"a {type(value).__qualname__}")
+
+
+def _code_state(code: types.CodeType) -> str:
+    consts = [(_code_state(c) if isinstance(c, types.CodeType) else repr(c)) for c in code.co_consts]
+    digest = hashlib.sha256(code.co_code + repr((code.co_names, consts, code.co_varnames)).encode())
+    return digest.hexdigest()[:16]
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+def _group_shape(name: str) -> str:
+    """A process group's name as its shape (the alias Inductor's graphs use); any other string as it is."""
+    if not torch.distributed.is_initialized():
+        return name
+    return group_alias(name)
+
+
+def prepared_for_cache_hits() -> None:
+    """What a program read from aot_autograd's cache needs that its compile would have done: every group's
+    alias registered on this rank (the cached code names groups by alias) and ``dynshard::copy_out_gathered``
+    and Inductor's bucketing ops registered."""
+    importlib.import_module("torch._inductor.fx_passes.bucketing")
+    importlib.import_module("dynshard.runtime.gathered_bucket")
+    if torch.distributed.is_initialized() and rank_free_compiles():
+        from torch.distributed.distributed_c10d import _world
+
+        for name in list(_world.pg_names.values()):
+            group_alias(name)
+
+
+_seen = threading.local()
+
+
+def _recording_keys(autograd_cache_key):
+    def recorded(*args, **kwargs):
+        key, debug_lines = autograd_cache_key(*args, **kwargs)
+        keys = getattr(_seen, "keys", None)
+        if keys is not None:
+            keys.append(key)
+        return key, debug_lines
+    return recorded
+
+
+def _autograd_cache_module():
+    from torch._functorch._aot_autograd import autograd_cache
+    return autograd_cache
+
+
+_KEYS_RECORDED = CountedPatch(_autograd_cache_module, "autograd_cache_key", _recording_keys)
+
+
+@contextlib.contextmanager
+def aot_keys_seen() -> Iterator[list[str]]:
+    """The keys aot_autograd's cache computes in this thread while the context is active, in order."""
+    keys: list[str] = []
+    previous = getattr(_seen, "keys", None)
+    _seen.keys = keys
+    try:
+        with _KEYS_RECORDED.applied():
+            yield keys
+    finally:
+        _seen.keys = previous
+
+
+def _records_path(key: str) -> str:
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return os.path.join(cache_dir(), "dynshard_compiles", f"{key}.records")
+
+
+def remember(key: str, records: Any) -> None:
+    """Keep ``records`` (what dynshard learned from the traced graphs) beside the entry ``key``."""
+    path = _records_path(key)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "wb") as file:
+        pickle.dump(records, file)
+    os.replace(temporary, path)
+
+
+def remembered(key: str) -> Any | None:
+    """The records kept beside the entry ``key``; None where there are none."""
+    try:
+        with open(_records_path(key), "rb") as file:
+            return pickle.load(file)
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
+        return None

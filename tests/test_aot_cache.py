@@ -1,0 +1,11 @@
+"""dynshard's functions in a program are named by what they capture, so that aot_autograd's cache keys
+tell apart programs that differ only there (what several ranks share is in test_compile_cache.py)."""
+
+from __future__ import annotations
+
+import workers_aot_cache as workers
+from distributed import run_ranks
+
+
+def test_program_functions_are_named_by_their_code_and_captured_state(tmp_path):
+    run_ranks(workers.names_functions_by_what_they_capture, 1, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
