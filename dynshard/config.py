@@ -63,6 +63,11 @@ class Config:
         faster first step, the top level unfused). A program with no outlined block is compiled whole;
         so is the weight-gradient half of a split (zero-bubble) backward. No effect with aot_eager.
     cache_dir: where plans are stored so that a restart skips planning; None keeps them in memory only.
+    share_traces: whether the ranks of a host that hold the same program trace it once, the others
+        waiting to read it from aot_autograd's cache (Inductor's code is generated once per host either
+        way). None: where the host's ranks outnumber its cores, where a waiting rank's core is worth
+        less than the tracing it saves (with as many cores as ranks, the ranks trace side by side).
+        Not part of the plan: it changes who compiles, not what.
     trace_dir: pipeline policies: each rank writes a Chrome trace of its steps there
         (``dynshard_trace_rank<r>.json``: forward, backward, send and receive waits; Perfetto opens it).
 
@@ -106,6 +111,7 @@ class Config:
     regional_compile: bool = True
     compile_scope: str = "program"
     cache_dir: str | None = None
+    share_traces: bool | None = None
     trace_dir: str | None = None
     use_zero: int = 0
     zero_ngroups: int = 1
@@ -123,6 +129,9 @@ class Config:
                 raise ConfigError(f"dynshard: {name} must be a dict, got {type(value).__name__}")
             object.__setattr__(self, name, MappingProxyType(dict(value)))
         _check_int("plan_ngpus", self.plan_ngpus)
+        if self.share_traces not in (None, True, False):
+            raise ConfigError(f"dynshard: share_traces must be True, False or None (decided per host), "
+                              f"got {self.share_traces!r}")
         if self.runtime_ngpus is not None:
             _check_int("runtime_ngpus", self.runtime_ngpus)
             if self.runtime_ngpus % self.plan_ngpus:
@@ -278,7 +287,8 @@ class Config:
 
     def cache_token(self) -> str:
         """The part of the plan-cache key that comes from the configuration."""
-        parts = {f: getattr(self, f) for f in self.fields() if f not in ("cache_dir", "trace_dir", "policy", "param_init_fn")}
+        parts = {f: getattr(self, f) for f in self.fields()
+                 if f not in ("cache_dir", "trace_dir", "share_traces", "policy", "param_init_fn")}
         parts["policy"] = self.policy if isinstance(self.policy, str) else _qualified_name(self.policy)
         parts["param_init_fn"] = None if self.param_init_fn is None else _qualified_name(self.param_init_fn)
         parts["pas_config"] = dict(self.pas_config)
@@ -373,6 +383,8 @@ def _parse_env(name: str, raw: str, key: str) -> Any:
             return _parse_bool(raw)
         if name == "use_zero":
             return int(raw) if raw.strip().isdigit() else _parse_bool(raw)
+        if name == "share_traces":
+            return None if raw.strip().lower() in ("", "none", "auto") else _parse_bool(raw)
         if name == "reducer_bucket_cap_mb":
             return None if raw.strip().lower() in ("", "none") else float(raw)
         if name in _JSON:

@@ -39,11 +39,12 @@ def test_ranks_with_the_same_program_compile_it_once(tmp_path, options, graphs, 
     """The ranks of a data-parallel group hold the same program, and so do those of a tensor-parallel
     group once their process groups are named by shape and the mesh coordinate is read at run time (the
     tp backward keeps each rank's rows of the tied embedding's gradient: one backward per coordinate).
-    One rank generates each distinct graph, the other reads it from the cache.
-    aot_autograd's cache tells apart programs that differ only in what dynshard's functions capture: the
+    One rank generates each distinct graph, the other reads it from the cache; with ``share_traces``
+    (decided per host by default), one rank traces each distinct program. aot_autograd's cache tells apart programs that differ only in what dynshard's functions capture: the
     tp coordinate (which half of a redistributed value a rank keeps) and ZeRO-1's rank (which rows of
     the all-reduced gradient it keeps) each make a program of their own."""
-    ranks = run_ranks(train_with_inductor, 2, options, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+    ranks = run_ranks(train_with_inductor, 2, {**options, "share_traces": True},
+                      env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
     assert sum(rank["cache"]["miss"] for rank in ranks) == graphs, ranks
     assert sum(rank["cache"]["hit"] for rank in ranks) == 4 - graphs, ranks
     assert sum(rank["aot_cache"]["miss"] for rank in ranks) == programs, ranks
@@ -54,12 +55,12 @@ def test_ranks_with_the_same_program_compile_it_once(tmp_path, options, graphs, 
 
 def test_the_no_sync_variant_is_a_program_of_its_own_in_the_cache(tmp_path):
     """Accumulating (``no_sync``) and reducing programs differ only in a flag their functions capture."""
-    ranks = run_ranks(train_with_inductor, 2, {"policy": "dp", "use_zero": 2}, True,
-                      env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
+    options = {"policy": "dp", "use_zero": 2, "share_traces": True}
+    ranks = run_ranks(train_with_inductor, 2, options, True, env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
     assert sum(rank["aot_cache"]["miss"] for rank in ranks) == 2, ranks
     assert sum(rank["aot_cache"]["hit"] for rank in ranks) == 2, ranks
     uncached_env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "off"), "TORCHINDUCTOR_FORCE_DISABLE_CACHES": "1"}
-    single = run_ranks(train_with_inductor, 2, {"policy": "dp", "use_zero": 2}, True, env=uncached_env)
+    single = run_ranks(train_with_inductor, 2, options, True, env=uncached_env)
     for cached, uncached in zip(ranks, single):
         assert cached["losses"] == uncached["losses"]
         for name, value in uncached["params"].items():

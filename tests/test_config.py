@@ -33,7 +33,15 @@ def test_every_field_can_come_from_the_environment_and_explicit_options_win():
                                     "use_zero", "zero_ngroups", "zero_use_reduce_scatter", "use_async_reducer",
                                     "reducer_bucket_cap_mb", "mixed_precision", "recompute_modules", "param_init_fn",
                                     "gather_outputs", "use_end2end", "trace_dir", "regional_compile",
-                                    "compile_scope"}
+                                    "compile_scope", "share_traces"}
+
+
+def test_share_traces_reads_auto_from_the_environment_and_is_not_part_of_the_plan():
+    assert Config.from_options(None, environ={"DYNSHARD_SHARE_TRACES": "auto"}).share_traces is None
+    assert Config.from_options(None, environ={"DYNSHARD_SHARE_TRACES": "1"}).share_traces is True
+    assert Config(share_traces=True).cache_token() == Config().cache_token()
+    with pytest.raises(ConfigError, match="share_traces must be True, False or None"):
+        Config(share_traces="sometimes")
 
 
 def test_unknown_or_unreadable_environment_variables_are_errors():

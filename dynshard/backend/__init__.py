@@ -160,7 +160,7 @@ def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str,
                               inductor_patches=compat.bucketing_patches(
                                   bool(ctx.zero) and ctx.sync_grads, _bucket_cap_mb(config),
                                   config.use_async_reducer and device_type == "cuda"), backward=backward,
-                              blocks_only=config.compile_scope == "blocks")
+                              blocks_only=config.compile_scope == "blocks", share_traces=config.share_traces)
     program.split_outputs = ctx.split_outputs     # recorded while the program was traced
     program.outlined = ctx.outlined
     return program

@@ -98,12 +98,14 @@ class CompiledProgram:
 
 def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], compiler: str, layout: Layout,
                     inference_only: bool = False, freeze: bool = False, partition_pass=None,
-                    inductor_patches: dict | None = None, backward=None, blocks_only: bool = False) -> CompiledProgram:
+                    inductor_patches: dict | None = None, backward=None, blocks_only: bool = False,
+                    share_traces: bool | None = None) -> CompiledProgram:
     """``partition_pass``: run on each joint graph right before it is partitioned (the program's and each
     outlined block's: ZeRO-3's recompute tags);
     ``inductor_patches``: Inductor settings for this program (collective bucketing); ``backward``: compiles
     the backward graph instead (:mod:`.split_backward`); ``blocks_only``: Inductor compiles the outlined
-    blocks, the program around them runs as traced (``Config.compile_scope="blocks"``)."""
+    blocks, the program around them runs as traced (``Config.compile_scope="blocks"``); ``share_traces``:
+    ``Config.share_traces``."""
     program = CompiledProgram(run=None, collectives=[], graphs={}, seconds=0.0)
 
     def on_graph(graph: fx.GraphModule, phase: str) -> None:
@@ -138,10 +140,11 @@ def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], co
         with torch.no_grad():
             program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, freeze=freeze,
                                                   patches=inductor_patches, blocks_only=blocks_only,
-                                                  records=(keep, recall))
+                                                  records=(keep, recall), share_traces=share_traces)
     else:
         program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, joint_pass=joint_passes,
                                               partition_pass=partition_pass, patches=inductor_patches,
-                                              backward=backward, blocks_only=blocks_only, records=(keep, recall))
+                                              backward=backward, blocks_only=blocks_only, records=(keep, recall),
+                                              share_traces=share_traces)
     program.seconds = time.perf_counter() - start
     return program

@@ -72,7 +72,8 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
         examples = [torch.empty(a.shape, dtype=a.dtype, device=a.device).requires_grad_(a.requires_grad) for a in args]
         stage_ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode())
         module = tag_single_process(stage.module, examples, stage_ctx)    # recompute_modules, when asked for
-        program = compile_program(module, examples, config.compiler, layout, config.inference_only, backward=backward)
+        program = compile_program(module, examples, config.compiler, layout, config.inference_only, backward=backward,
+                                  share_traces=config.share_traces)
         return program, program.run
 
     def combine():

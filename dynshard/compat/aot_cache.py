@@ -197,6 +197,18 @@ def _group_shape(name: str) -> str:
     return group_alias(name)
 
 
+def traces_shared(setting: bool | None) -> bool:
+    """``Config.share_traces``: None decides by this host, whose ranks share one cache directory
+    (``LOCAL_WORLD_SIZE``, torchrun's; else the world) against the cores this process may run on."""
+    if setting is not None:
+        return setting
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if not ranks:
+        ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return ranks > cores
+
+
 def prepared_for_cache_hits() -> None:
     """What a program read from aot_autograd's cache needs that its compile would have done: every group's
     alias registered on this rank (the cached code names groups by alias) and ``dynshard::copy_out_gathered``

@@ -24,7 +24,8 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
                      on_graph: Callable[[fx.GraphModule, str], None], freeze: bool = False,
                      joint_pass: Callable | None = None, patches: dict | None = None,
                      backward: Callable | None = None, partition_pass: Callable | None = None,
-                     blocks_only: bool = False, records: tuple[Callable[[], Any], Callable[[Any], None]] | None = None):
+                     blocks_only: bool = False, records: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
+                     share_traces: bool | None = None):
     """aot_autograd + the configured compiler; ``on_graph(graph, phase)`` sees each forward/backward
     graph (phase "forward", "backward" or "inference") before it is compiled. ``joint_pass(joint,
     inputs)`` runs on the joint graph before it is partitioned (functorch's ``joint_custom_pass``);
@@ -36,7 +37,8 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
     Inductor compiles the outlined blocks of a graph that has some, and the graph itself runs as traced
     (:func:`_compile_blocks_only`). ``records``: ``(keep, recall)``, what ``on_graph`` learned (``keep()``,
     picklable) and how to restore it (``recall(kept)``): with them, aot_autograd's cache serves the program
-    where it can (:func:`_compile_cached`), and ``recall`` replaces ``on_graph`` on a hit."""
+    where it can (:func:`_compile_cached`), and ``recall`` replaces ``on_graph`` on a hit; ``share_traces``:
+    ``Config.share_traces``."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
@@ -112,15 +114,15 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
             # (a split backward and Inductor's blocks alone are compiled where aot_autograd cannot save them)
             with torch._functorch.config.patch(enable_autograd_cache=False):
                 return compile_now()
-        return _compile_cached(gm, example_inputs, compile_now, *records)
+        return _compile_cached(gm, example_inputs, compile_now, *records, aot_cache.traces_shared(share_traces))
 
 
 def _compile_cached(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_now: Callable[[], Any],
-                    keep: Callable[[], Any], recall: Callable[[Any], None]):
-    """``compile_now()`` through aot_autograd's cache, one rank of the host at a time per program, the
-    backward compiled with the forward (so that the entry is saved before the next rank looks), and
-    dynshard's records of the traced graphs kept beside the entry. A hit whose records are lost is
-    compiled again."""
+                    keep: Callable[[], Any], recall: Callable[[Any], None], shared: bool):
+    """``compile_now()`` through aot_autograd's cache (``shared``: one rank of the host at a time per
+    program), the backward compiled with the forward (so that the entry is saved before the next rank
+    looks), and dynshard's records of the traced graphs kept beside the entry. A hit whose records are
+    lost is compiled again."""
     from torch._dynamo.utils import counters
 
     aot_cache.prepared_for_cache_hits()
@@ -137,7 +139,8 @@ def _compile_cached(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_n
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), aot_cache.aot_keys_seen() as keys, \
             gather_buckets_copied_out(), cpp_kernels_batched():
         hits = counters["aot_autograd"]["autograd_cache_hit"]
-        compiled = compiled_once_per_host(gm, example_inputs, compile_and_keep, cache="aot_autograd")
+        compiled = (compiled_once_per_host(gm, example_inputs, compile_and_keep, cache="aot_autograd") if shared
+                    else compile_and_keep())
         if counters["aot_autograd"]["autograd_cache_hit"] == hits:
             return compiled
         kept = aot_cache.remembered(keys[0]) if len(keys) == 1 else None
