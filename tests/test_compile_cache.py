@@ -65,3 +65,18 @@ def test_the_no_sync_variant_is_a_program_of_its_own_in_the_cache(tmp_path):
         assert cached["losses"] == uncached["losses"]
         for name, value in uncached["params"].items():
             assert torch.equal(cached["params"][name], value), name
+
+
+def test_a_program_read_without_its_records_is_compiled_again(tmp_path):
+    """explain's records of a program live beside aot_autograd's entry; where they are lost, the rank
+    compiles the program again rather than report nothing."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    first = run_ranks(train_with_inductor, 2, {"policy": "dp", "use_zero": 3}, env=env)
+    records = list(tmp_path.glob("dynshard_compiles/*.records"))
+    assert records, list(tmp_path.rglob("*"))
+    for path in records:
+        path.unlink()
+    again = run_ranks(train_with_inductor, 2, {"policy": "dp", "use_zero": 3}, env=env)
+    for cold, warm in zip(first, again):
+        assert warm["aot_cache"]["hit"] == 1 and warm["explained"] == cold["explained"], warm
+        assert warm["losses"] == cold["losses"]

@@ -65,6 +65,7 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
             return backend(gm, list(example_inputs))
 
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+        unrecorded_backward: list[str] = []     # the cache key of a program whose backward is still to compile
         # registers the bucketing custom ops, which programs loaded from Inductor's cache call
         importlib.import_module("torch._inductor.fx_passes.bucketing")
         # a cacheable compile: one rank of the host compiles each distinct graph, the others read it
@@ -84,6 +85,8 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
             else:
                 phase = "forward"
             on_graph(graph, phase)
+            if phase == "backward" and unrecorded_backward:     # compiled at its first call: records again
+                aot_cache.remember(unrecorded_backward.pop(), records[0]())
 
             def compile_graph(part: fx.GraphModule, part_inputs):
                 if blocks_only and any(node.target is invoke_subgraph for node in part.graph.nodes):
@@ -114,15 +117,16 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
             # (a split backward and Inductor's blocks alone are compiled where aot_autograd cannot save them)
             with torch._functorch.config.patch(enable_autograd_cache=False):
                 return compile_now()
-        return _compile_cached(gm, example_inputs, compile_now, *records, aot_cache.traces_shared(share_traces))
+        return _compile_cached(gm, example_inputs, compile_now, *records, aot_cache.traces_shared(share_traces),
+                               unrecorded_backward)
 
 
 def _compile_cached(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_now: Callable[[], Any],
-                    keep: Callable[[], Any], recall: Callable[[Any], None], shared: bool):
+                    keep: Callable[[], Any], recall: Callable[[Any], None], shared: bool, unrecorded_backward: list):
     """``compile_now()`` through aot_autograd's cache (``shared``: one rank of the host at a time per
-    program), the backward compiled with the forward (so that the entry is saved before the next rank
-    looks), and dynshard's records of the traced graphs kept beside the entry. A hit whose records are
-    lost is compiled again."""
+    program), and dynshard's records of the traced graphs kept beside the entry (where the backward is
+    compiled at its first call, which is when aot_autograd saves the entry, again then: the key is left
+    in ``unrecorded_backward``). A hit whose records are lost is compiled again."""
     from torch._dynamo.utils import counters
 
     aot_cache.prepared_for_cache_hits()
@@ -133,10 +137,12 @@ def _compile_cached(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_n
         compiled = compile_now()
         if counters["aot_autograd"]["autograd_cache_hit"] == hits and len(keys) == 1:
             aot_cache.remember(keys[0], keep())
+            unrecorded_backward[:] = [] if shared else keys[:1]
         return compiled
 
-    # (what a hit loads runs Inductor's code for the gathers and batches its kernels as a compile would)
-    with torch._functorch.config.patch(force_non_lazy_backward_lowering=True), aot_cache.aot_keys_seen() as keys, \
+    # (what a hit loads runs Inductor's code for the gathers and batches its kernels as a compile would;
+    # a shared trace compiles its backward at once, so that the entry is saved before the next rank looks)
+    with torch._functorch.config.patch(force_non_lazy_backward_lowering=shared), aot_cache.aot_keys_seen() as keys, \
             gather_buckets_copied_out(), cpp_kernels_batched():
         hits = counters["aot_autograd"]["autograd_cache_hit"]
         compiled = (compiled_once_per_host(gm, example_inputs, compile_and_keep, cache="aot_autograd") if shared
@@ -151,6 +157,7 @@ def _compile_cached(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_n
             compiled = compile_now()
         if len(keys) == 1:
             aot_cache.remember(keys[0], keep())
+            unrecorded_backward[:] = [] if shared else keys[:1]
         return compiled
 
 
