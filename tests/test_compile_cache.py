@@ -40,9 +40,10 @@ def test_ranks_with_the_same_program_compile_it_once(tmp_path, options, graphs, 
     group once their process groups are named by shape and the mesh coordinate is read at run time (the
     tp backward keeps each rank's rows of the tied embedding's gradient: one backward per coordinate).
     One rank generates each distinct graph, the other reads it from the cache; with ``share_traces``
-    (decided per host by default), one rank traces each distinct program. aot_autograd's cache tells apart programs that differ only in what dynshard's functions capture: the
-    tp coordinate (which half of a redistributed value a rank keeps) and ZeRO-1's rank (which rows of
-    the all-reduced gradient it keeps) each make a program of their own."""
+    (decided per host by default), one rank traces each distinct program. aot_autograd's cache tells
+    apart programs that differ only in what dynshard's functions capture: the tp coordinate (which half
+    of a redistributed value a rank keeps) and ZeRO-1's rank (which rows of the all-reduced gradient it
+    keeps) each make a program of their own."""
     ranks = run_ranks(train_with_inductor, 2, {**options, "share_traces": True},
                       env={"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)})
     assert sum(rank["cache"]["miss"] for rank in ranks) == graphs, ranks
