@@ -61,6 +61,7 @@ def program_functions_named(gm: fx.GraphModule) -> bool:
     from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_node_safe
 
     renamed: list[tuple[fx.Node, Any, str]] = []
+    copies: dict[str, tuple[types.FunctionType, str]] = {}    # name -> this program's copy
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
             continue
@@ -72,15 +73,19 @@ def program_functions_named(gm: fx.GraphModule) -> bool:
                 continue
             except BypassAOTAutogradCache:
                 pass
-            if not isinstance(node.target, types.FunctionType):
-                log.debug("dynshard: aot_autograd's cache skips a program calling %s", node.target)
+            target = node.target
+            # (only dynshard's own: the source digest in the name covers what they call)
+            if not isinstance(target, types.FunctionType) or not _is_dynshards(target):
+                log.debug("dynshard: aot_autograd's cache skips a program calling %s", target)
                 return False
             try:
-                renamed.append((node, *_named_copy(node.target)))
-            except _Undigestable as reason:
-                log.debug("dynshard: aot_autograd's cache skips a program: %s captures %s",
-                          node.target.__name__, reason)
+                name, digest = _digest_name(target)
+            except Exception as reason:      # (_Undigestable, or a mesh without groups, ...)
+                log.debug("dynshard: aot_autograd's cache skips a program: %s captures %s", target.__name__, reason)
                 return False
+            if name not in copies:     # (functions of one digest behave alike: the first one's copy serves all)
+                copies[name] = (_named_copy(target, name), digest)
+            renamed.append((node, *copies[name]))
     for node, copy, digest in renamed:
         node.target = copy
         node.meta["is_wrapped"], node.meta["user_cache_hash"] = True, digest
@@ -90,22 +95,35 @@ def program_functions_named(gm: fx.GraphModule) -> bool:
     return True
 
 
-def _named_copy(function: types.FunctionType) -> tuple[types.FunctionType, str]:
-    digest = hashlib.sha256("\n".join((dynshard_source_digest(), _rank_part(), _state(function))).encode())
-    digest = digest.hexdigest()[:20]
+def _is_dynshards(function: types.FunctionType) -> bool:
+    module = getattr(function, "__module__", None) or ""
+    return module == "dynshard" or module.startswith("dynshard.")
+
+
+def state_digest(value: Any) -> str:
+    """A digest of dynshard's source and of :func:`_state` of ``value`` (raises where it has none)."""
+    digest = hashlib.sha256("\n".join((dynshard_source_digest(), _rank_part(), _state(value))).encode())
+    return digest.hexdigest()[:20]
+
+
+def _digest_name(function: types.FunctionType) -> tuple[str, str]:
+    digest = state_digest(function)
+    return f"{getattr(function, '_dynshard_base_name', function.__name__)}_{digest}", digest
+
+
+def _named_copy(function: types.FunctionType, name: str) -> types.FunctionType:
+    """A new copy for each program, registered under ``name`` (the last one registered is the one the
+    key's pickle finds): a copy made for an earlier program holds that program's cells, such as an
+    outlined block's boundary and the specs its trace recorded, which a later program must not read."""
     base = getattr(function, "_dynshard_base_name", function.__name__)
-    name = f"{base}_{digest}"
-    registered = globals().get(name)
-    if isinstance(registered, types.FunctionType) and registered.__code__ is function.__code__:
-        return registered, digest    # (the same code and the same state: the same behaviour)
     # (named in the graph's code too, so that the lock of shared_compiles tells such programs apart)
     copy = types.FunctionType(function.__code__, function.__globals__, name, function.__defaults__,
                               function.__closure__)
     copy.__kwdefaults__ = function.__kwdefaults__
     copy.__dict__.update(function.__dict__)
-    copy.__module__, copy.__qualname__, copy._dynshard_base_name = __name__, name, base
+    copy.__module__, copy.__qualname__, copy._dynshard_base_name = "dynshard.compat.aot_cache", name, base
     globals()[name] = copy
-    return copy, digest
+    return copy
 
 
 def _rank_part() -> str:
@@ -262,9 +280,13 @@ def _records_path(key: str) -> str:
     return os.path.join(cache_dir(), "dynshard_compiles", f"{key}.records")
 
 
-def remember(key: str, records: Any) -> None:
-    """Keep ``records`` (what dynshard learned from the traced graphs) beside the entry ``key``."""
+def remember(key: str, records: Any, replace: bool = True) -> None:
+    """Keep ``records`` (what dynshard learned from the traced graphs) beside the entry ``key``;
+    ``replace=False``: only where none are kept yet (a forward's records, before its backward compiles,
+    must not replace the complete ones another rank of the same program kept)."""
     path = _records_path(key)
+    if not replace and os.path.exists(path):
+        return
     os.makedirs(os.path.dirname(path), exist_ok=True)
     temporary = f"{path}.{os.getpid()}.tmp"
     with open(temporary, "wb") as file:

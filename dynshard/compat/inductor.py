@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 from typing import Any, Callable, Iterator, Sequence
@@ -65,7 +66,7 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
             return backend(gm, list(example_inputs))
 
         from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-        unrecorded_backward: list[str] = []     # the cache key of a program whose backward is still to compile
+        use = _CacheUse()
         # registers the bucketing custom ops, which programs loaded from Inductor's cache call
         importlib.import_module("torch._inductor.fx_passes.bucketing")
         # a cacheable compile: one rank of the host compiles each distinct graph, the others read it
@@ -85,8 +86,10 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
             else:
                 phase = "forward"
             on_graph(graph, phase)
-            if phase == "backward" and unrecorded_backward:     # compiled at its first call: records again
-                aot_cache.remember(unrecorded_backward.pop(), records[0]())
+            use.traced = True
+            if phase == "backward" and use.unrecorded_backward:     # compiled at its first call: records again
+                aot_cache.remember(use.unrecorded_backward, records[0]())
+                use.unrecorded_backward = None
 
             def compile_graph(part: fx.GraphModule, part_inputs):
                 if blocks_only and any(node.target is invoke_subgraph for node in part.graph.nodes):
@@ -112,42 +115,51 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
         def compile_now():
             return compile_fx(gm, list(example_inputs), inner_compile=inner_compile, config_patches=patches)
 
-        if fake_mode is None or backward is not None or blocks_only or records is None or \
-                not aot_cache.program_functions_named(gm):
-            # (a split backward and Inductor's blocks alone are compiled where aot_autograd cannot save them)
+        with torch._inductor.config.patch(patches):     # (whether compiles are rank-free depends on them)
+            # (a split backward and Inductor's blocks alone are compiled where aot_autograd cannot save
+            # them; compiled autograd would run the entry's backward graph, which names the tracing rank's
+            # groups)
+            cached = (fake_mode is not None and backward is None and not blocks_only and records is not None
+                      and not torch._dynamo.config.compiled_autograd and aot_cache.program_functions_named(gm))
+            shared = cached and aot_cache.traces_shared(share_traces) and rank_free_compiles()
+        if not cached:
             with torch._functorch.config.patch(enable_autograd_cache=False):
                 return compile_now()
-        return _compile_cached(gm, example_inputs, compile_now, *records, aot_cache.traces_shared(share_traces),
-                               unrecorded_backward)
+        return _compile_cached(gm, example_inputs, compile_now, *records, shared, use)
+
+
+@dataclasses.dataclass
+class _CacheUse:
+    """One compile through aot_autograd's cache."""
+
+    traced: bool = False                    # the compiler saw the graphs: a miss (a hit loads them)
+    unrecorded_backward: str | None = None  # the key whose records wait for the backward's compile
 
 
 def _compile_cached(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_now: Callable[[], Any],
-                    keep: Callable[[], Any], recall: Callable[[Any], None], shared: bool, unrecorded_backward: list):
+                    keep: Callable[[], Any], recall: Callable[[Any], None], shared: bool, use: _CacheUse):
     """``compile_now()`` through aot_autograd's cache (``shared``: one rank of the host at a time per
     program), and dynshard's records of the traced graphs kept beside the entry (where the backward is
-    compiled at its first call, which is when aot_autograd saves the entry, again then: the key is left
-    in ``unrecorded_backward``). A hit whose records are lost is compiled again."""
-    from torch._dynamo.utils import counters
-
+    compiled at its first call, which is when aot_autograd saves the entry, again then). A hit whose
+    records are lost is compiled again."""
     aot_cache.prepared_for_cache_hits()
     wait_cpu_isa_probe()
 
     def compile_and_keep():
-        hits = counters["aot_autograd"]["autograd_cache_hit"]
         compiled = compile_now()
-        if counters["aot_autograd"]["autograd_cache_hit"] == hits and len(keys) == 1:
-            aot_cache.remember(keys[0], keep())
-            unrecorded_backward[:] = [] if shared else keys[:1]
+        if use.traced and len(keys) == 1:
+            # (shared: the backward was compiled with the forward, the records are whole)
+            aot_cache.remember(keys[0], keep(), replace=shared)
+            use.unrecorded_backward = None if shared else keys[0]
         return compiled
 
     # (what a hit loads runs Inductor's code for the gathers and batches its kernels as a compile would;
     # a shared trace compiles its backward at once, so that the entry is saved before the next rank looks)
     with torch._functorch.config.patch(force_non_lazy_backward_lowering=shared), aot_cache.aot_keys_seen() as keys, \
             gather_buckets_copied_out(), cpp_kernels_batched():
-        hits = counters["aot_autograd"]["autograd_cache_hit"]
         compiled = (compiled_once_per_host(gm, example_inputs, compile_and_keep, cache="aot_autograd") if shared
                     else compile_and_keep())
-        if counters["aot_autograd"]["autograd_cache_hit"] == hits:
+        if use.traced:
             return compiled
         kept = aot_cache.remembered(keys[0]) if len(keys) == 1 else None
         if kept is not None:
@@ -156,8 +168,8 @@ def _compile_cached(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_n
         with torch._functorch.config.patch(enable_autograd_cache=False):
             compiled = compile_now()
         if len(keys) == 1:
-            aot_cache.remember(keys[0], keep())
-            unrecorded_backward[:] = [] if shared else keys[:1]
+            aot_cache.remember(keys[0], keep(), replace=shared)
+            use.unrecorded_backward = None if shared else keys[0]
         return compiled
 
 
@@ -190,7 +202,7 @@ class _DynshardCompile(CustomGraphPass):
         # where a compile may bake the rank in (GPU overlap scheduling), each rank keeps its own entries
         rank = "" if rank_free_compiles() or not torch.distributed.is_initialized() else \
             f", rank {torch.distributed.get_rank()}"
-        return f"dynshard: copy_out_gathered bucket merge, rank-free gathers, v2{rank}"
+        return f"dynshard {aot_cache.dynshard_source_digest()}: copy_out_gathered bucket merge, rank-free gathers{rank}"
 
 
 _DYNSHARD_COMPILE = _DynshardCompile()
@@ -350,8 +362,11 @@ def _partition_after(before: Callable[[fx.GraphModule], Any], partitioner: Calla
             before(gm)
             return (partitioner or min_cut_rematerialization_partition)(gm, joint_inputs, **kwargs)
 
-        def uuid(self) -> str:
-            return "dynshard: partition after tagging"
+        def uuid(self) -> str | None:
+            try:       # what the tagging does, as the key of what it tags (None: Inductor bypasses its cache)
+                return f"dynshard: partition after tagging {aot_cache.state_digest(before)}"
+            except Exception:
+                return None
 
         def __reduce__(self):
             # pickled only into the cache key of Inductor's FX graph cache (its settings), whose graph is
