@@ -230,8 +230,7 @@ def traces_shared(setting: bool | None) -> bool:
 def prepared_for_cache_hits() -> None:
     """What a program read from aot_autograd's cache needs that its compile would have done: every group's
     alias registered on this rank (the cached code names groups by alias) and ``dynshard::copy_out_gathered``
-    and Inductor's bucketing ops registered."""
-    importlib.import_module("torch._inductor.fx_passes.bucketing")
+    registered (Inductor's bucketing ops: ``compile_per_rank`` imports them for every compile)."""
     importlib.import_module("dynshard.runtime.gathered_bucket")
     if torch.distributed.is_initialized() and rank_free_compiles():
         from torch.distributed.distributed_c10d import _world

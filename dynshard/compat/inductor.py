@@ -145,12 +145,16 @@ def _compile_cached(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_n
     aot_cache.prepared_for_cache_hits()
     wait_cpu_isa_probe()
 
-    def compile_and_keep():
-        compiled = compile_now()
-        if use.traced and len(keys) == 1:
+    def keep_records():
+        if len(keys) == 1:
             # (shared: the backward was compiled with the forward, the records are whole)
             aot_cache.remember(keys[0], keep(), replace=shared)
             use.unrecorded_backward = None if shared else keys[0]
+
+    def compile_and_keep():
+        compiled = compile_now()
+        if use.traced:
+            keep_records()
         return compiled
 
     # (what a hit loads runs Inductor's code for the gathers and batches its kernels as a compile would;
@@ -167,9 +171,7 @@ def _compile_cached(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_n
             return compiled
         with torch._functorch.config.patch(enable_autograd_cache=False):
             compiled = compile_now()
-        if len(keys) == 1:
-            aot_cache.remember(keys[0], keep(), replace=shared)
-            use.unrecorded_backward = None if shared else keys[0]
+        keep_records()
         return compiled
 
 
