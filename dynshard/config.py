@@ -70,6 +70,13 @@ class Config:
         Not part of the plan: it changes who compiles, not what.
     trace_dir: pipeline policies: each rank writes a Chrome trace of its steps there
         (``dynshard_trace_rank<r>.json``: forward, backward, send and receive waits; Perfetto opens it).
+    verify_inputs_every: the ranks of a plan unit must be fed the same batch; they compare a digest of
+        every user input on the first call of each program and then every N-th call, and raise on every
+        rank where they differ (a sampler over the whole world instead of
+        ``dynshard.data_parallel_rank(plan_ngpus)``). 0: never. In the plan key (ranks must agree on it).
+    broadcast_buffers: DDP's semantics for buffers a program writes (BatchNorm's running statistics):
+        after the call that wrote them, every data-parallel replica takes the first replica's values, so
+        evaluation and checkpoints do not depend on the rank. False: each replica keeps its own.
 
     Memory (nnScaler's names; see docs/design.md for what each level holds and sends):
     use_zero: 0 (or False) replicates parameters over the data-parallel units; 1 (or True), 2 and 3 shard
@@ -113,6 +120,8 @@ class Config:
     cache_dir: str | None = None
     share_traces: bool | None = None
     trace_dir: str | None = None
+    verify_inputs_every: int = 100
+    broadcast_buffers: bool = True
     use_zero: int = 0
     zero_ngroups: int = 1
     zero_use_reduce_scatter: bool = False
@@ -129,6 +138,9 @@ class Config:
                 raise ConfigError(f"dynshard: {name} must be a dict, got {type(value).__name__}")
             object.__setattr__(self, name, MappingProxyType(dict(value)))
         _check_int("plan_ngpus", self.plan_ngpus)
+        every = self.verify_inputs_every
+        if not isinstance(every, int) or isinstance(every, bool) or every < 0:
+            raise ConfigError(f"dynshard: verify_inputs_every must be an integer >= 0 (0: never), got {every!r}")
         if self.share_traces not in (None, True, False):
             raise ConfigError(f"dynshard: share_traces must be True, False or None (decided per host), "
                               f"got {self.share_traces!r}")
@@ -190,7 +202,8 @@ class Config:
             raise ConfigError(
                 f"dynshard: zero_use_reduce_scatter=True needs zero_ngroups=1 (got {self.zero_ngroups}), as "
                 "in nnScaler; use use_zero=2 for reduce-scattered gradients with groups")
-        for name in ("zero_use_reduce_scatter", "use_async_reducer", "gather_outputs", "regional_compile"):
+        for name in ("zero_use_reduce_scatter", "use_async_reducer", "gather_outputs", "regional_compile",
+                     "broadcast_buffers"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"dynshard: {name} must be True or False, got {getattr(self, name)!r}")
         cap = self.reducer_bucket_cap_mb
@@ -360,9 +373,9 @@ def _read_environment(environ: Mapping[str, str]) -> dict[str, Any]:
     return values
 
 
-_INTS = ("plan_ngpus", "runtime_ngpus", "zero_ngroups")
+_INTS = ("plan_ngpus", "runtime_ngpus", "zero_ngroups", "verify_inputs_every")
 _BOOLS = ("inference_only", "use_end2end", "constant_folding", "gather_outputs", "zero_use_reduce_scatter", "use_async_reducer",
-          "regional_compile")
+          "regional_compile", "broadcast_buffers")
 _JSON = ("pas_config", "user_config", "mixed_precision")
 
 
