@@ -8,7 +8,7 @@ from .config import Config, ConfigError
 from .explain import Explanation, explain
 from .policies import PlanBuilder, PlanError, tensor_parallel
 from .runtime.accumulation import no_sync
-from .runtime.grad_norm import clip_grad_norm_
+from .runtime.grad_norm import clip_grad_norm_, route_torch_clip_grad_norm
 from .runtime.grad_scaler import GradScaler
 from .runtime.mesh import Layout
 from .runtime.optimizer import ParallelOptimizer, build_optimizer
@@ -20,6 +20,8 @@ from .runtime.state_dict import collect_state_dict, relocate_state_dict
 from . import checkpoint  # noqa: F401  (dynshard.checkpoint.save / load / latest)
 from .checkpoint.merged import (broadcast_weights, deduped_state_dict, load_deduped_state_dict,
                                 load_merged_state_dicts, merge_state_dicts)
+
+route_torch_clip_grad_norm()     # torch.nn.utils.clip_grad_norm_ on dynshard's parameters: the global norm
 
 
 def data_parallel_rank(plan_ngpus: int = 1) -> tuple[int, int]:

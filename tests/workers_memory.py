@@ -56,6 +56,7 @@ def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: 
     accumulate = case.pop("accumulate", 1)
     builder = case.pop("optimizer", "plain")
     clip = case.pop("clip", None)
+    clip_with = case.pop("clip_with", "dynshard")     # "torch": torch.nn.utils.clip_grad_norm_ (routed)
     hooks = case.pop("hooks", False)
     counter = OpCounter(case.pop("count_ops", ()))
     model, make_batch = build(model_name)
@@ -72,6 +73,7 @@ def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: 
         opt.register_reducer_post_hook(record("post"))
     dp_rank, dp_size = dynshard.data_parallel_rank(plan_ngpus)
     losses, ref_losses, bytes_at_rest, flushes, norms = [], [], [], [], []
+    stale_error = None
     for step in range(steps):
         global_batch = make_batch(batch * dp_size, step)
         unit = _unit_rows(global_batch, dp_rank, batch)
@@ -87,8 +89,16 @@ def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: 
                     loss.backward()
             total += loss.detach()
         ref_loss = _reference_backward(reference, global_batch, case.get("mixed_precision"))
-        if clip is not None:
+        if clip is not None and clip_with == "torch":
+            stale = torch.nn.utils.clip_grad_norm_.__wrapped__     # torch's own function, as imported early
+            try:
+                stale(model.parameters(), clip)
+            except RuntimeError as error:
+                stale_error = str(error)
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        elif clip is not None:
             norm = opt.clip_gnorm(clip) if builder == "build" else dynshard.clip_grad_norm_(model.parameters(), clip)
+        if clip is not None:
             norms.append((norm.item(), torch.nn.utils.clip_grad_norm_(reference.parameters(), clip).item()))
         opt.step()
         flushes.append(ACCUMULATION.reducer.buckets_reduced - before)
@@ -118,7 +128,7 @@ def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: 
         "collectives": [(c.phase, c.kind, c.group, c.bytes) for c in report.collectives()],
         "no_sync_collectives": no_sync_collectives,
         "op_calls": dict(counter.calls),
-        "flush_buckets": flushes, "norms": norms, "weight_norms": weight_norms, "hook_calls": hook_calls,
+        "flush_buckets": flushes, "norms": norms, "stale_clip_error": stale_error, "weight_norms": weight_norms, "hook_calls": hook_calls,
         "bytes": bytes_at_rest[-1],
         "full_bytes": sum(v.numel() * v.element_size() for k, v in full.items()),
         "explain": str(report),

@@ -1,8 +1,8 @@
 """The global gradient norm over tensor-parallel shards, ZeRO rows and data-parallel replicas.
 
-``torch.nn.utils.clip_grad_norm_`` on dynshard's parameters is silently wrong: each rank holds shards
-(tp) or rows (ZeRO) of the gradients, and replicas of others, so its local norm is neither the global
-norm nor the same on every rank. Here each gradient element is counted exactly once: a rank counts a
+torch's own norm on dynshard's parameters would be wrong: each rank holds shards (tp) or rows (ZeRO) of
+the gradients, and replicas of others, so its local norm is neither the global norm nor the same on every
+rank. So ``torch.nn.utils.clip_grad_norm_`` is routed here for them (:func:`route_torch_clip_grad_norm`). Here each gradient element is counted exactly once: a rank counts a
 parameter only where it is the first of the ranks holding the same piece (coordinate 0 on every mesh
 dimension that replicates it), and one all-reduce over all ranks sums the pieces. nnScaler divides each
 replicated norm by its number of replicas instead; counting owners is exact and does less work.
@@ -16,8 +16,16 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
+from ..compat.clip_grad import route_clip_grad_norm
 from .accumulation import ACCUMULATION
-from .sharding import get_tag, is_sharded
+from .sharding import get_tag, is_sharded, split_tensors
+
+_STALE_REFERENCE = (
+    "dynshard: torch's clip_grad_norm_ was called on gradients of parameters dynshard has split across ranks "
+    "through a reference taken before dynshard was imported (e.g. `from torch.nn.utils import "
+    "clip_grad_norm_` at the top of the script), so it would return this rank's local norm, not the global "
+    "one. Call dynshard.clip_grad_norm_(model.parameters(), max_norm), or torch.nn.utils.clip_grad_norm_ "
+    "after `import dynshard` (dynshard routes it for its parameters)")
 
 
 def counted_here(param: torch.Tensor) -> bool:
@@ -89,3 +97,18 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
         if param.grad is not None:
             param.grad.detach().mul_(coefficient.to(device=param.grad.device, dtype=param.grad.dtype))
     return total
+
+
+def _owns(params: list) -> bool:
+    return any(isinstance(p, torch.Tensor) and get_tag(p) is not None for p in params)
+
+
+def _split_grads(grads: list) -> bool:
+    ids = {id(p.grad) for p in split_tensors() if p.grad is not None}
+    return any(id(g) in ids for g in grads)
+
+
+def route_torch_clip_grad_norm() -> None:
+    """``torch.nn.utils.clip_grad_norm_`` on dynshard's parameters gives :func:`clip_grad_norm_`'s global
+    norm (every rank must call it, as with torch's on DTensors); other calls run torch's own code."""
+    route_clip_grad_norm(_owns, clip_grad_norm_, _split_grads, _STALE_REFERENCE)

@@ -183,6 +183,11 @@ def shard_in_place(tensor: torch.Tensor, fqn: str, layout: Layout,
     return tag
 
 
+def split_tensors() -> list[torch.Tensor]:
+    """The tensors that hold only a piece of themselves on this rank (tp shards, ZeRO rows, other stages')."""
+    return list(_SHARDED)
+
+
 def is_sharded(placements: tuple[Placement, ...]) -> bool:
     return any(isinstance(p, SHARDS) for p in placements)
 
