@@ -16,7 +16,9 @@ from ..passes.tag_recompute import tag_single_process
 from ..runtime.mesh import ensure_process_group, layout_for, world_size
 from ..runtime.pipeline.program import PipelineProgram
 from ..runtime.program import CompiledPlan, ShardedProgram
+from ..runtime.buffer_sync import BufferSync
 from ..runtime.sharding import is_sharded, present_global_shapes, restore_local_shards, stored_shape
+from ..runtime.unit_inputs import InputCheck
 from ..runtime.zero import zero_groups
 from .agreement import PlanChannel, ensure_ranks_agree, plan_channel
 from .capture import describe_inputs
@@ -72,7 +74,9 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         compiled = _plan_once_and_compile(gm, ctx, key, device_type)
         plan = CompiledPlan(key, inputs, ctx.placements, ctx.zero, layout, compiled, ctx.propagation,
                             ctx.timings, config.inference_only,
-                            build_no_sync=_no_sync_builder(gm, ctx, device_type) if layout.dp_group else None)
+                            build_no_sync=_no_sync_builder(gm, ctx, device_type) if layout.dp_group else None,
+                            input_check=InputCheck.for_inputs(inputs, layout.plan_ngpus, config.verify_inputs_every),
+                            buffer_sync=BufferSync.for_inputs(inputs, layout.dp_group, config.broadcast_buffers))
     _drop_guards_on_sharded(gm, plan)
     log.info("compiled plan %s in %.2fs (passes: %s)", key, plan.program.seconds,
              ", ".join(f"{name} {t:.2f}s" for name, t in plan.pass_timings))

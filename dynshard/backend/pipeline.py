@@ -21,8 +21,10 @@ from ..runtime.mesh import Layout, layout_for
 from ..runtime.pipeline.groups import PipelineGroups
 from ..runtime.pipeline.program import PipelinePlan, ValueMeta
 from ..runtime.pipeline.retrace import FrameCall
+from ..runtime.buffer_sync import BufferSync
 from ..runtime.pipeline.schedules import build_schedule
 from ..runtime.program import CompiledPlan, ShardedProgram
+from ..runtime.unit_inputs import InputCheck
 from .capture import describe_inputs
 from .compile import compile_program
 from .split_backward import compiled_backward
@@ -91,7 +93,9 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
         key=key, frame_call=frame_call, config=config, inputs=inputs, staged=ctx.staged, schedule=schedule, gpipe=gpipe,
         forward_only=forward_only, groups=PipelineGroups(layout), layout=layout, device=device,
         output_metas=[_meta(o) for o in outputs], compile_stage=compile_stage, combine_fn=combine,
-        pass_timings=ctx.timings)
+        pass_timings=ctx.timings,
+        input_check=InputCheck.for_inputs(inputs, layout.plan_ngpus, config.verify_inputs_every),
+        buffer_sync=BufferSync.for_inputs(inputs, layout.dp_group, config.broadcast_buffers))
 
 
 def _cut_once(gm: fx.GraphModule, ctx: PassContext, key: str) -> None:

@@ -12,8 +12,10 @@ from ..backend.capture import GraphInput
 from ..backend.compile import CompiledProgram
 from . import materialize
 from .accumulation import ACCUMULATION
+from .buffer_sync import BufferSync
 from .mesh import Layout
 from .sharding import shard_in_place
+from .unit_inputs import InputCheck
 from .zero import ZeroSpec
 
 
@@ -32,6 +34,8 @@ class CompiledPlan:
     inference_only: bool
     hits: int = 0
     build_no_sync: Callable[[], CompiledProgram] | None = None   # the accumulation variant, compiled lazily
+    input_check: InputCheck | None = None       # the unit's ranks were fed the same batch
+    buffer_sync: BufferSync | None = None       # written buffers stay equal over the data-parallel units
     _no_sync: CompiledProgram | None = None
 
     def no_sync_program(self) -> CompiledProgram:
@@ -62,6 +66,16 @@ class ShardedProgram:
         if not self._prepared:
             self.prepare(args)
         plan = self.plan
+        if plan.input_check is not None:
+            plan.input_check(args)
+        if plan.buffer_sync is None:
+            return self._run(plan, args)
+        before = plan.buffer_sync.versions(args)
+        outputs = self._run(plan, args)
+        plan.buffer_sync.after_call(args, before)
+        return outputs
+
+    def _run(self, plan: CompiledPlan, args):
         if plan.inference_only:
             with torch.no_grad():
                 return self._outputs(plan.program, plan.program.run(*args))

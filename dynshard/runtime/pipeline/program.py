@@ -62,6 +62,8 @@ class PipelinePlan:
     seconds: float = 0.0
     hits: int = 0
     ownership: Ownership | None = None
+    input_check: Any = None          # runtime.unit_inputs.InputCheck: the unit's ranks were fed the same batch
+    buffer_sync: Any = None          # runtime.buffer_sync.BufferSync: written buffers equal over the units
     steps: int = 0                  # steps run (a plain call with autograd is one step: forward + backward)
     last_step: dict = dataclasses.field(default_factory=dict)   # sent bytes, idle fraction of the latest step
     _combine: list | None = None
@@ -204,6 +206,8 @@ class PipelineProgram:
             materialize_stages(self._meta_models, args, plan)
             self._meta_models = []
             plan.ownership = take_ownership(args, plan)
+        if plan.input_check is not None:
+            plan.input_check(args)
         recorder = active_recorder()
         if recorder is not None:
             return recorder.record(self, args)
@@ -262,6 +266,8 @@ class PipelineProgram:
         return mb_args
 
     def run(self, schedule, mb_args, train: bool, seed_fn=None, actions=None) -> StepRun:
+        sync = self.plan.buffer_sync
+        before = sync.versions(mb_args[0]) if sync is not None else None
         with torch.set_grad_enabled(train):
             if self.plan.ownership.pending:       # hybrid's first call: the stage programs cut the tensors
                 self.plan.programs_for(mb_args)
@@ -270,6 +276,8 @@ class PipelineProgram:
             run = StepRun(self.plan, schedule, programs, metas, mb_args, train, seed_fn)
             run.run(schedule.actions[self.plan.groups.pp_rank] if actions is None else actions)
         run.finish()
+        if sync is not None:
+            sync.after_call(mb_args[0], before)
         return run
 
     def last_stage_rank(self, schedule, mb: int) -> int:

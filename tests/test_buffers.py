@@ -1,0 +1,28 @@
+"""Buffers a program writes (BatchNorm's running statistics) stay equal over the data-parallel replicas,
+as DDP's broadcast_buffers keeps them: evaluation and checkpoints do not depend on the rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from distributed import run_ranks
+from workers_unit_inputs import buffers_like_ddp
+
+WRITTEN = 2 * 32 * 4 + 8    # BatchNorm1d(32): running_mean and running_var (float32), num_batches_tracked
+
+
+@pytest.mark.parametrize("case", [{}, {"use_zero": 3}], ids=["dp", "zero3"])
+def test_running_statistics_are_the_first_replicas_on_every_rank_as_with_ddp(case):
+    results = run_ranks(buffers_like_ddp, 2, case)
+    for result in results:
+        for name, value in result["ddp_rank0_buffers"].items():
+            torch.testing.assert_close(result["buffers"][name], value, rtol=1e-5, atol=1e-6)
+        assert result["eval_loss"] == results[0]["eval_loss"]
+        assert result["broadcasts"] == 3 and result["bytes"] == 3 * WRITTEN   # once per training call, not in eval
+
+
+def test_broadcast_buffers_false_keeps_each_replicas_own_statistics():
+    results = run_ranks(buffers_like_ddp, 2, {"broadcast_buffers": False})
+    assert results[0]["broadcasts"] is None
+    assert not torch.allclose(results[0]["buffers"]["norm.running_mean"], results[1]["buffers"]["norm.running_mean"])

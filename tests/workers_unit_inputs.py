@@ -1,0 +1,70 @@
+"""What each rank runs in tests/test_unit_inputs.py and tests/test_buffers.py."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+import dynshard
+from models import BatchNormMLP, MLP, mlp_batch
+from workers_pipeline import EndToEndMLP
+
+
+def fed_per_rank(rank: int, world: int, policy: str, plan_ngpus: int, every: int, differ_from: int,
+                 calls: int = 4) -> dict:
+    """Calls the compiled model ``calls`` times; from call ``differ_from`` on each rank reads its own rows
+    (a sampler over the whole world). Returns the error each rank raised, or None, and the call it came at."""
+    torch.manual_seed(0)
+    pipeline = policy in ("pp", "hybrid")
+    model = EndToEndMLP() if pipeline else MLP()
+    options = {"pas_config": {"pipeline_nmicros": 2}, "use_end2end": True} if pipeline else {}
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy=policy, plan_ngpus=plan_ngpus, compiler="aot_eager", verify_inputs_every=every, **options))
+    for call in range(calls):
+        x, y = mlp_batch(4, seed=100 * call + (rank if call >= differ_from else 0))
+        try:
+            loss = compiled({"x": x, "y": y}) if pipeline else compiled(x, y)
+            loss.backward()
+        except dynshard.UnitInputMismatchError as error:
+            return {"error": str(error), "call": call}
+    return {"error": None, "call": None}
+
+
+def buffers_like_ddp(rank: int, world: int, case: dict, steps: int = 3) -> dict:
+    """BatchNorm's running statistics under dynshard next to DDP(broadcast_buffers=True) on the same
+    batches; each rank reads its own batch (data parallel)."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = BatchNormMLP()
+    reference = DistributedDataParallel(copy.deepcopy(model))
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(compiler="aot_eager", **case))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        x, y = mlp_batch(8, seed=10 * step + rank)
+        compiled(x, y).backward()
+        reference(x, y).backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    model.eval()
+    with torch.no_grad():
+        x, y = mlp_batch(8, seed=999)
+        eval_loss = compiled(x, y).item()
+    program = next(ref() for p in model.parameters() for ref in dynshard.runtime.sharding.get_tag(p).plans)
+    sync = program.buffer_sync
+    return {"buffers": {k: v.clone() for k, v in model.state_dict().items() if "running" in k},
+            "ddp_rank0_buffers": _from_rank0({k: v.clone() for k, v in reference.module.state_dict().items()
+                                              if "running" in k}),
+            "eval_loss": eval_loss,
+            "broadcasts": None if sync is None else sync.broadcasts, "bytes": None if sync is None else sync.bytes}
+
+
+def _from_rank0(tensors: dict) -> dict:
+    for value in tensors.values():
+        dist.broadcast(value, src=0)
+    return tensors
