@@ -228,14 +228,9 @@ def entries_of(state_dict: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]
 
 def hook_frame_modules() -> None:
     """While Dynamo compiles a frame for dynshard: hook the outermost modules that frame reaches."""
-    from .. import compat
     from ..runtime import materialize
-    from ..runtime.state_dict import unwrap_compiled
 
-    frame = compat.compiling_frame()
-    if frame is None:
-        return
-    for module in materialize._outermost([unwrap_compiled(m) for m in materialize._modules_of(frame)]):
+    for module in materialize.frame_roots():
         hook_module(module)
 
 

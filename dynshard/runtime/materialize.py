@@ -150,6 +150,14 @@ def _configured_init_fn(compiler_fn: Any) -> Callable[[nn.Module], None] | None:
     return Config.from_options(compat.backend_options(compiler_fn)).param_init_fn  # its ConfigError, only earlier
 
 
+def frame_roots() -> list[nn.Module]:
+    """The outermost user modules (behind ``torch.compile``'s wrapper) of the frame Dynamo is compiling."""
+    frame = compat.compiling_frame()
+    if frame is None:
+        return []
+    return _outermost([getattr(m, "_orig_mod", m) for m in _modules_of(frame)])
+
+
 def _modules_of(frame: dict[str, Any]) -> list[nn.Module]:
     """The modules the compiled code can reach directly: its arguments and locals, its closure, and
     the globals it names."""

@@ -13,6 +13,7 @@ from ..backend.compile import CompiledProgram
 from . import materialize
 from .accumulation import ACCUMULATION
 from .buffer_sync import BufferSync
+from .eager_guard import guard_modules
 from .mesh import Layout
 from .sharding import shard_in_place
 from .unit_inputs import InputCheck
@@ -59,6 +60,7 @@ class ShardedProgram:
         # built while Dynamo compiles a frame: the meta-built models of that frame, initialised on the first run
         self._meta_models = materialize.frame_models()
         materialize.install()      # the trace hook, again after a torch._dynamo.reset()
+        self._roots = materialize.frame_roots()     # their modules refuse eager calls once they hold shards
         from ..checkpoint.rank_state import hook_frame_modules
         hook_frame_modules()       # the frame's modules: their state_dict() says where each shard sits
 
@@ -117,4 +119,6 @@ class ShardedProgram:
                 tag = shard_in_place(args[inp.index], inp.name, self.plan.layout, self.plan.placements[inp.index],
                                      self.plan.zero.get(inp.index))
                 tag.add_plan(self.plan)
+        guard_modules(self._roots)
+        self._roots = []
         self._prepared = True

@@ -13,7 +13,8 @@ the batch). It runs in one of three ways:
 - without autograd (``torch.no_grad()``, ``inference_only``): the forward-only order.
 
 The outputs of the micro-batches are combined into the whole batch's (concatenated, averaged or summed, as
-:mod:`dynshard.passes.microbatch_outputs` finds from the graph) and sent from the last stage to every
+:mod:`dynshard.passes.microbatch_outputs` finds from the graph; a cross-entropy over padded targets averaged
+with each micro-batch weighted by its count of counted targets) and sent from the last stage to every
 rank of the unit. Each rank compiles only its own stages, once per micro-batch shape.
 """
 
@@ -29,6 +30,7 @@ import torch.distributed as dist
 
 from .executor import StepRun
 from .. import materialize
+from ..eager_guard import guard_modules
 from .ownership import FreshGradients, Ownership, materialize_stages, reduce_gradients, take_ownership
 from .recorder import active_recorder, recording
 from .schedules import ALL
@@ -199,6 +201,7 @@ class PipelineProgram:
         # built while Dynamo compiles a frame: the meta-built models of that frame, initialised on the first run
         self._meta_models = materialize.frame_models()
         materialize.install()      # the trace hook, again after a torch._dynamo.reset()
+        self._roots = materialize.frame_roots()     # their modules refuse eager calls once they hold shards
 
     def __call__(self, *args: Any):
         plan = self.plan
@@ -276,6 +279,9 @@ class PipelineProgram:
             run = StepRun(self.plan, schedule, programs, metas, mb_args, train, seed_fn)
             run.run(schedule.actions[self.plan.groups.pp_rank] if actions is None else actions)
         run.finish()
+        if self._roots:       # (after the first run: hybrid's stage programs cut their tp shards in it)
+            guard_modules(self._roots)
+            self._roots = []
         if sync is not None:
             sync.after_call(mb_args[0], before)
         return run
@@ -315,7 +321,7 @@ class PipelineProgram:
                 continue
             if run.outputs:
                 pieces = [run.outputs[mb][position].detach() for mb in range(len(run.outputs))]
-                value = _combine(plan.combine[position], pieces)
+                value = _combine(plan.combine[position], pieces, args)
             else:
                 value = torch.empty(meta.shape, dtype=meta.dtype, device=plan.device)
             outputs.append(value)
@@ -325,7 +331,10 @@ class PipelineProgram:
         return outputs
 
 
-def _combine(rule: str, pieces: list[torch.Tensor]) -> torch.Tensor:
+def _combine(rule: str, pieces: list[torch.Tensor], args) -> torch.Tensor:
+    """The whole batch's output from the micro-batches' (``args``: the whole batch's graph inputs)."""
+    if hasattr(rule, "combine"):      # a mean weighted by each micro-batch's counted targets (WeightedMean)
+        return rule.combine(pieces, args)
     if rule == "cat":
         return torch.cat(pieces)
     if rule == "mean":
@@ -335,8 +344,11 @@ def _combine(rule: str, pieces: list[torch.Tensor]) -> torch.Tensor:
     return pieces[0].clone()
 
 
-def _seed(rule: str, grad: torch.Tensor, mb: int, m: int) -> torch.Tensor | None:
-    """The gradient of micro-batch ``mb``'s output from the gradient of the whole batch's."""
+def _seed(rule: str, grad: torch.Tensor, mb: int, m: int, scales=None) -> torch.Tensor | None:
+    """The gradient of micro-batch ``mb``'s output from the gradient of the whole batch's (``scales``: each
+    micro-batch's weight in a weighted mean, W_i / W)."""
+    if scales is not None:
+        return grad * scales[mb].to(grad.dtype)
     if rule == "cat":
         return grad.chunk(m)[mb]
     if rule == "mean":
@@ -359,7 +371,7 @@ class _GPipe(torch.autograd.Function):
         actions = plan.gpipe.actions[plan.groups.pp_rank]
         cut = _first_backward(actions)
         run = runner.run(plan.gpipe, mb_args, train=True, actions=actions[:cut])
-        ctx.whole, ctx.runner, ctx.run, ctx.rest = whole, runner, run, actions[cut:]
+        ctx.whole, ctx.runner, ctx.run, ctx.rest, ctx.args = whole, runner, run, actions[cut:], args
         outputs = whole.whole_outputs(run, args)
         ctx.mark_non_differentiable(*[o for o, meta in zip(outputs, whole.plan.output_metas)
                                       if isinstance(o, torch.Tensor) and (meta is None or not meta.requires_grad)])
@@ -369,13 +381,22 @@ class _GPipe(torch.autograd.Function):
     def backward(ctx, *grads):
         run, plan, combine = ctx.run, ctx.runner.plan, ctx.whole.plan.combine
         m = len(run.args)
+        scales: dict[int, torch.Tensor] = {}      # weighted means: W_i / W, found where a seed needs them
+
+        def scales_of(position: int):
+            rule = combine[position]
+            if not hasattr(rule, "scales"):
+                return None
+            if position not in scales:
+                scales[position] = rule.scales(ctx.args, m).to(grads[position].device)
+            return scales[position]
 
         def seed(mb, outputs):
             tensors, seeds = [], []
             for position, (out, grad) in enumerate(zip(outputs, grads)):
                 if grad is None or not isinstance(out, torch.Tensor) or not out.requires_grad:
                     continue
-                piece = _seed(combine[position], grad, mb, m)
+                piece = _seed(combine[position], grad, mb, m, scales_of(position))
                 if piece is not None:
                     tensors.append(out)
                     seeds.append(piece)
@@ -388,6 +409,6 @@ class _GPipe(torch.autograd.Function):
             run.finish()
             reduce_gradients(plan.ownership, plan.groups)
         plan.finish_step(run)
-        ctx.run = None
+        ctx.run = ctx.args = None
         return (None,) * len(ctx.needs_input_grad)
 
