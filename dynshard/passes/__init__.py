@@ -17,6 +17,7 @@ from .outline_repeated_blocks import outline_repeated_blocks
 from .propagate_sharding import propagate_sharding
 from .split_fused_projections import split_fused_projections
 from .tag_recompute import tag_recompute
+from .warn_gathered_outputs import warn_gathered_outputs
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
@@ -26,6 +27,7 @@ PASSES: list[Pass] = [
     split_fused_projections,  # c_attn(x).split(C) -> one matmul per block of the fused weight
     assign_placements,    # the policy places parameters, buffers and inputs
     propagate_sharding,   # every node's placement, the collectives the plan costs, fallbacks
+    warn_gathered_outputs,  # outputs split in the unit that every step gathers whole (logits, KV cache)
     insert_collectives,   # -> the per-rank program: local tensors in and out, DTensor in between
     tag_recompute,        # recompute_modules: partitioner recompute tags (after the collectives exist,
                           # so that dynshard's own communication stays saved, never recomputed)
@@ -47,4 +49,4 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[Pass] | None =
 
 __all__ = ["PASSES", "PassContext", "run_passes", "cast_to_compute_dtype", "lower_to_aten", "assign_placements",
            "propagate_sharding", "insert_collectives", "split_fused_projections", "tag_recompute",
-           "outline_repeated_blocks"]
+           "outline_repeated_blocks", "warn_gathered_outputs"]
