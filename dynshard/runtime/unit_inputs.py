@@ -41,6 +41,13 @@ def digest(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack([sums.sum(), (sums * weights).sum()])
 
 
+def _collective_device() -> torch.device:
+    """Where the default group's collectives take tensors (NCCL: the current GPU)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 class InputCheck:
     """Per program: counts its calls and checks the unit's inputs on the first and every N-th one."""
 
@@ -67,9 +74,9 @@ class InputCheck:
     def check(self, args: Sequence[Any]) -> None:
         self.checks += 1
         values = [args[i] for i in self.indices]
-        local = [digest(v) if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
+        local = [digest(v).cpu() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)
                  else torch.zeros(2, dtype=torch.float64) for v in values]
-        mine = torch.stack(local).flatten()
+        mine = torch.stack(local).flatten().to(_collective_device())
         world = dist.get_world_size()
         gathered = [torch.empty_like(mine) for _ in range(world)]
         dist.all_gather(gathered, mine)
