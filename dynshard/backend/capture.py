@@ -1,15 +1,27 @@
-"""What Dynamo hands the backend: which graph inputs are parameters, buffers or user inputs, by name."""
+"""What Dynamo hands the backend: which graph inputs are parameters, buffers or user inputs, by name.
+
+A graph input may be a DTensor: a split output of another dynshard program (``Config(gather_outputs=False)``)
+that crossed a graph break into this one. Dynamo traces it as a DTensor (its ops in the graph are the user's
+torch calls, its example input the DTensor itself); dynshard plans it as a whole value of its global shape
+whose placements on the plan unit's mesh are fixed (:attr:`GraphInput.placements`), and the program takes
+its local tensor (:mod:`dynshard.runtime.split_values`). While Dynamo traces a frame for dynshard, a plain
+tensor next to a DTensor counts as replicated (:func:`install_capture_hooks`): user code written for one
+process mixes them (``F.cross_entropy(logits, labels)``), and Dynamo's trace only needs the global shapes.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import re
 from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
+from torch.distributed.tensor import DTensor, Placement
 
 from .. import compat
+from ..compat.dtensor_inputs import tensors_as_replicated
 from ..runtime.sharding import ShardTag, get_tag
 
 _MODULE_PATH = re.compile(r"\._modules\['([^']+)'\]|\._(parameters|buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)")
@@ -28,13 +40,22 @@ class GraphInput:
     device: torch.device
     requires_grad: bool
     tag: ShardTag | None  # set when the tensor already holds its shard (placement is then fixed)
+    # a DTensor input (a split value from another program): its placements, fixed, and its mesh's ranks
+    placements: tuple[Placement, ...] | None = None
+    mesh: tuple[tuple[str, ...], tuple[int, ...]] | None = None
 
     @property
     def is_state(self) -> bool:
         return self.kind in ("parameter", "buffer")
 
+    @property
+    def is_split_value(self) -> bool:
+        """A DTensor input: it arrives as this rank's piece, with placements no policy may change."""
+        return self.placements is not None
+
     def token(self) -> str:
-        return f"{self.kind}:{self.name}:{tuple(self.shape)}:{self.stride}:{self.dtype}:{self.requires_grad}"
+        token = f"{self.kind}:{self.name}:{tuple(self.shape)}:{self.stride}:{self.dtype}:{self.requires_grad}"
+        return token if self.placements is None else f"{token}:{self.placements}:{self.mesh}"
 
 
 _LOCAL = re.compile(r"^L\['([^']+)'\]$")
@@ -61,6 +82,7 @@ def fqn_from_source(source: str | None) -> str | None:
 
 
 def describe_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[GraphInput]:
+    install_capture_hooks()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     described = []
     for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
@@ -81,11 +103,47 @@ def describe_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[G
         else:
             kind = "input"
         tag = get_tag(value)
-        shape = tag.global_shape if tag is not None else value.shape
+        shape = tag.global_shape if tag is not None else value.shape      # (a DTensor's shape is global)
         stride = tag.global_stride if tag is not None else tuple(value.stride())
+        split = isinstance(value, DTensor)
+        if split and kind != "input":
+            raise TypeError(
+                f"dynshard: {kind} {fqn or node.target} is a DTensor; dynshard places parameters and buffers "
+                "itself: compile the plain module (DTensor inputs are taken as split outputs of dynshard's own "
+                "programs)")
         described.append(GraphInput(
             index=index, name=fqn if (fqn and kind != "input") else input_name(source, str(node.target)),
             kind=kind,
             shape=torch.Size(shape), stride=tuple(stride), dtype=value.dtype, device=value.device,
-            requires_grad=value.requires_grad, tag=tag))
+            requires_grad=value.requires_grad, tag=tag,
+            placements=tuple(value.placements) if split else None,
+            mesh=mesh_identity(value.device_mesh) if split else None))
     return described
+
+
+def mesh_identity(mesh) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """What tells two device meshes apart: their dimension names and global ranks."""
+    return tuple(mesh.mesh_dim_names or ()), tuple(mesh.mesh.flatten().tolist())
+
+
+_MIXED = contextlib.ExitStack()
+
+
+def _allow_mixed() -> None:
+    _MIXED.enter_context(tensors_as_replicated())
+
+
+def _end_mixed() -> None:
+    _MIXED.close()
+
+
+def install_capture_hooks() -> None:
+    """While Dynamo traces a frame for dynshard, DTensor treats plain tensors as replicated, so that user
+    code mixing a split value (a DTensor returned by another program) with tensors traces (Dynamo runs each
+    op on fake values to learn its output's shape). The placements Dynamo sees there decide nothing: the
+    program is planned again on global shapes, with the DTensor inputs' placements fixed. Called on every
+    backend call (``torch._dynamo.reset()`` drops the hooks); outside a Dynamo compile it does nothing, since
+    the hooks must know the backend whose frames they apply to."""
+    backend = compat.compiling_backend()
+    if backend is not None:
+        compat.around_dynamo_compiles(_allow_mixed, _end_mixed, backend)

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch.distributed.tensor import Placement
 
-from ..backend.capture import GraphInput
+from ..backend.capture import GraphInput, mesh_identity
 from ..config import Config
 from ..runtime.mesh import Layout
 from ..runtime.sharding import placements_for
@@ -48,8 +48,12 @@ class PassContext:
 
         Parameters and buffers arrive as their planned shards (they are sharded in place before the
         first run). User inputs follow the data convention: every rank of a plan unit holds the same
-        batch, whole.
+        batch, whole. A DTensor input (a split value returned by another program) arrives as this rank's
+        piece of it, with its own placements.
         """
+        if inp.is_split_value:
+            check_split_value(inp, self.layout)
+            return inp.placements
         if inp.is_state:
             return inp.tag.placements if inp.tag is not None else self.placements[inp.index]
         return placements_for(self.layout, {})
@@ -57,3 +61,16 @@ class PassContext:
     def zero_of(self, inp: GraphInput) -> ZeroSpec | None:
         """The ZeRO storage the input arrives in (None: whole; the no-sync variant gets replicas)."""
         return self.zero.get(inp.index) if self.sync_grads else None
+
+
+def check_split_value(inp: GraphInput, layout: Layout) -> None:
+    """A DTensor input must live on the plan unit's mesh (a split output of another dynshard program of the
+    same plan unit): its placements are then this program's."""
+    mesh = layout.tp_mesh
+    if mesh is None or inp.mesh != mesh_identity(mesh) or len(inp.placements) != len(layout.placement_dims):
+        where = "ranks that form no plan unit of several ranks" if mesh is None else \
+            f"the plan unit's mesh {mesh_identity(mesh)}"
+        raise ValueError(
+            f"dynshard: graph input {inp.name} is a DTensor on the mesh {inp.mesh} with placements "
+            f"{inp.placements}, but this program runs on {where}; dynshard takes DTensors only as the split "
+            "outputs of its own programs (Config(gather_outputs=False)): pass .full_tensor() instead")

@@ -38,6 +38,8 @@ class PlanBuilder:
         for inp in ctx.inputs:
             if inp.tag is not None and inp.tag.placements:
                 self._tp[inp.index] = inp.tag.placements[0]
+            elif inp.is_split_value and ctx.layout.placement_dims:   # a DTensor from another program
+                self._tp[inp.index] = ctx.arrival(inp)[0]
         self._over_dp = {inp.index for inp in ctx.inputs if self._zero_by_default(inp)}
         self._placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
 
@@ -72,8 +74,10 @@ class PlanBuilder:
         return self.ctx.inputs[self._placeholders.index(node)]
 
     def is_fixed(self, name: str) -> bool:
-        """True when the tensor already holds its shard from an earlier program: its placement stays."""
-        return self._input(name).tag is not None
+        """True when the tensor already holds its shard from an earlier program, or is a DTensor that an
+        earlier program returned split (a value crossing a graph break): its placement stays."""
+        inp = self._input(name)
+        return inp.tag is not None or inp.is_split_value
 
     def placement(self, name: str) -> Placement:
         return self._tp.get(self._input(name).index, Replicate())
@@ -169,6 +173,10 @@ class PlanBuilder:
             raise PlanError(
                 f"dynshard: {inp.name} is already placed as {self.placement(inp.name)} by an earlier "
                 f"compiled program; a parameter keeps one placement in every graph")
+        if inp.is_split_value and self.placement(inp.name) != placement:
+            raise PlanError(
+                f"dynshard: {inp.name} arrives as a DTensor placed {self.placement(inp.name)} (a split output "
+                f"of another compiled program); its placement is fixed")
         self._tp[inp.index] = placement
 
 
