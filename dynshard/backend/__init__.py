@@ -221,6 +221,6 @@ def _local_example(inp, placements, zero, layout) -> torch.Tensor:
     Dynamo traced as it is) arrives materialised on the current device."""
     from ..runtime.materialize import default_device
 
-    shape = stored_shape(inp.shape, layout, placements, zero) if inp.is_state else inp.shape
+    shape = stored_shape(inp.shape, layout, placements, zero) if inp.is_state or inp.is_split_value else inp.shape
     device = default_device(layout.device_type) if inp.device.type == "meta" else inp.device
     return torch.empty(shape, dtype=inp.dtype, device=device).requires_grad_(inp.requires_grad)

@@ -16,6 +16,7 @@ from .buffer_sync import BufferSync
 from .eager_guard import guard_modules
 from .mesh import Layout
 from .sharding import shard_in_place
+from .split_values import adopt_split_inputs, local_arguments, mark_split_outputs, split_input_indices
 from .unit_inputs import InputCheck
 from .zero import ZeroSpec
 
@@ -57,6 +58,8 @@ class ShardedProgram:
         self.plan = plan
         self._prepared = False
         self._params = [inp for inp in plan.inputs if inp.kind == "parameter"]
+        self._split_inputs = split_input_indices(plan.inputs)   # DTensors (split values of another program)
+        self._tags = []            # of its parameters and buffers, and of the programs its DTensors come from
         # built while Dynamo compiles a frame: the meta-built models of that frame, initialised on the first run
         self._meta_models = materialize.frame_models()
         materialize.install()      # the trace hook, again after a torch._dynamo.reset()
@@ -70,6 +73,8 @@ class ShardedProgram:
         plan = self.plan
         if plan.input_check is not None:
             plan.input_check(args)
+        if self._split_inputs:     # the program runs on their local tensors
+            args = local_arguments(args, self._split_inputs)
         if plan.buffer_sync is None:
             return self._run(plan, args)
         before = plan.buffer_sync.versions(args)
@@ -97,6 +102,7 @@ class ShardedProgram:
         for position, (placements, shape, stride) in program.split_outputs.items():
             outputs[position] = DTensor.from_local(outputs[position], self.plan.layout.tp_mesh, placements,
                                                    run_check=False, shape=shape, stride=stride)
+        mark_split_outputs(outputs, program.split_outputs, self._tags)
         return outputs
 
     def _accumulating(self, args) -> list:
@@ -119,6 +125,9 @@ class ShardedProgram:
                 tag = shard_in_place(args[inp.index], inp.name, self.plan.layout, self.plan.placements[inp.index],
                                      self.plan.zero.get(inp.index))
                 tag.add_plan(self.plan)
+                self._tags.append(tag)
         guard_modules(self._roots)
         self._roots = []
+        # a program fed split values (a loss after a graph break) is explained with the programs they come from
+        self._tags += adopt_split_inputs(self.plan, args, self._split_inputs)
         self._prepared = True
