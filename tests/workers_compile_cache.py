@@ -21,11 +21,12 @@ def train_with_inductor(rank: int, world: int, options: dict, accumulate: bool =
     compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(compiler="inductor", **options))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     losses = []
+    unit, units = dynshard.data_parallel_rank(options.get("plan_ngpus", 1))   # a unit's ranks read one batch
     for step in range(2):
         if accumulate:
             with dynshard.no_sync(compiled):
-                compiled(*gpt_batch(cfg, 2, 100 + step * world + rank)).backward()
-        loss = compiled(*gpt_batch(cfg, 2, step * world + rank))
+                compiled(*gpt_batch(cfg, 2, 100 + step * units + unit)).backward()
+        loss = compiled(*gpt_batch(cfg, 2, step * units + unit))
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -90,5 +90,5 @@ class InputCheck:
                     raise UnitInputMismatchError(
                         f"dynshard: ranks {first} and {rank} of plan unit {first // self.plan_ngpus} "
                         f"(plan_ngpus={self.plan_ngpus}) were fed different values for input {name!r} "
-                        f"(call {self.calls} of this program), so every step would train on a mix of two "
+                        f"(call #{self.calls} of this program), so every step would train on a mix of two "
                         f"batches. {FIX}")
