@@ -22,11 +22,10 @@ compiled program first runs. The two live side by side on a tensor:
 
 from __future__ import annotations
 
-from typing import Iterator
-
 import torch
 
 from .. import compat
+from .ddp import DDPWrapError, dynshard_tensors, named_tensors  # noqa: F401  (importing .ddp watches DDP wraps)
 from .sharding import get_tag
 
 PARALLEL_DIM_ATTR = "_dynshard_parallel_dim"
@@ -105,11 +104,9 @@ def register_ddp_parameters_to_ignore(module: torch.nn.Module) -> list[str]:
     if isinstance(module, torch.nn.parallel.DistributedDataParallel):
         raise TypeError("dynshard.register_ddp_parameters_to_ignore: call it on the model before wrapping it "
                         "in DistributedDataParallel (DDP reads the list when it is constructed)")
-    owned = [prefix for prefix, sub in module.named_modules(remove_duplicate=False) if _compiled_with_dynshard(sub)]
-    named = list(_named_tensors(module))
-    ignored = {id(t) for name, t in named
-               if any(_under(name, prefix) for prefix in owned)
-               or get_tag(t) is not None or getattr(t, PARALLEL_DIM_ATTR, None) is not None}
+    named = list(named_tensors(module))
+    owned = dynshard_tensors(module)
+    ignored = {id(t) for name, t in named if id(t) in owned or getattr(t, PARALLEL_DIM_ATTR, None) is not None}
     names = list(getattr(module, DDP_IGNORE_ATTR, None) or ())
     for name, tensor in named:
         if id(tensor) not in ignored:
@@ -120,20 +117,3 @@ def register_ddp_parameters_to_ignore(module: torch.nn.Module) -> list[str]:
                 names.append(alias)
     compat.ignore_in_ddp(module, names)
     return names
-
-
-def _named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every name of every parameter and buffer (a tensor shared between modules has several)."""
-    yield from module.named_parameters(remove_duplicate=False)
-    yield from module.named_buffers(remove_duplicate=False)
-
-
-def _under(name: str, prefix: str) -> bool:
-    return prefix == "" or name.startswith(prefix + ".")
-
-
-def _compiled_with_dynshard(module: torch.nn.Module) -> bool:
-    """Whether ``module`` was compiled (wrapped or in place) with dynshard as its backend."""
-    from ..backend import dynshard_backend
-
-    return compat.module_backend(module) is dynshard_backend
