@@ -11,6 +11,7 @@ import torch.fx as fx
 from .assign_placements import assign_placements
 from .cast_to_compute_dtype import cast_to_compute_dtype
 from .context import PassContext
+from .exact_mean_losses import exact_mean_losses
 from .insert_collectives import insert_collectives
 from .lower_to_aten import lower_to_aten
 from .outline_repeated_blocks import outline_repeated_blocks
@@ -25,6 +26,7 @@ PASSES: list[Pass] = [
     cast_to_compute_dtype,  # mixed precision: parameters (and inputs) enter in param_dtype
     lower_to_aten,        # Dynamo graph -> ATen graph on FakeTensors (global shapes)
     split_fused_projections,  # c_attn(x).split(C) -> one matmul per block of the fused weight
+    exact_mean_losses,    # mean nll_loss -> its sum / its total weight (exact over split rows: padding)
     assign_placements,    # the policy places parameters, buffers and inputs
     propagate_sharding,   # every node's placement, the collectives the plan costs, fallbacks
     warn_gathered_outputs,  # outputs split in the unit that every step gathers whole (logits, KV cache)
@@ -49,4 +51,4 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[Pass] | None =
 
 __all__ = ["PASSES", "PassContext", "run_passes", "cast_to_compute_dtype", "lower_to_aten", "assign_placements",
            "propagate_sharding", "insert_collectives", "split_fused_projections", "tag_recompute",
-           "outline_repeated_blocks", "warn_gathered_outputs"]
+           "outline_repeated_blocks", "exact_mean_losses", "warn_gathered_outputs"]

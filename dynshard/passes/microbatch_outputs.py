@@ -7,8 +7,11 @@ A pipeline runs the captured graph once per micro-batch: every batch input split
 kind        the whole-batch output is                                    gradient seed (each)
 ==========  ==========================================================  =====================
 ``"cat"``   the micro-batch outputs concatenated along dim 0 (logits)    its slice of the grad
-``"mean"``  their mean (a mean-reduced loss: ``F.cross_entropy``,         grad / m
-            ``F.mse_loss``, ``.mean()``)
+``"mean"``  their mean (a mean-reduced loss: ``F.mse_loss``, ``.mean()``)   grad / m
+            or, for a loss normalised by its count of counted targets        grad W_i / W
+            (mean-reduced ``F.cross_entropy`` / ``F.nll_loss``: padded
+            targets, class weights), their mean weighted by those counts
+            W_i (:class:`~.microbatch_weights.WeightedMean`)
 ``"sum"``   their sum (``reduction="sum"``, ``.sum()``)                  grad
 ``"same"``  any one of them: the output does not depend on the batch     grad / m
 ==========  ==========================================================  =====================
@@ -29,6 +32,13 @@ Partial(avg): a constant added to a mean); any other (an all-gather of the batch
 partial sum or mean) is where the micro-batches stop combining, and is refused there, naming the op.
 The outputs' placements then give the answer: Shard(0) -> cat, Partial(avg) -> mean, Partial(sum) ->
 sum, Replicate -> same. Mean-of-means is exact because the micro-batches have equal size (checked).
+A mean-reduced ``F.cross_entropy`` / ``F.nll_loss`` call over class-index targets is the one exception:
+it is normalised by the total weight of its counted targets (not equal to ``ignore_index``; the sum of
+their class weights with ``weight=``), which differs per micro-batch. It runs here with
+``reduction="sum"`` (a partial sum, label smoothing included) and its result is a mean weighted by that
+total (:mod:`.microbatch_weights`); what is computed from it linearly (scaled, shifted by a constant)
+stays one. Combined with a plain mean, or with another loss's weighted mean (another target), it is
+refused: no weighting of the micro-batch outputs gives the batch's.
 Ops DTensor has no strategy for run through their decomposition (``compat.sharding_decompositions``),
 BatchNorm always (so that eval mode is elementwise and training mode shows its batch statistics);
 random ops and convolutions are placed here (DTensor's versions touch global RNG state / ask the
@@ -40,20 +50,18 @@ A 4-layer GPT takes about 0.1 s (0.3 s the first time in a process: DTensor fill
 
 Exactness notes:
 
-* DTensor treats a mean-reduced ``nll_loss`` (``F.cross_entropy``) as Partial(avg). That is exact only
-  when every micro-batch has the same number of counted targets: with class weights, or with targets
-  equal to ``ignore_index``, the loss is normalised by a weight or count that differs per micro-batch,
-  and the mean of the micro-batch means is not the mean over the batch. Class weights and a
-  non-default ``ignore_index`` are refused; the default ``-100`` (which ``F.cross_entropy`` always
-  passes) is taken to mean "no ignored targets" unless ``trust_default_ignore_index=False``.
+* DTensor treats a mean-reduced ``nll_loss`` as Partial(avg), which is exact only when every micro-batch
+  has the same total weight of counted targets. Reached through ``F.cross_entropy`` / ``F.nll_loss`` it is
+  weighted (above); a mean-reduced ``aten.nll_loss_forward`` reached any other way over split inputs is
+  refused, whatever its ``ignore_index`` and class weights (padding cannot be ruled out from the graph).
 * The micro-batch program meant here is the whole-batch graph run on a slice, as DTensor runs it
   locally: Python numbers Dynamo specialised in the graph keep their whole-batch values. A loss written
   ``loss.sum() / x.shape[0]`` (or ``F.kl_div(..., reduction="batchmean")``) divides by the whole batch
   size in the graph, so it is a "sum" here; a runtime that re-captures the model at the micro-batch
   shape divides by the micro-batch size instead and would have to treat it as a "mean".
-* Conservative: a value of the batch normalised by a count computed from the batch is refused even when
-  the count is the same in every micro-batch (``F.cross_entropy(..., label_smoothing=0.1)`` divides by
-  the number of non-ignored targets), and so is indexing the batch with ``torch.arange(B)``.
+* Conservative: a value of the batch normalised by a count computed from the batch outside the losses
+  above is refused even when the count is the same in every micro-batch (``x.sum() / (y > 0).sum()``),
+  and so is indexing the batch with ``torch.arange(B)``.
 """
 
 from __future__ import annotations
@@ -69,6 +77,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import compat
+from .microbatch_weights import WeightedMean, mean_loss, weighted_mean
 from .propagate_sharding import source_line
 
 KINDS = ("cat", "mean", "sum", "same")
@@ -79,7 +88,6 @@ _NLL_LOSSES = (_aten.nll_loss_forward.default, _aten.nll_loss2d_forward.default)
 # mode; decomposed, eval mode is elementwise and training mode shows its statistics over the batch
 _DECOMPOSED = (_aten.native_batch_norm.default,)
 _MEAN = 1                      # torch's Reduction::Mean
-_DEFAULT_IGNORE_INDEX = -100
 
 
 class MicrobatchError(ValueError):
@@ -93,15 +101,21 @@ class MicrobatchError(ValueError):
 def seed_scale(kind: str, nmicros: int) -> float:
     """The factor on an output's gradient for each micro-batch's backward: 1/m for "mean" (and "same",
     whose gradient would otherwise count m times), 1 for "sum"; for "cat" each micro-batch takes its
-    own slice of the gradient (factor 1)."""
+    own slice of the gradient (factor 1). A :class:`WeightedMean` has one factor per micro-batch, which
+    depends on the batch: ``kind.scales(graph_inputs, nmicros)``."""
     if kind not in KINDS:
         raise ValueError(f"unknown combine kind {kind!r}; expected one of {KINDS}")
+    if isinstance(kind, WeightedMean):
+        raise ValueError(f"dynshard: the micro-batches of a {kind.describe()} do not weigh the same; their "
+                         f"factors depend on the batch: kind.scales(graph_inputs, nmicros)")
     return 1.0 / nmicros if kind in ("mean", "same") else 1.0
 
 
 def microbatch_combine(gm: fx.GraphModule, example_inputs: Sequence[Any], batch_inputs: Sequence[int],
-                       nmicros: int, *, trust_default_ignore_index: bool = True) -> list[str]:
-    """How each output of ``gm`` combines over ``nmicros`` micro-batches: "cat", "mean", "sum" or "same".
+                       nmicros: int) -> list[str]:
+    """How each output of ``gm`` combines over ``nmicros`` micro-batches: "cat", "mean", "sum" or "same";
+    a mean weighted by each micro-batch's count of counted targets is a :class:`WeightedMean` (equal to
+    "mean"; its ``combine(pieces, graph_inputs)`` and ``scales(graph_inputs, nmicros)`` weigh them).
 
     ``gm`` is a Dynamo-captured graph (parameters are placeholders too), ``example_inputs`` its example
     inputs (real or fake tensors; only their metadata is read), ``batch_inputs`` the indices of the
@@ -154,14 +168,17 @@ def microbatch_combine(gm: fx.GraphModule, example_inputs: Sequence[Any], batch_
             unsplit[storage] = placeholders[index]
         args.append(DTensor.from_local(local, mesh, [Shard(0) if split else Replicate()], run_check=False,
                                        shape=value.shape, stride=tuple(value.stride())))
-    mode = _MicrobatchMode(mesh, unsplit, inputs, trust_default_ignore_index)
+    mode = _MicrobatchMode(mesh, unsplit, inputs)
+    interpreter = _Interpreter(gm, mode)
     try:
         with torch.no_grad(), mode:
-            result = _Interpreter(gm, mode).run(*args)
+            result = interpreter.run(*args)
     except MicrobatchError as error:      # without the node fx.Interpreter appended: the message names it
         raise MicrobatchError(error.message) from None
     values = result if isinstance(result, (tuple, list)) else (result,)
-    return [_kind(i, node, value, nmicros) for i, (node, value) in enumerate(zip(outputs, values))]
+    kinds = [_kind(i, node, value, nmicros) for i, (node, value) in enumerate(zip(outputs, values))]
+    return [interpreter.weighted.get(node, kind) if kind == "mean" and isinstance(node, fx.Node) else kind
+            for node, kind in zip(outputs, kinds)]
 
 
 # -- the outputs ------------------------------------------------------------------------------------------
@@ -203,10 +220,69 @@ class _Interpreter(fx.Interpreter):
     def __init__(self, gm: fx.GraphModule, mode: "_MicrobatchMode"):
         super().__init__(gm)
         self.mode = mode
+        self.weighted: dict[fx.Node, WeightedMean] = {}   # nodes whose value is a weighted mean
+        self._by_key: dict[tuple, WeightedMean] = {}      # one per total weight (target, weights, ignore_index)
 
     def run_node(self, n: fx.Node):
         self.mode.node = n
-        return super().run_node(n)
+        if n.op == "output":
+            return super().run_node(n)
+        # (by identity: every WeightedMean compares equal to "mean")
+        sources = {id(self.weighted[a]): self.weighted[a] for a in n.all_input_nodes if a in self.weighted}
+        if sources:
+            self._check_weighted_inputs(n, list(sources.values()))
+        out = self._weighted_loss(n)
+        if out is None:
+            out = super().run_node(n)
+        if sources and n not in self.weighted and _has_avg(out):
+            (self.weighted[n],) = sources.values()     # a weighted mean scaled, shifted or added to: still one
+        return out
+
+    def _weighted_loss(self, n: fx.Node) -> DTensor | None:
+        """A mean-reduced cross-entropy / nll_loss of class-index targets split into micro-batches: run with
+        reduction="sum", returned as a mean weighted by its total weight (:mod:`.microbatch_weights`). Over
+        class probabilities, or a batchmean kl_div: run with reduction="sum", returned as a plain mean (the
+        micro-batch divides by its own number of samples). None for any other node (it runs as it is)."""
+        loss = mean_loss(n)
+        if loss is None:
+            return None
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        args, kwargs = loss.summed(args, kwargs)
+        target = kwargs.get("target")
+        if not isinstance(target, DTensor):
+            return None
+        summed = n.target(*args, **kwargs)
+        if not isinstance(summed, DTensor) or summed.placements != (Partial("sum"),):
+            return None       # it does not depend on the batch (or is refused as it is)
+        if not loss.counts_targets(target):
+            return DTensor.from_local(summed.to_local(), self.mode.mesh, [Partial("avg")], run_check=False)
+        (placement,) = target.placements
+        if type(placement) is not Shard:
+            raise self.mode.refuse_node(
+                f"it is a mean over the targets not equal to ignore_index={loss.ignore_index}, normalised by their "
+                f"count, but its targets are not split with the batch ({placement}), so that count cannot be "
+                f"found per micro-batch. Compute the targets from the batch inputs, batch first")
+        weighted = self._by_key.get(loss.key)
+        if weighted is None:
+            weighted = weighted_mean(self.module, loss, placement.dim, f"{n.name} at {source_line(n)}")
+            self._by_key[loss.key] = weighted
+        self.weighted[n] = weighted
+        return DTensor.from_local(summed.to_local(), self.mode.mesh, [Partial("avg")], run_check=False)
+
+    def _check_weighted_inputs(self, n: fx.Node, sources: list) -> None:
+        if len(sources) > 1:
+            raise self.mode.refuse_node(
+                "it combines losses normalised by different counts of targets (" +
+                "; ".join(sorted(w.source for w in sources)) + "): each micro-batch weighs differently in "
+                "each, so no weighting of the micro-batch outputs gives the batch's. Return the losses as "
+                "separate outputs")
+        for a in n.all_input_nodes:
+            if a not in self.weighted and _has_avg(self.env.get(a)):
+                (weighted,) = sources
+                raise self.mode.refuse_node(
+                    f"it combines a mean over the batch's samples ({a.name}) with a mean over counted targets "
+                    f"({weighted.source}), whose micro-batches weigh by their counts of targets: no weighting "
+                    f"of the micro-batch outputs gives the batch's. Return them as separate outputs")
 
     def get_attr(self, target, args, kwargs):
         value = super().get_attr(target, args, kwargs)
@@ -218,13 +294,12 @@ class _Interpreter(fx.Interpreter):
 class _MicrobatchMode(TorchDispatchMode):
     """Checks each ATen op's redistributions on the micro-batch mesh before DTensor runs it."""
 
-    def __init__(self, mesh, unsplit: dict, inputs: dict, trust_default_ignore_index: bool):
+    def __init__(self, mesh, unsplit: dict, inputs: dict):
         super().__init__()
         self.mesh = mesh
         self.nmicros = mesh.size()
         self.unsplit = unsplit          # storage -> placeholder of each input that is not split
         self.inputs = inputs            # storage -> placeholder of every tensor input
-        self.trust_default_ignore_index = trust_default_ignore_index
         self.decomposing: list = []     # ops whose decomposition is running (outermost first)
         self.node: fx.Node | None = None
 
@@ -316,18 +391,14 @@ class _MicrobatchMode(TorchDispatchMode):
         if reduction != _MEAN or all(isinstance(t, DTensor) and t.placements == (Replicate(),)
                                      for t in (logits, target)):
             return
-        if weight is not None:
-            raise self._refuse(
-                func, "it is a class-weighted mean (cross_entropy / nll_loss with weight=...): it is normalised by "
-                      "the total weight of the targets, which differs per micro-batch, so the mean of the "
-                      "micro-batch losses is not the loss of the batch. Use reduction='sum' and divide by the "
-                      "whole batch's total weight computed outside the compiled model (passed in as an input)")
-        if ignore_index != _DEFAULT_IGNORE_INDEX or not self.trust_default_ignore_index:
-            raise self._refuse(
-                func, f"it is a mean over the targets not equal to ignore_index={ignore_index}: it is normalised by "
-                      f"the number of counted targets, which differs per micro-batch, so the mean of the micro-batch "
-                      f"means is not the mean over the batch. Use reduction='sum' and divide by the whole batch's "
-                      f"count of counted targets, computed outside the compiled model (passed in as an input)")
+        what = "class-weighted mean" if weight is not None else "mean"
+        raise self._refuse(
+            func, f"it is a {what} over the targets not equal to ignore_index={ignore_index}: it is normalised by the "
+                  f"total weight of the counted targets, which differs per micro-batch (padding), so the mean of the "
+                  f"micro-batch means is not the mean over the batch. Call F.cross_entropy / F.nll_loss (whose "
+                  f"micro-batches dynshard weighs by their counted targets), or use reduction='sum' and divide by "
+                  f"the whole batch's count of counted targets, computed outside the compiled model (passed in "
+                  f"as an input)")
 
     def _check_mutation(self, func, args) -> None:
         schema = func._schema
@@ -381,6 +452,14 @@ class _MicrobatchMode(TorchDispatchMode):
                                                                                 run_check=False), out)
 
     # -- errors -------------------------------------------------------------------------------------
+    def refuse_node(self, reason: str) -> MicrobatchError:
+        """The error for the graph node running now (not one of its ATen ops)."""
+        node = self.node
+        where = f"{node.name} at {source_line(node)}" if node is not None else "?"
+        module = _module_path(node)
+        return MicrobatchError(f"dynshard: the batch cannot be split into {self.nmicros} micro-batches: graph node "
+                               f"{where}{', in ' + module if module else ''}: {reason}.")
+
     def _refuse(self, func, reason: str) -> MicrobatchError:
         op = self.decomposing[0] if self.decomposing else func
         inner = f" (in its decomposition: {func})" if self.decomposing else ""
@@ -397,6 +476,12 @@ class _MicrobatchMode(TorchDispatchMode):
                        f"mode, use LayerNorm/GroupNorm, or do not split the batch (pipeline_nmicros=1). "
                        f"Details: " + message[len("dynshard: "):])
         return MicrobatchError(message)
+
+
+def _has_avg(value) -> bool:
+    return any(isinstance(leaf, DTensor) and any(isinstance(p, Partial) and p.reduce_op == "avg"
+                                                  for p in leaf.placements)
+               for leaf in pytree.tree_leaves(value))
 
 
 def _not_abstract(error: Exception) -> str:

@@ -219,6 +219,7 @@ class PipelineProgram:
                 "dynshard: a pipelined graph received an input that needs a gradient: a graph break splits the "
                 "model into several graphs, and gradients do not flow between separately pipelined graphs yet. "
                 "Remove the graph break (TORCH_LOGS=graph_breaks shows where it is)")
+        _ = plan.combine  # how the micro-batch outputs make the batch's: found, or refused, on every rank first
         runner, mb_args = self.micro_batches(args)
         if plan.config.inference_only or not torch.is_grad_enabled():
             run = runner.run(runner.plan.forward_only, mb_args, train=False)
@@ -346,9 +347,10 @@ def _combine(rule: str, pieces: list[torch.Tensor], args) -> torch.Tensor:
 
 def _seed(rule: str, grad: torch.Tensor, mb: int, m: int, scales=None) -> torch.Tensor | None:
     """The gradient of micro-batch ``mb``'s output from the gradient of the whole batch's (``scales``: each
-    micro-batch's weight in a weighted mean, W_i / W)."""
+    micro-batch's weight in a weighted mean, W_i / W: one with no counted target, whose loss is 0/0, adds
+    nothing and runs no backward)."""
     if scales is not None:
-        return grad * scales[mb].to(grad.dtype)
+        return grad * scales[mb] if scales[mb] else None
     if rule == "cat":
         return grad.chunk(m)[mb]
     if rule == "mean":
@@ -381,14 +383,14 @@ class _GPipe(torch.autograd.Function):
     def backward(ctx, *grads):
         run, plan, combine = ctx.run, ctx.runner.plan, ctx.whole.plan.combine
         m = len(run.args)
-        scales: dict[int, torch.Tensor] = {}      # weighted means: W_i / W, found where a seed needs them
+        scales: dict[int, list[float]] = {}       # weighted means: W_i / W, found where a seed needs them
 
         def scales_of(position: int):
             rule = combine[position]
             if not hasattr(rule, "scales"):
                 return None
             if position not in scales:
-                scales[position] = rule.scales(ctx.args, m).to(grads[position].device)
+                scales[position] = rule.scales(ctx.args, m).tolist()
             return scales[position]
 
         def seed(mb, outputs):
