@@ -83,6 +83,7 @@ def test_user_built_ddp_around_a_tp_model_trains_like_one_process():
     for result in run_ranks(user_ddp, 2, {"policy": "tp"}, 2, timeout=600):
         assert_trains_like_one_process(result)
         assert result["ddp_reducers"] == [False]
+        assert result["programs"] == 1      # not DDPOptimizer's bucket-sized pieces
 
 
 # ------------------------------------------------------------------------------------------- refused

@@ -187,13 +187,16 @@ def trainer_without_release(rank: int, world: int, *args, **kwargs) -> dict:
 # ---------------------------------------------------------------------------------- a user's own DDP
 
 def user_ddp(rank: int, world: int, options: dict, plan_ngpus: int = 1, steps: int = STEPS) -> dict:
-    """``DistributedDataParallel(torch.compile(model, backend="dynshard"))`` in a plain loop."""
+    """``DistributedDataParallel(torch.compile(model, backend="dynshard"))`` in a plain loop. DDP's buckets
+    are made tiny, so that Dynamo's DDPOptimizer would cut the graph into pieces (as it does any model over
+    1 MB): dynshard must still get it whole."""
     dist.init_process_group("gloo")
     model = build_llama()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="dynshard",
                              options=dynshard.Config(compiler="aot_eager", plan_ngpus=plan_ngpus, **options))
-    ddp = torch.nn.parallel.DistributedDataParallel(compiled)
+    torch.distributed._DEFAULT_FIRST_BUCKET_BYTES = 1024    # DDPOptimizer's first bucket: 1 MB, the model's 0.1
+    ddp = torch.nn.parallel.DistributedDataParallel(compiled, bucket_cap_mb=0.01)
     opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
     dp_rank, dp_size = dynshard.data_parallel_rank(plan_ngpus)
     rows = torch.stack([sample["input_ids"] for sample in dataset(ROWS * dp_size * steps)])
@@ -211,7 +214,7 @@ def user_ddp(rank: int, world: int, options: dict, plan_ngpus: int = 1, steps: i
     return {"losses": _mean_over_ranks(losses, world), "ref_losses": ref_losses,
             "params": dynshard.collect_state_dict(compiled),
             "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
-            "ddp_reducers": [hasattr(ddp, "reducer")]}
+            "ddp_reducers": [hasattr(ddp, "reducer")], "programs": len(dynshard.explain(compiled).programs)}
 
 
 # ------------------------------------------------------------------------------------------- refused

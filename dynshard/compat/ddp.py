@@ -7,9 +7,17 @@
   DDP around a dynshard model into that state (:func:`pass_through`): the reducer, which holds every
   parameter's gradient accumulator (with the parameter's shape at construction) and a gradient bucket as
   big as the model, and DDP's logger, which holds the reducer, are dropped.
+- Dynamo compiles a frame reached from DDP's forward through ``DDPOptimizer.compile_fn``, which cuts the
+  graph where DDP's buckets would fill (1 MB first, then 25 MB) and hands each piece to the backend as an
+  aot_autograd one (dynshard's are not: "fw_metadata must not be None"). Its ``_ddp_ignored`` test reads the
+  FakeTensor Dynamo lifted each parameter to, which does not carry the attribute, so marking parameters
+  does not keep a graph whole: :func:`keep_graph_whole` lifts the DDPOptimizer's caps for the frame being
+  compiled (one bucket: the whole graph goes to the backend as it is).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -44,3 +52,13 @@ def pass_through(ddp: DistributedDataParallel, ignored: list[str]) -> None:
     ddp.logger = None
     if hasattr(ddp, "reducer"):
         del ddp.reducer      # its destructor removes its autograd hooks and frees its buckets
+
+
+def keep_graph_whole(compiler_fn) -> None:
+    """``compiler_fn`` (what Dynamo compiles the current frame with): if it is a DDPOptimizer's, make it
+    hand the whole graph to the backend (no bucket ever fills)."""
+    from torch._dynamo.backends.distributed import DDPOptimizer
+
+    optimizer = getattr(compiler_fn, "__self__", None)
+    if isinstance(optimizer, DDPOptimizer):
+        optimizer.bucket_bytes_cap = optimizer.first_bucket_cap = math.inf

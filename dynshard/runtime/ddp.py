@@ -12,8 +12,10 @@ refuses one with nothing left to reduce, so a list set in advance cannot help th
   (those of submodules compiled with dynshard, or tagged by it), DDP becomes a pass-through at once,
   before Dynamo traces (Dynamo's start-of-compile callback): no reducer, no logger (they held every
   parameter's gradient accumulator with its whole shape, and a gradient bucket as big as the model), its
-  forward only calls the module, nothing in the backward. dynshard's parameters are marked ``_ddp_ignored``
-  as well, so Dynamo's DDPOptimizer hands dynshard the whole graph instead of DDP-bucket-sized pieces.
+  forward only calls the module, nothing in the backward; its ``no_sync()`` (Trainer's gradient
+  accumulation) becomes ``dynshard.no_sync``. Any dynshard frame compiled inside a DDP's forward also goes
+  to dynshard whole: Dynamo's DDPOptimizer would cut it into DDP-bucket-sized pieces, which dynshard
+  cannot compile (:func:`~dynshard.compat.ddp.keep_graph_whole`).
   What DDP's constructor did before is harmless: it checked shapes and broadcast rank 0's values, which
   are every rank's before dynshard's first step (dynshard broadcasts them again when it shards).
 - **Refused** (:class:`DDPWrapError`, the same on every rank, before anything runs): a DDP that averages
@@ -64,11 +66,15 @@ def _on_compile_start(args) -> None:
     if args.callback_trigger is not CallbackTrigger.DYNAMO:
         return
     ddp = compat_ddp.active_ddp()
-    if ddp is None or ddp in _UNCONCERNED or compat_ddp.is_pass_through(ddp):
+    if ddp is None:
         return
     from ..backend import dynshard_backend
 
-    if compat.compiling_backend() is dynshard_backend:
+    if compat.compiling_backend() is not dynshard_backend:
+        return
+    frame = compat.compiling_frame()
+    compat_ddp.keep_graph_whole(frame.get("compiler_fn") if frame is not None else None)
+    if ddp not in _UNCONCERNED and not compat_ddp.is_pass_through(ddp):
         leave_to_dynshard(ddp)
 
 
@@ -109,7 +115,7 @@ def leave_to_dynshard(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
     compat_ddp.pass_through(ddp, names)
     ddp.no_sync = functools.partial(no_sync, ddp.module)   # DDP's accumulation (Trainer's) becomes dynshard's
     for _, param in ours:
-        param._ddp_ignored = True      # Dynamo's DDPOptimizer: no DDP buckets, one graph for dynshard
+        param._ddp_ignored = True      # as register_ddp_parameters_to_ignore marks them
     log.info("dynshard: DistributedDataParallel around a dynshard model (%d parameters) released: dynshard "
              "reduces their gradients itself, DDP's forward now only calls the model", len(names))
 

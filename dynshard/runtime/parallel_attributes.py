@@ -17,7 +17,8 @@ compiled program first runs. The two live side by side on a tensor:
   form unit ``u``).
 - :func:`register_ddp_parameters_to_ignore` lets torch's ``DistributedDataParallel`` wrap a model in which
   only some submodules are compiled with dynshard: DDP must leave alone the tensors dynshard reduces (and
-  shards) itself, and, as in TorchShard, those the user registered a parallel dim on.
+  shards) itself, and, as in TorchShard, those the user registered a parallel dim on. A DDP around a whole
+  dynshard model (transformers' Trainer builds one) needs nothing: dynshard releases it (:mod:`.ddp`).
 """
 
 from __future__ import annotations
