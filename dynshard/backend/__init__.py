@@ -17,6 +17,7 @@ from ..runtime.mesh import ensure_process_group, layout_for, world_size
 from ..runtime.pipeline.program import PipelineProgram
 from ..runtime.program import CompiledPlan, ShardedProgram
 from ..runtime.buffer_sync import BufferSync
+from ..runtime.ddp import watch as watch_ddp_wraps
 from ..runtime.sharding import is_sharded, present_global_shapes, restore_local_shards, stored_shape
 from ..runtime.unit_inputs import InputCheck
 from ..runtime.zero import zero_groups
@@ -40,6 +41,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     compat.register_logger("dynshard")
     compat.keep_shapes_static()
     compat.around_dynamo_compiles(present_global_shapes, restore_local_shards)
+    watch_ddp_wraps()       # (again after a torch._dynamo.reset(), which drops Dynamo's callbacks)
     config = Config.from_options(options)
     device_type = _device_type(example_inputs)
     ensure_process_group(device_type)

@@ -164,8 +164,19 @@ def split_output_fn(layout: Layout, position: int, split: dict):
         value = value.redistribute(mesh, reduced_placements(value.placements))
         if any(p != Replicate() for p in value.placements):
             split[position] = (tuple(value.placements), value.shape, value.stride())
-        return value.to_local()
+        return value.to_local().clone()     # (not a view: see leave_fn)
     return split_output
+
+
+def leave_fn(layout: Layout):
+    """Every tensor leaving the program, whole inside the plan unit. A copy, not ``to_local()``'s view: an
+    output that aliases an intermediate is rebuilt as a view by aot_autograd, and an in-place change of it
+    (transformers' Trainer scales the loss in place: ``loss *= world``) is refused by autograd."""
+    gather_whole = gather_fn(layout)
+
+    def leave(value):
+        return gather_whole(value).clone() if isinstance(value, DTensor) else value
+    return leave
 
 
 def reduce_partials_fn(layout: Layout):
@@ -198,7 +209,7 @@ def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         fuse_vocab_parallel_losses(graph, propagation.vocab_parallel_losses)
         _rewrite_nodes(graph, layout, propagation, ctx.constraints)
         output = next(n for n in graph.nodes if n.op == "output")
-        to_boundary = _named(gather_fn(layout), "to_boundary")
+        to_boundary = _named(leave_fn(layout), "to_boundary")
         positions = itertools.count()
         with graph.inserting_before(output):
             output.args = fx.node.map_arg(output.args, lambda a: graph.call_function(

@@ -13,6 +13,7 @@ from ..backend.compile import CompiledProgram
 from . import materialize
 from .accumulation import ACCUMULATION
 from .buffer_sync import BufferSync
+from .ddp import check_active_ddp
 from .eager_guard import guard_modules
 from .mesh import Layout
 from .sharding import shard_in_place
@@ -68,6 +69,7 @@ class ShardedProgram:
         hook_frame_modules()       # the frame's modules: their state_dict() says where each shard sits
 
     def __call__(self, *args: Any):
+        check_active_ddp()      # a DDP built around the model after its parameters were cut is refused
         if not self._prepared:
             self.prepare(args)
         plan = self.plan

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from .executor import StepRun
 from .. import materialize
+from ..ddp import check_active_ddp
 from ..eager_guard import guard_modules
 from .ownership import FreshGradients, Ownership, materialize_stages, reduce_gradients, take_ownership
 from .recorder import active_recorder, recording
@@ -204,6 +205,7 @@ class PipelineProgram:
         self._roots = materialize.frame_roots()     # their modules refuse eager calls once they hold shards
 
     def __call__(self, *args: Any):
+        check_active_ddp()
         plan = self.plan
         if plan.ownership is None:
             materialize_stages(self._meta_models, args, plan)
