@@ -18,6 +18,7 @@ from .runtime.parallel_attributes import (get_parallel_dim, register_ddp_paramet
 from .runtime.reducer import Reducer
 from .runtime.state_dict import collect_state_dict, relocate_state_dict
 from .runtime.unit_inputs import UnitInputMismatchError
+from .runtime.ddp import DDPWrapError
 from .runtime.eager_guard import EagerCallOnShardsError, summon_full_params
 from . import checkpoint  # noqa: F401  (dynshard.checkpoint.save / load / latest)
 from .checkpoint.merged import (broadcast_weights, deduped_state_dict, load_deduped_state_dict,
@@ -41,4 +42,4 @@ __all__ = ["broadcast_weights", "deduped_state_dict", "load_deduped_state_dict",
            "collect_state_dict",
            "data_parallel_rank", "explain", "get_parallel_dim", "infer_step", "no_sync", "register_ddp_parameters_to_ignore",
            "register_parallel_attribute", "register_parallel_dim", "relocate_state_dict", "slice", "summon_full_params", "tensor_parallel",
-           "train_step", "EagerCallOnShardsError", "UnitInputMismatchError"]
+           "train_step", "DDPWrapError", "EagerCallOnShardsError", "UnitInputMismatchError"]
