@@ -89,13 +89,18 @@ CASES = {
 }
 
 
-def padded_parity(rank: int, world: int, policy: str, cases: list[str], steps: int = 3,
+def padded_parity(rank: int, world: int, policy: str, cases: list[str], refusal: bool = False, steps: int = 3,
                   compiler: str = "aot_eager") -> dict:
     """For each case, ``steps`` steps of ``loss = model(batch); loss.backward()`` (or ``train_step``) and
     SGD with momentum under ``policy`` (one plan unit of 2 ranks; pp: 4 micro-batches), and the same steps
-    on one process: {case: the losses and parameters of both}."""
+    on one process: {case: the losses and parameters of both}; with ``refusal``, also
+    {"refused_mixed_loss": what :func:`refused_mixed_loss` returns} (one job: spawning one costs seconds)."""
     _short_timeouts()
-    return {case: _parity(policy, case, steps, compiler) for case in cases}
+    results = {case: _parity(policy, case, steps, compiler) for case in cases}
+    if refusal:
+        torch._dynamo.reset()
+        results["refused_mixed_loss"] = refused_mixed_loss(rank, world)
+    return results
 
 
 def _parity(policy: str, case: str, steps: int, compiler: str) -> dict:

@@ -56,9 +56,13 @@ Exactness notes:
   refused, whatever its ``ignore_index`` and class weights (padding cannot be ruled out from the graph).
 * The micro-batch program meant here is the whole-batch graph run on a slice, as DTensor runs it
   locally: Python numbers Dynamo specialised in the graph keep their whole-batch values. A loss written
-  ``loss.sum() / x.shape[0]`` (or ``F.kl_div(..., reduction="batchmean")``) divides by the whole batch
-  size in the graph, so it is a "sum" here; a runtime that re-captures the model at the micro-batch
-  shape divides by the micro-batch size instead and would have to treat it as a "mean".
+  ``loss.sum() / x.shape[0]`` divides by the whole batch size in the graph, so it is a "sum" here; a
+  runtime that re-captures the model at the micro-batch shape divides by the micro-batch size instead
+  and would have to treat it as a "mean". A torch function that divides by a size of its own input
+  inside (``F.cross_entropy`` over class probabilities, ``F.kl_div(..., reduction="batchmean")``) runs
+  at the micro-batch's shape in each stage, so it divides by the micro-batch's size: it runs here with
+  ``reduction="sum"`` and is a "mean" (run on the whole batch's shapes, its decomposition divided by the
+  whole batch's size and called it a "sum": a plain call under ``pp`` returned m times the loss).
 * Conservative: a value of the batch normalised by a count computed from the batch outside the losses
   above is refused even when the count is the same in every micro-batch (``x.sum() / (y > 0).sum()``),
   and so is indexing the batch with ``torch.arange(B)``.

@@ -20,6 +20,12 @@ result a mean weighted by that call's total weight. The combine kind it returns 
 W_i of a call's micro-batches from the graph inputs: the part of the graph that computes the target (a
 shift of the labels, ``labels[:, 1:]``, included) and the class weights runs again on the whole batch,
 and the target is cut into the micro-batches along the dimension the batch split gives it.
+
+Two more calls run with ``reduction="sum"`` there, for another reason: ``F.cross_entropy`` over class
+probabilities (a floating-point target) and ``F.kl_div(..., reduction="batchmean")`` divide by a number of
+samples they take from their input's shape. Each stage runs them at the micro-batch's shape, so each
+micro-batch divides by its own size and they are plain means; their decompositions run on the whole
+batch's shapes would divide by the whole batch's size, which reads as a sum.
 """
 
 from __future__ import annotations
