@@ -11,7 +11,6 @@ Each (model, implementation) is one 2-rank job whose result all of its tests rea
 from __future__ import annotations
 
 import functools
-import inspect
 
 import pytest
 import torch
@@ -21,19 +20,6 @@ from workers_moe import HIDDEN, LAYERS, ROWS, SEQ, TOP_K, refused_moe, train_moe
 
 pytest.importorskip("transformers")
 
-
-def _wired() -> bool:
-    """split_experts is called by the tp policy and split_fused_experts is one of the passes."""
-    import dynshard.passes as passes
-    from dynshard.passes.split_fused_experts import split_fused_experts
-    from dynshard.policies import megatron
-
-    return split_fused_experts in passes.PASSES and "split_experts" in inspect.getsource(megatron)
-
-
-pytestmark = pytest.mark.skipif(
-    not _wired(), reason="waiting for the wiring: megatron.tp() must call policies.experts.split_experts and "
-                         "passes.PASSES must run split_fused_experts after split_fused_projections")
 
 JOBS = [("mixtral", "batched_mm"), ("mixtral", "grouped_mm"), ("qwen3_moe", "batched_mm")]
 JOB_IDS = [f"{name}-{impl}" for name, impl in JOBS]

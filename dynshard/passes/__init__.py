@@ -16,6 +16,7 @@ from .insert_collectives import insert_collectives
 from .lower_to_aten import lower_to_aten
 from .outline_repeated_blocks import outline_repeated_blocks
 from .propagate_sharding import propagate_sharding
+from .split_fused_experts import split_fused_experts
 from .split_fused_projections import split_fused_projections
 from .tag_recompute import tag_recompute
 from .warn_gathered_outputs import warn_gathered_outputs
@@ -26,6 +27,7 @@ PASSES: list[Pass] = [
     cast_to_compute_dtype,  # mixed precision: parameters (and inputs) enter in param_dtype
     lower_to_aten,        # Dynamo graph -> ATen graph on FakeTensors (global shapes)
     split_fused_projections,  # c_attn(x).split(C) -> one matmul per block of the fused weight
+    split_fused_experts,  # MoE: gate_up_proj's expert matmul -> one per block (gate, up)
     exact_mean_losses,    # mean nll_loss -> its sum / its total weight (exact over split rows: padding)
     assign_placements,    # the policy places parameters, buffers and inputs
     propagate_sharding,   # every node's placement, the collectives the plan costs, fallbacks
@@ -51,4 +53,4 @@ def run_passes(gm: fx.GraphModule, ctx: PassContext, passes: list[Pass] | None =
 
 __all__ = ["PASSES", "PassContext", "run_passes", "cast_to_compute_dtype", "lower_to_aten", "assign_placements",
            "propagate_sharding", "insert_collectives", "split_fused_projections", "tag_recompute",
-           "outline_repeated_blocks", "exact_mean_losses", "warn_gathered_outputs"]
+           "outline_repeated_blocks", "exact_mean_losses", "warn_gathered_outputs", "split_fused_experts"]

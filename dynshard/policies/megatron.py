@@ -44,6 +44,7 @@ from ..passes.op_sets import CASTS, MATMUL_OPERANDS, TRANSPOSE_OPS, VIEW_OPS, at
 from ..passes.propagate_sharding import Propagation
 from ..passes.split_fused_projections import param_block
 from ..runtime.sharding import SHARDS
+from .experts import split_experts
 from .plan_builder import PlanBuilder
 
 
@@ -82,6 +83,7 @@ def tp(plan: PlanBuilder, config: Config) -> None:
                 base = _try_column_split(plan, base, [member]) or base
         else:
             base = accepted or base
+    base = split_experts(plan, base)      # mixture of experts: 3-D expert weights, column then row
     base = _split_vocabulary(plan, base)
     base = _store_local_reshards(plan, base)
     if options.sequence_parallel:
