@@ -9,18 +9,29 @@ one small all-reduce each per layer in the backward.
 Each model is one 2-rank job (plan_ngpus=2) whose result all of its tests read, and one more with sequence
 parallelism (its split logits returned as DTensors, never gathered); Llama also runs as tp x dp x sequence
 parallel on 4 ranks.
+
+T5 (encoder-decoder; one table shared by the encoder's and the decoder's lookups and the tied LM head, which
+scales its input by d_model^-0.5; a relative attention bias table [buckets, heads] looked up by the first
+layer of each stack) has its own job and tests: the shared table is split along the vocabulary (two masked
+lookups, one all-reduce each; the head's logits stay split into the vocab-parallel cross-entropy), the bias
+tables along the heads (looked up locally, gradients local), attention by heads and the FFN column/row.
+flan-T5's gated FFN (wi_0/wi_1, decoder ids given) is planned in this process (a fake process group) by
+default, and trained on 2 ranks in the slow suite.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import re
+import warnings
 
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 from distributed import run_ranks
-from workers_transformers import ROWS, SEQ, VOCAB, train_transformers
+from workers_transformers import ROWS, SEQ, VOCAB, build, make_batch, train_transformers
 
 pytest.importorskip("transformers")
 
@@ -74,7 +85,10 @@ def collective_table(result: dict) -> str:
 
 @pytest.mark.parametrize("name,world", JOBS, ids=JOB_IDS)
 def test_transformers_model_trains_like_one_process(name, world):
-    results = job(name, world)
+    assert_trains_like_one_process(job(name, world))
+
+
+def assert_trains_like_one_process(results: tuple[dict, ...]) -> None:
     for rank, result in enumerate(results):
         assert result["dynamo_graphs"] == 1, f"rank {rank}: graph break\n{result['explain']}"
         assert result["programs"] == 1, result["explain"]
@@ -171,12 +185,18 @@ def test_tp_step_sends_megatron_collectives(name, world):
 
 # --------------------------------------------------------------------------------------------- warnings
 
+def unexpected_warnings(result: dict) -> list[tuple[str, str]]:
+    """dynshard's warnings of the first step but the one that names the returned logits (split along the
+    vocabulary, gathered by default: ``passes/warn_gathered_outputs.py``)."""
+    return [(category, message) for category, message in result["warnings"] if message.startswith("dynshard:")
+            and not ("gathers them whole" in message and "1 tensor(s)" in message
+                     and f"output 1: float32[{ROWS}, {SEQ}, {VOCAB}]" in message)]
+
+
 @pytest.mark.parametrize("name,world", JOBS, ids=JOB_IDS)
 def test_first_step_emits_no_dynshard_warning(name, world):
     for rank, result in enumerate(job(name, world)):
-        dynshard_warnings = [(category, message) for category, message in result["warnings"]
-                             if message.startswith("dynshard:")]
-        assert not dynshard_warnings, f"rank {rank}: {dynshard_warnings}"
+        assert not unexpected_warnings(result), f"rank {rank}: {unexpected_warnings(result)}"
 
 
 # ------------------------------------------------------------------------------------ sequence parallel
@@ -222,3 +242,102 @@ def test_sequence_parallel_trains_like_one_process_with_megatron_collectives(nam
             assert len(kinds) == 2 * (2 * LAYERS + 1) + len(small), result["explain"]   # nothing else
         if world == 4:   # the data-parallel group only averages gradients
             assert {c[:3] for c in result["collectives"] if c[2] != "tp"} == {("backward", "all_reduce", "dp")}
+
+
+# ------------------------------------------------------------------------------------------------------- T5
+
+T5_JOBS = [pytest.param("t5", id="t5"), pytest.param("t5_gated", id="t5_gated", marks=pytest.mark.slow)]
+T5_LAYERS = 2      # encoder layers, and decoder layers
+T5_BUCKETS = 32    # rows of a relative attention bias table (T5Config's relative_attention_num_buckets)
+# Only T5's RMS norms stay whole: the shared table is split along the vocabulary, the relative attention
+# bias tables along the heads, q/k/v/o by heads and the FFN (wi or wi_0/wi_1, wo) column/row.
+T5_WHOLE = r"layer_norm\.weight$"
+
+
+@pytest.mark.parametrize("name", T5_JOBS)
+def test_t5_trains_like_one_process(name):
+    results = job(name, 2)
+    assert_trains_like_one_process(results)
+    for rank, result in enumerate(results):
+        assert not unexpected_warnings(result), f"rank {rank}: {unexpected_warnings(result)}"
+
+
+@pytest.mark.parametrize("name", T5_JOBS)
+def test_t5_splits_shared_vocabulary_bias_heads_and_ffn(name):
+    """The table shared by encoder, decoder and LM head is split along the vocabulary (local rows =
+    vocab / 2), each relative attention bias table along its heads, everything else but the norms halved."""
+    results = job(name, 2)
+    expected_whole = re.compile(T5_WHOLE)
+    for rank, result in enumerate(results):
+        whole, halved, other = whole_and_split(result)
+        print(f"{name} rank {rank}: local/full parameters = {fraction(result):.4f} "
+              f"({sum(result['local_numel'].values())}/{sum(result['full_numel'].values())})")
+        assert not other, f"rank {rank}: neither whole nor halved: {sorted(other)}\n{result['explain']}"
+        assert whole == {n for n in result["full_numel"] if expected_whole.search(n)}, result["explain"]
+        # (named_parameters lists a tied parameter once: encoder/decoder embed_tokens and lm_head are it)
+        assert result["local_shapes"]["shared.weight"] == (VOCAB // 2, HIDDEN), result["explain"]
+        biases = [n for n in result["local_shapes"] if n.endswith("relative_attention_bias.weight")]
+        assert len(biases) == 2 and all(result["local_shapes"][n] == (T5_BUCKETS, HEADS // 2) for n in biases), \
+            result["explain"]
+        if name == "t5_gated":
+            assert {n.rsplit(".", 2)[-2] for n in halved if ".DenseReluDense." in n} == {"wi_0", "wi_1", "wo"}
+
+
+@pytest.mark.parametrize("name", T5_JOBS)
+def test_t5_step_sends_megatron_collectives(name):
+    """Per encoder layer 2 all-reduces each way, per decoder layer 3 (self-attention, cross-attention,
+    FFN); the two vocab-parallel lookups' all-reduces forward, and backward the encoder output's gradient
+    (summed over the decoder layers' cross-attention k/v) and the LM head's input gradient. No all-gather:
+    neither of the logits on the loss path nor of the relative attention bias's gradient."""
+    results = job(name, 2)
+    print(f"{name} world 2, rank 0 collectives per step:\n{collective_table(results[0])}")
+    activation, one_per_row = (ROWS, SEQ, HIDDEN), (ROWS * SEQ, 1)
+    layers = 2 * T5_LAYERS + 3 * T5_LAYERS
+    for result in results:
+        tp = [c for c in result["collectives"] if c[2] == "tp"]
+        others = [c for c in tp if c[1] != "all_reduce"]
+        assert_returned_logits_gathered([c for c in others if c[0] == "forward"], result)
+        assert not [c for c in others if c[0] != "forward"], result["explain"]
+        forward = [c[4] for c in tp if c[:2] == ("forward", "all_reduce")]
+        backward = [c[4] for c in tp if c[:2] == ("backward", "all_reduce")]
+        assert sorted(forward) == sorted([activation] * (layers + 2) + [one_per_row] * 3), result["explain"]
+        assert backward.count(activation) == layers + 2, result["explain"]
+        assert backward.count(one_per_row) in (0, 1), result["explain"]
+        assert len(backward) == backward.count(activation) + backward.count(one_per_row), result["explain"]
+
+
+def test_gated_t5_plan_splits_the_shared_table_bias_heads_and_gated_ffn(fake_world):
+    """flan-T5's layout planned in one process: wi_0 and wi_1 column-split together (they read one
+    activation), wo row-split; the shared table along the vocabulary, the bias tables along the heads;
+    the forward's collectives as T5's (the returned logits' gather aside)."""
+    from dynshard.backend import dynshard_backend
+
+    plans = []
+
+    def backend(gm, example_inputs):
+        options = {"policy": "tp", "plan_ngpus": 2, "compiler": "aot_eager"}
+        plans.append(dynshard_backend(gm, example_inputs, options=options).plan)
+        return gm.forward
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "dynshard: this program returns 1 tensor")
+        torch.compile(build("t5_gated"), backend=backend, fullgraph=True)(**make_batch("t5_gated", ROWS, 0))
+    (plan,) = plans
+    placements = {inp.name: plan.placements[inp.index][0] for inp in plan.inputs if inp.is_state}
+    expected = {}
+    for name in placements:
+        if name.endswith("layer_norm.weight"):
+            expected[name] = Replicate()
+        elif name.endswith(("relative_attention_bias.weight", ".o.weight", ".wo.weight")):
+            expected[name] = Shard(1)
+        else:       # the shared table (one graph input), q/k/v, wi_0/wi_1
+            expected[name] = Shard(0)
+    assert placements == expected
+    assert {name.rsplit(".", 2)[-2] for name in placements if ".DenseReluDense." in name} == {"wi_0", "wi_1", "wo"}
+    (table,) = [inp.name for inp in plan.inputs if tuple(inp.shape) == (VOCAB, HIDDEN)]   # one input, three readers
+    assert placements[table] == Shard(0), placements
+    activation, one_per_row = (ROWS, SEQ, HIDDEN), (ROWS * SEQ, 1)
+    forward = collections.Counter((c.kind, tuple(c.shape)) for c in plan.program.collectives if c.phase == "forward")
+    returned_logits = ("all_gather", (2 * ROWS, SEQ, VOCAB // 2))
+    assert forward == {("all_reduce", activation): 2 * T5_LAYERS + 3 * T5_LAYERS + 2,
+                       ("all_reduce", one_per_row): 3, returned_logits: 1}, forward

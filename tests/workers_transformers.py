@@ -41,6 +41,16 @@ def build(name: str) -> torch.nn.Module:
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
             max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
         return transformers.BertForMaskedLM(config)
+    if name in ("t5", "t5_gated"):
+        # one table shared by the encoder, the decoder and the LM head (transformers 5 always ties it);
+        # t5: the head's input scaled by d_model^-0.5; t5_gated as T5 v1.1 / flan-T5: gated-GELU FFN (wi_0,
+        # wi_1), no scaling (tie_word_embeddings=False only turns the scaling off)
+        gated = name == "t5_gated"
+        config = transformers.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+            dropout_rate=0.0, use_cache=False, decoder_start_token_id=0, pad_token_id=0,
+            feed_forward_proj="gated-gelu" if gated else "relu", tie_word_embeddings=not gated)
+        return transformers.T5ForConditionalGeneration(config)
     raise ValueError(name)
 
 
@@ -50,6 +60,8 @@ def make_batch(name: str, rows: int, step: int) -> dict[str, torch.Tensor]:
     batch = {"input_ids": x, "labels": x}
     if name == "bert":
         batch["token_type_ids"] = torch.randint(0, 2, (rows, SEQ), generator=generator)
+    if name == "t5_gated":     # the decoder's ids given (T5 shifts the labels itself when they are not)
+        batch["decoder_input_ids"] = torch.cat([torch.zeros(rows, 1, dtype=x.dtype), x[:, :-1]], dim=1)
     return batch
 
 
@@ -107,6 +119,7 @@ def train_transformers(rank: int, world: int, name: str, plan_ngpus: int = 2, se
         "params": dynshard.collect_state_dict(compiled),
         "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
         "local_numel": {n: p.numel() for n, p in model.named_parameters()},
+        "local_shapes": {n: tuple(p.shape) for n, p in model.named_parameters()},
         "full_numel": full_numel,
         "collectives": [(c.phase, c.kind, c.group, c.bytes, tuple(c.shape)) for c in report.collectives()],
         "programs": len(report.programs),

@@ -14,9 +14,14 @@
    local. It stands when the plan's communication does not grow.
 
 3. Vocabulary pass: the largest embedding table indexed by token ids is split along its rows
-   (Megatron's VocabParallelEmbedding: a masked lookup, then one all-reduce). An LM head that is not tied
-   is split along the vocabulary by the column pass, since the cross-entropy over split logits adds only
-   all-reduces of one value per row (:mod:`..passes.vocab_parallel_loss`).
+   (Megatron's VocabParallelEmbedding: a masked lookup, then one all-reduce per lookup; T5's shared
+   table is looked up twice, by the encoder and the decoder, and read a third time by the tied head).
+   An LM head that is not tied is split along the vocabulary by the column pass, since the cross-entropy
+   over split logits adds only all-reduces of one value per row (:mod:`..passes.vocab_parallel_loss`).
+
+The row pass also stores a table looked up with positions (T5's relative attention bias, ``[buckets,
+heads]``) split along its embedding dimension when its lookup is re-sharded locally by heads on the way
+to the attention scores: each rank looks up its heads' columns and the table's gradient stays local.
 
 On a transformer layer this yields q/k/v and fc1 column-split, the attention output projection and fc2
 row-split, attention split by heads: 2 all-reduces forward and 2 backward, Megatron's minimum.
@@ -40,7 +45,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from ..config import Config, ConfigError
 from ..passes.insert_collectives import matmul_input_roots
-from ..passes.op_sets import CASTS, MATMUL_OPERANDS, TRANSPOSE_OPS, VIEW_OPS, aten, view_root
+from ..passes.op_sets import CASTS, MATMUL_OPERANDS, SLICE_COMMUTING, TRANSPOSE_OPS, VIEW_OPS, aten, view_root
 from ..passes.propagate_sharding import Propagation
 from ..passes.split_fused_projections import param_block
 from ..runtime.sharding import SHARDS
@@ -96,7 +101,7 @@ def _try_column_split(plan: PlanBuilder, base: Propagation, group: list[tuple[st
     for name, out_dim in group:
         plan.shard(name, out_dim)
     trial = _try_propagate(plan, base)
-    if trial is not None and _adds_at_most_one_all_reduce(base, trial):
+    if trial is not None and _adds_only_all_reduces(base, trial):
         return trial
     for name, _ in group:
         plan.replicate(name)
@@ -116,18 +121,25 @@ def _split_sequence(plan: PlanBuilder, base: Propagation) -> None:
 
 def _split_vocabulary(plan: PlanBuilder, base: Propagation) -> Propagation:
     """Megatron's VocabParallelEmbedding: the token embedding split along its rows (a masked lookup
-    and one all-reduce). A table the LM head shares (tied) is split once for both; the head's logits
-    then stay split into the vocab-parallel cross-entropy."""
+    and one all-reduce of its partial output per lookup). A table the LM head shares (tied) is split once
+    for both; the head's logits then stay split into the vocab-parallel cross-entropy. A table shared by
+    an encoder and a decoder (T5) is looked up twice: two all-reduces, one for each lookup."""
     for name in token_embeddings(plan):
         if plan.is_fixed(name) or not plan.divides(name, 0) or _is_split(base, plan.node_of(name)):
             continue
         plan.shard(name, 0)
         trial = _try_propagate(plan, base)
-        if trial is not None and _adds_at_most_one_all_reduce(base, trial):
+        if trial is not None and _adds_only_all_reduces(base, trial, at_most=len(_lookups(plan, name))):
             base = trial
         else:
             plan.replicate(name)
     return base
+
+
+def _lookups(plan: PlanBuilder, name: str) -> list[fx.Node]:
+    """The ``embedding`` nodes that look ``name`` up (directly or through its casts)."""
+    return [u for use in _through_casts(plan.node_of(name)) for u in use.users
+            if u.target == aten.embedding.default and u.args[0] is use]
 
 
 def token_embeddings(plan: PlanBuilder) -> list[str]:
@@ -138,8 +150,7 @@ def token_embeddings(plan: PlanBuilder) -> list[str]:
     for name, inp in plan.state.items():
         if inp.kind != "parameter" or len(inp.shape) != 2:
             continue
-        lookups = [u for use in _through_casts(plan.node_of(name)) for u in use.users
-                   if u.target == aten.embedding.default and u.args[0] is use]
+        lookups = _lookups(plan, name)
         if lookups and any(view_root(u.args[1]) in user for u in lookups):
             sizes[name] = inp.shape[0]
     largest = max(sizes.values(), default=0)
@@ -230,12 +241,13 @@ def _output_dim(use) -> int | None:
     return None
 
 
-def _adds_at_most_one_all_reduce(base: Propagation, trial: Propagation) -> bool:
-    """Not counted: the all-reduces of one value per row of a vocab-parallel cross-entropy."""
+def _adds_only_all_reduces(base: Propagation, trial: Propagation, at_most: int = 1) -> bool:
+    """Megatron's acceptance rule: at most one all-reduce (or one per lookup of a vocab-parallel table)
+    and nothing else. Not counted: the all-reduces of one value per row of a vocab-parallel cross-entropy."""
     before = collections.Counter(c.kind for c in base.collectives if c.node not in base.vocab_parallel_losses)
     after = collections.Counter(c.kind for c in trial.collectives if c.node not in trial.vocab_parallel_losses)
     added = after - before
-    return set(added) <= {"all_reduce"} and added["all_reduce"] <= 1
+    return set(added) <= {"all_reduce"} and added["all_reduce"] <= max(at_most, 1)
 
 
 def _matmul_readers(node: fx.Node) -> list[fx.Node]:
@@ -253,7 +265,8 @@ def _store_local_reshards(plan: PlanBuilder, base: Propagation) -> Propagation:
     nodes = {node.name: node for node in plan.graph.nodes}
     targets = []
     for reshard in base.local_reshards:
-        target = _parameter_dim(plan, nodes.get(reshard.source), reshard.dst)
+        source = nodes.get(reshard.source)
+        target = _parameter_dim(plan, source, reshard.dst) or _looked_up_dim(plan, source, reshard.dst)
         if target is not None and target not in targets and not plan.is_fixed(target[0]) \
                 and plan.divides(*target):
             targets.append(target)
@@ -300,3 +313,52 @@ def _parameter_dim(plan: PlanBuilder, node: fx.Node | None, dst) -> tuple[str, i
     if inp is None or inp.kind != "parameter" or inp.tag is not None:
         return None
     return inp.name, dim
+
+
+def _looked_up_dim(plan: PlanBuilder, node: fx.Node | None, dst) -> tuple[str, int] | None:
+    """Follow a re-sharded value back to the table it was looked up in, when the split dimension is the
+    table's embedding dimension: (table, 1). T5's relative attention bias looks up ``[T, T, heads]``,
+    permutes it to ``[1, heads, T, T]`` (the decoder adds its causal mask) and adds it to the scores split
+    by heads; its table split along the heads is looked up locally and its gradient stays local. The way
+    back goes through casts, copies, ``unsqueeze``, ``permute`` and pointwise ops where exactly one
+    operand carries the split dimension (the others broadcast along it)."""
+    if node is None or not dst or type(dst[0]) is not Shard or not isinstance(node.meta.get("val"), torch.Tensor):
+        return None
+    dim = dst[0].dim % node.meta["val"].dim()
+    while node.op == "call_function":
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            return None
+        if node.target == aten.embedding.default:
+            if dim != value.dim() - 1:
+                return None
+            table = node.args[0]
+            while isinstance(table, fx.Node) and table.target in CASTS:
+                table = table.args[0]
+            inp = plan.input_of(table) if isinstance(table, fx.Node) else None
+            ok = inp is not None and inp.kind == "parameter" and inp.tag is None and len(inp.shape) == 2
+            return (inp.name, 1) if ok else None
+        if node.target == aten.unsqueeze.default:
+            inserted = node.args[1] % value.dim()
+            if dim == inserted:
+                return None
+            dim -= dim > inserted
+        elif node.target == aten.permute.default:
+            dim = list(node.args[1])[dim] % value.dim()
+        elif node.target in CASTS or node.target in SLICE_COMMUTING or _is_pointwise(node.target):
+            carriers = [(a, a.meta["val"].dim() - value.dim() + dim) for a in node.args
+                        if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)
+                        and 0 <= a.meta["val"].dim() - value.dim() + dim
+                        and a.meta["val"].shape[a.meta["val"].dim() - value.dim() + dim] == value.shape[dim]]
+            if len(carriers) != 1:
+                return None
+            node, dim = carriers[0]
+            continue
+        else:
+            return None
+        node = node.args[0]
+    return None
+
+
+def _is_pointwise(target) -> bool:
+    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
