@@ -12,9 +12,12 @@ from workers_unit_inputs import buffers_like_ddp
 WRITTEN = 2 * 32 * 4 + 8    # BatchNorm1d(32): running_mean and running_var (float32), num_batches_tracked
 
 
-@pytest.mark.parametrize("case", [{}, {"use_zero": 3}], ids=["dp", "zero3"])
-def test_running_statistics_are_the_first_replicas_on_every_rank_as_with_ddp(case):
-    results = run_ranks(buffers_like_ddp, 2, case)
+@pytest.mark.parametrize("world,case", [
+    (2, {}), (2, {"use_zero": 3}),
+    pytest.param(4, {"policy": "tp", "plan_ngpus": 2}, marks=pytest.mark.slow),    # tp units of 2, 2 units
+], ids=["dp", "zero3", "tp-units"])
+def test_running_statistics_are_the_first_replicas_on_every_rank_as_with_ddp(world, case):
+    results = run_ranks(buffers_like_ddp, world, case)
     for result in results:
         for name, value in result["ddp_rank0_buffers"].items():
             torch.testing.assert_close(result["buffers"][name], value, rtol=1e-5, atol=1e-6)

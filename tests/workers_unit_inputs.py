@@ -35,7 +35,7 @@ def fed_per_rank(rank: int, world: int, policy: str, plan_ngpus: int, every: int
 
 def buffers_like_ddp(rank: int, world: int, case: dict, steps: int = 3) -> dict:
     """BatchNorm's running statistics under dynshard next to DDP(broadcast_buffers=True) on the same
-    batches; each rank reads its own batch (data parallel)."""
+    batches; each plan unit reads its own batch (its ranks the same one, DDP's ranks too)."""
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     torch.manual_seed(0)
@@ -44,8 +44,9 @@ def buffers_like_ddp(rank: int, world: int, case: dict, steps: int = 3) -> dict:
     compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(compiler="aot_eager", **case))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    unit, _ = dynshard.data_parallel_rank(case.get("plan_ngpus", 1))
     for step in range(steps):
-        x, y = mlp_batch(8, seed=10 * step + rank)
+        x, y = mlp_batch(8, seed=10 * step + unit)
         compiled(x, y).backward()
         reference(x, y).backward()
         for o in (opt, ref_opt):
@@ -57,7 +58,7 @@ def buffers_like_ddp(rank: int, world: int, case: dict, steps: int = 3) -> dict:
         eval_loss = compiled(x, y).item()
     program = next(ref() for p in model.parameters() for ref in dynshard.runtime.sharding.get_tag(p).plans)
     sync = program.buffer_sync
-    return {"buffers": {k: v.clone() for k, v in model.state_dict().items() if "running" in k},
+    return {"buffers": {k: v for k, v in dynshard.collect_state_dict(compiled).items() if "running" in k},
             "ddp_rank0_buffers": _from_rank0({k: v.clone() for k, v in reference.module.state_dict().items()
                                               if "running" in k}),
             "eval_loss": eval_loss,
