@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import dynshard
 from distributed import run_ranks
+from parity import assert_trains_like_one_process
 from workers_graph_break import ROWS, SEQ, VOCAB, train_graph_break
 
 MODELS = ["custom", "gpt2"]
@@ -44,12 +45,7 @@ def test_split_logits_across_a_graph_break_train_like_one_process(name):
         # the user holds the logits as a DTensor split along the vocabulary, and a plain loss
         assert result["logits_placements"] == ("S(2)",) and result["logits_error"] < 1e-5, result
         assert result["loss_type"] == "Tensor"
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]),
-                                   rtol=1e-5, atol=0, msg=lambda m: f"rank {rank} losses: {m}")
-        assert result["params"].keys() == result["ref_params"].keys()
-        for key, expected in result["ref_params"].items():
-            torch.testing.assert_close(result["params"][key], expected, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, key=key: f"rank {rank} {key}: {m}")
+        assert_trains_like_one_process(result, f"rank {rank}")
 
 
 @pytest.mark.parametrize("name", MODELS)

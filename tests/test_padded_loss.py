@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distributed import run_ranks
+from parity import assert_trains_like_one_process
 from dynshard.passes.microbatch_outputs import MicrobatchError, microbatch_combine, seed_scale
 from dynshard.passes.microbatch_weights import WeightedMean
 from workers_padded_loss import CASES, PaddedLM, padded_batch, padded_parity
@@ -22,12 +23,7 @@ def _assert_like_one_process(results: list[dict], cases) -> None:
         assert set(cases) <= set(by_case), f"rank {rank} ran {sorted(by_case)}"
         for case in cases:
             result = by_case[case]
-            torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]),
-                                       rtol=1e-5, atol=0, msg=lambda m: f"rank {rank}, {case}: losses: {m}")
-            assert result["params"].keys() == result["ref_params"].keys()
-            for name, ref in result["ref_params"].items():
-                torch.testing.assert_close(result["params"][name], ref, rtol=1e-4, atol=1e-6,
-                                           msg=lambda m: f"rank {rank}, {case}: {name}: {m}")
+            assert_trains_like_one_process(result, f"rank {rank}, {case}:")
 
 
 # -- on 2 real ranks ------------------------------------------------------------------------------------

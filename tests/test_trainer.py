@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
+from parity import assert_trains_like_one_process
 from workers_trainer import STEPS, refused_wraps, train_with_trainer, user_ddp
 
 pytest.importorskip("transformers")
@@ -40,12 +41,6 @@ def job(name: str) -> tuple[dict, ...]:
     kwargs = JOBS[name]
     return tuple(run_ranks(train_with_trainer, 2, kwargs["options"], kwargs["plan_ngpus"], "trainer", STEPS,
                            kwargs.get("accumulation", 1), kwargs.get("trainer_args"), timeout=600))
-
-
-def assert_trains_like_one_process(result: dict) -> None:
-    torch.testing.assert_close(result["losses"], result["ref_losses"], rtol=1e-5, atol=0)
-    for name, expected in result["ref_params"].items():
-        torch.testing.assert_close(result["params"][name], expected, rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("name", list(JOBS))

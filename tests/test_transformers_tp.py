@@ -31,6 +31,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from distributed import run_ranks
+from parity import assert_trains_like_one_process as assert_one_process
 from workers_transformers import ROWS, SEQ, VOCAB, build, make_batch, train_transformers
 
 pytest.importorskip("transformers")
@@ -93,12 +94,7 @@ def assert_trains_like_one_process(results: tuple[dict, ...]) -> None:
         assert result["dynamo_graphs"] == 1, f"rank {rank}: graph break\n{result['explain']}"
         assert result["programs"] == 1, result["explain"]
         assert not result["split_logits"] and result["logits_error"] < 1e-5   # whole by default
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]),
-                                   rtol=1e-5, atol=0, msg=lambda m: f"rank {rank} losses: {m}")
-        assert result["params"].keys() == result["ref_params"].keys()
-        for key, expected in result["ref_params"].items():
-            torch.testing.assert_close(result["params"][key], expected, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, key=key: f"rank {rank} {key}: {m}")
+        assert_one_process(result, f"rank {rank}")
 
 
 # ------------------------------------------------------------------------------------------- placements

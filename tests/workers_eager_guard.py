@@ -23,7 +23,7 @@ def eager_calls_after_tp(rank: int, world: int) -> dict:
     compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
         policy="tp", plan_ngpus=2, compiler="aot_eager"))
     opt, ref_opt = _sgd(model.parameters()), _sgd(reference.parameters())
-    result = {}
+    result = {"losses": [], "ref_losses": []}
     for step in range(3):
         x, y = mlp_batch(4, seed=step)
         if step == 1:
@@ -35,6 +35,8 @@ def eager_calls_after_tp(rank: int, world: int) -> dict:
             with torch.no_grad(), dynshard.summon_full_params(compiled):
                 result["summoned"] = (model(x, y).item(), compiled(x, y).item(), reference(x, y).item())
         loss, ref_loss = compiled(x, y), reference(x, y)
+        result["losses"].append(loss.item())
+        result["ref_losses"].append(ref_loss.item())
         loss.backward()
         ref_loss.backward()
         for o in (opt, ref_opt):

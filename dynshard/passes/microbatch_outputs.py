@@ -70,7 +70,6 @@ Exactness notes:
 
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import torch
