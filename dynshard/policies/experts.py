@@ -25,7 +25,6 @@ then a Python loop with one graph break per expert) is refused: see :func:`refus
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 
 import torch.fx as fx
@@ -37,6 +36,7 @@ from ..passes.split_fused_experts import expert_matmuls
 from ..passes.split_fused_projections import param_block
 from ..runtime.sharding import SHARDS
 from .plan_builder import PlanBuilder, PlanError
+from .trials import adds_only_all_reduces, try_propagate
 
 # weight operand position -> (its dimension the output keeps, its dimension the matmul contracts), for
 # the weight as the matmul reads it: bmm's first operand [S, M, K], the grouped matmuls' second [E, K, N]
@@ -67,8 +67,8 @@ def split_experts(plan: PlanBuilder, base: Propagation) -> Propagation:
         if not _divides(plan, weight.name, weight.out_dim):
             continue
         plan.shard(weight.name, weight.out_dim)
-        trial = _try_propagate(plan, base)
-        if trial is not None and _adds_at_most_one_all_reduce(base, trial):
+        trial = try_propagate(plan, base)
+        if trial is not None and adds_only_all_reduces(base, trial):
             base = trial
         else:
             plan.replicate(weight.name)
@@ -154,7 +154,7 @@ def _divides(plan: PlanBuilder, name: str, dim: int) -> bool:
 def _accept_rows(plan: PlanBuilder, base: Propagation, targets) -> Propagation | None:
     for name, dim in targets:
         plan.shard(name, dim)
-    trial = _try_propagate(plan, base)
+    trial = try_propagate(plan, base)
     if trial is not None and trial.comm_bytes() <= base.comm_bytes() and _kinds(trial) <= _kinds(base):
         return trial
     for name, _ in targets:
@@ -169,20 +169,6 @@ def _kinds(propagation: Propagation) -> set[str]:
 def _is_split(propagation: Propagation, node) -> bool:
     placements = propagation.placements.get(node.name, ()) if isinstance(node, fx.Node) else ()
     return any(isinstance(p, SHARDS) for p in placements)
-
-
-def _try_propagate(plan: PlanBuilder, base: Propagation) -> Propagation | None:
-    try:
-        return plan.propagate(reuse=base)
-    except Exception:  # noqa: BLE001 - any failure means this trial is not a plan
-        return None
-
-
-def _adds_at_most_one_all_reduce(base: Propagation, trial: Propagation) -> bool:
-    before = collections.Counter(c.kind for c in base.collectives if c.node not in base.vocab_parallel_losses)
-    after = collections.Counter(c.kind for c in trial.collectives if c.node not in trial.vocab_parallel_losses)
-    added = after - before
-    return set(added) <= {"all_reduce"} and added["all_reduce"] <= 1
 
 
 # -- the eager loop -----------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ row-split, attention split by heads: 2 all-reduces forward and 2 backward, Megat
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from typing import Any, Mapping
 
@@ -51,6 +50,7 @@ from ..passes.split_fused_projections import param_block
 from ..runtime.sharding import SHARDS
 from .experts import split_experts
 from .plan_builder import PlanBuilder
+from .trials import adds_only_all_reduces, try_propagate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,8 +100,8 @@ def _try_column_split(plan: PlanBuilder, base: Propagation, group: list[tuple[st
     at most one all-reduce, undone otherwise (None)."""
     for name, out_dim in group:
         plan.shard(name, out_dim)
-    trial = _try_propagate(plan, base)
-    if trial is not None and _adds_only_all_reduces(base, trial):
+    trial = try_propagate(plan, base)
+    if trial is not None and adds_only_all_reduces(base, trial):
         return trial
     for name, _ in group:
         plan.replicate(name)
@@ -128,8 +128,8 @@ def _split_vocabulary(plan: PlanBuilder, base: Propagation) -> Propagation:
         if plan.is_fixed(name) or not plan.divides(name, 0) or _is_split(base, plan.node_of(name)):
             continue
         plan.shard(name, 0)
-        trial = _try_propagate(plan, base)
-        if trial is not None and _adds_only_all_reduces(base, trial, at_most=len(_lookups(plan, name))):
+        trial = try_propagate(plan, base)
+        if trial is not None and adds_only_all_reduces(base, trial, at_most=len(_lookups(plan, name))):
             base = trial
         else:
             plan.replicate(name)
@@ -194,15 +194,6 @@ def _is_split(propagation: Propagation, node: fx.Node | None) -> bool:
     return any(isinstance(p, SHARDS) for p in placements)
 
 
-def _try_propagate(plan: PlanBuilder, base: Propagation) -> Propagation | None:
-    """A propagation, or None when DTensor cannot even trace the trial (it would need a gather that it
-    only knows how to do on real data, e.g. of a strided shard)."""
-    try:
-        return plan.propagate(reuse=base)
-    except Exception:  # noqa: BLE001 - any failure means this trial is not a plan
-        return None
-
-
 def _matmul_uses(param: fx.Node):
     """(matmul node, operand position, dimension map param->operand) for each use, or [] if any use is
     not a matmul reached through transposes."""
@@ -241,15 +232,6 @@ def _output_dim(use) -> int | None:
     return None
 
 
-def _adds_only_all_reduces(base: Propagation, trial: Propagation, at_most: int = 1) -> bool:
-    """Megatron's acceptance rule: at most one all-reduce (or one per lookup of a vocab-parallel table)
-    and nothing else. Not counted: the all-reduces of one value per row of a vocab-parallel cross-entropy."""
-    before = collections.Counter(c.kind for c in base.collectives if c.node not in base.vocab_parallel_losses)
-    after = collections.Counter(c.kind for c in trial.collectives if c.node not in trial.vocab_parallel_losses)
-    added = after - before
-    return set(added) <= {"all_reduce"} and added["all_reduce"] <= max(at_most, 1)
-
-
 def _matmul_readers(node: fx.Node) -> list[fx.Node]:
     """The nodes reading ``node`` through which it reaches a matmul operand (directly or by views)."""
     def reaches_matmul(user: fx.Node) -> bool:
@@ -283,7 +265,7 @@ def _store_local_reshards(plan: PlanBuilder, base: Propagation) -> Propagation:
 def _accept_shards(plan: PlanBuilder, base: Propagation, targets) -> Propagation | None:
     for name, dim in targets:
         plan.shard(name, dim)
-    trial = _try_propagate(plan, base)
+    trial = try_propagate(plan, base)
     if trial is not None and trial.comm_bytes() <= base.comm_bytes() \
             and len(trial.local_reshards) <= len(base.local_reshards) - len(targets):
         return trial
