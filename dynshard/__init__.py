@@ -28,12 +28,17 @@ route_torch_clip_grad_norm()     # torch.nn.utils.clip_grad_norm_ on dynshard's 
 
 
 def data_parallel_rank(plan_ngpus: int = 1) -> tuple[int, int]:
-    """(dp rank, dp size) for a sampler: ranks of one plan unit must read the same batch."""
+    """(dp rank, dp size) for a sampler: ranks of one plan unit must read the same batch. Before the
+    process group exists (dynshard makes it at the first compiled call), torchrun's RANK and WORLD_SIZE."""
+    import os
+
     import torch.distributed as dist
 
-    if not dist.is_initialized():
-        return 0, 1
-    return dist.get_rank() // plan_ngpus, dist.get_world_size() // plan_ngpus
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    else:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    return rank // plan_ngpus, world // plan_ngpus
 
 
 __all__ = ["broadcast_weights", "deduped_state_dict", "load_deduped_state_dict", "load_merged_state_dicts",

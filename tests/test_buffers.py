@@ -29,3 +29,18 @@ def test_broadcast_buffers_false_keeps_each_replicas_own_statistics():
     results = run_ranks(buffers_like_ddp, 2, {"broadcast_buffers": False})
     assert results[0]["broadcasts"] is None
     assert not torch.allclose(results[0]["buffers"]["norm.running_mean"], results[1]["buffers"]["norm.running_mean"])
+
+
+@pytest.mark.slow
+def test_a_pipeline_stages_running_statistics_are_equal_over_data_parallel_units():
+    from workers_unit_inputs import pipeline_buffers
+
+    results = run_ranks(pipeline_buffers, 4)
+    # dynshard.data_parallel_rank read torchrun's RANK before the group existed: the units read other batches
+    assert [r["unit"] for r in results] == [0, 0, 1, 1]
+    torch.testing.assert_close(results[1]["held"], results[3]["held"], rtol=0, atol=0)   # stage 1 of each unit
+    for result in results:
+        for name, value in result["buffers"].items():
+            torch.testing.assert_close(value, results[0]["buffers"][name], rtol=0, atol=0)
+    # the stage holding the norm broadcasts its written statistics once per step; the other sends none
+    assert sorted(r["sent"] for r in results) == [0, 0, 2 * WRITTEN, 2 * WRITTEN]

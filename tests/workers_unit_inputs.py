@@ -69,3 +69,41 @@ def _from_rank0(tensors: dict) -> dict:
     for value in tensors.values():
         dist.broadcast(value, src=0)
     return tensors
+
+
+class EndToEndBatchNorm(torch.nn.Module):
+    """Two pipeline stages (pipe_split), a BatchNorm in the second: its statistics are written there."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32):
+        super().__init__()
+        self.up, self.norm, self.down = torch.nn.Linear(dim, hidden), torch.nn.BatchNorm1d(hidden), \
+            torch.nn.Linear(hidden, 1)
+
+    def forward(self, batch):
+        from torch.distributed.pipelining import pipe_split
+
+        h = torch.relu(self.up(batch["x"]))
+        pipe_split()
+        return torch.nn.functional.mse_loss(self.down(self.norm(h)).squeeze(-1), batch["y"])
+
+
+def pipeline_buffers(rank: int, world: int, steps: int = 2) -> dict:
+    """pp over 2 ranks x 2 data-parallel units, train_step: the BatchNorm's statistics after training,
+    collected whole, and what the buffer broadcast sent (its data-parallel rank read before the process
+    group exists, as a sampler is set up)."""
+    torch.manual_seed(0)
+    model = EndToEndBatchNorm()
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy="pp", plan_ngpus=2, use_end2end=True, compiler="aot_eager",
+        pas_config={"pipeline_nmicros": 2, "pipeline_scheduler": "1f1b"}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    unit, _ = dynshard.data_parallel_rank(2)
+    for step in range(steps):
+        samples = [dict(zip(("x", "y"), mlp_batch(4, seed=100 * step + 10 * unit + mb))) for mb in range(2)]
+        dynshard.train_step(compiled, samples)
+        opt.step()
+        opt.zero_grad()
+    plan = next(ref() for p in model.parameters() for ref in dynshard.runtime.sharding.get_tag(p).plans)
+    return {"buffers": {k: v for k, v in dynshard.collect_state_dict(compiled).items() if "running" in k},
+            "held": model.norm.running_mean.clone(), "unit": unit,
+            "sent": plan.buffer_sync.bytes if plan.buffer_sync is not None else None}
