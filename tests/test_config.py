@@ -33,7 +33,19 @@ def test_every_field_can_come_from_the_environment_and_explicit_options_win():
                                     "use_zero", "zero_ngroups", "zero_use_reduce_scatter", "use_async_reducer",
                                     "reducer_bucket_cap_mb", "mixed_precision", "recompute_modules", "param_init_fn",
                                     "gather_outputs", "use_end2end", "trace_dir", "regional_compile",
-                                    "compile_scope", "share_traces"}
+                                    "compile_scope", "share_traces", "verify_inputs_every", "broadcast_buffers"}
+
+
+def test_the_unit_checks_read_the_environment_and_refuse_bad_values():
+    env = {"DYNSHARD_VERIFY_INPUTS_EVERY": "0", "DYNSHARD_BROADCAST_BUFFERS": "false"}
+    config = Config.from_options(None, environ=env)
+    assert (config.verify_inputs_every, config.broadcast_buffers) == (0, False)
+    assert (Config().verify_inputs_every, Config().broadcast_buffers) == (100, True)
+    with pytest.raises(ConfigError, match="verify_inputs_every must be an integer >= 0"):
+        Config(verify_inputs_every=-1)
+    with pytest.raises(ConfigError, match="broadcast_buffers must be True or False"):
+        Config(broadcast_buffers="yes")
+    assert Config(broadcast_buffers=False).cache_token() != Config().cache_token()   # ranks must agree
 
 
 def test_share_traces_reads_auto_from_the_environment_and_is_not_part_of_the_plan():

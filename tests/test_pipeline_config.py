@@ -68,7 +68,7 @@ def test_train_step_refuses_the_wrong_number_of_samples_before_any_work():
 
 def test_a_batch_that_does_not_split_into_the_micro_batches_is_an_error():
     model, make = build("mlp")
-    with pytest.raises(Exception, match=r"batch 6\) into pipeline_nmicros=4 micro-batches"):
+    with pytest.raises(Exception, match=r"batch size 6, which does not split into 4 equal micro-batches"):
         _one_process(model)(make(6, 0))
 
 
