@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import dynshard
@@ -118,7 +119,9 @@ def meta_training(rank: int, world: int, policy: str, plan_ngpus: int, use_zero:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)          # units hold their rows' loss; ranks of a unit the same one
+        losses.append(mean.item() / world)
     trained = dynshard.collect_state_dict(compiled)
 
     reference = _reference(cfg, init)           # seeds the same, after: the first step drew from SEED
