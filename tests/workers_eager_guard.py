@@ -72,3 +72,29 @@ def generate_after_tp(rank: int, world: int) -> dict:
         generated = compiled.generate(prompt, **settings)
     return {"error": error, "generated": generated, "expected": reference.generate(prompt, **settings),
             "local_vocab": model.transformer.wte.weight.shape[0]}
+
+
+def two_models_under(rank: int, world: int, options: dict, steps: int = 2) -> dict:
+    """Two models of one class and shapes (another seed) compiled with the same options in one process
+    (Dynamo serves both from one compiled frame): each trains like its own one-process reference."""
+    out = {}
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = MLP()
+        reference = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(compiler="aot_eager", **options))
+        opt, ref_opt = _sgd(model.parameters()), _sgd(reference.parameters())
+        losses, ref_losses = [], []
+        for step in range(steps):
+            x, y = mlp_batch(4, seed=10 * step + seed)
+            loss, ref_loss = compiled(x, y), reference(x, y)
+            loss.backward()
+            ref_loss.backward()
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+            losses.append(loss.item())
+            ref_losses.append(ref_loss.item())
+        out[seed] = {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
+                     "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()}}
+    return out

@@ -272,3 +272,30 @@ def deferred_weight_gradients(rank: int, world: int, *args) -> dict:
     finally:
         DeferredWeightGradients.run = run
     return {**result, "deferred": counts}
+
+
+def two_models(rank: int, world: int, steps: int = 2) -> dict:
+    """Two models of one graph, config and shapes (another seed), each compiled and trained with plain
+    calls under pp in one process: each trains like its own one-process reference."""
+    out = {}
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = EndToEndMLP()
+        reference = copy.deepcopy(model)
+        compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+            policy="pp", plan_ngpus=2, use_end2end=True, compiler="aot_eager", pas_config={"pipeline_nmicros": 2}))
+        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=LR), torch.optim.SGD(reference.parameters(), lr=LR)
+        losses, ref_losses = [], []
+        for step in range(steps):
+            batch = dict(zip(("x", "y"), mlp_batch(4, 10 * step + seed)))
+            loss, ref_loss = compiled(batch), reference(batch)
+            loss.backward()
+            ref_loss.backward()
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+            losses.append(loss.item())
+            ref_losses.append(ref_loss.item())
+        out[seed] = {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
+                     "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()}}
+    return out

@@ -88,7 +88,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
 
 def _pipeline_program(gm, example_inputs, config, layout, inputs, key, device_type) -> PipelineProgram:
     plan = PLANS.get(key)
-    if plan is None:
+    if plan is None or not plan.serves(example_inputs):     # (a second model of the same graph: its own)
         plan = plan_pipeline(gm, example_inputs, config, layout, inputs, key, device_type)
         PLANS.put(key, plan)
         log.info("planned pipeline %s (passes: %s)", key, ", ".join(f"{n} {t:.2f}s" for n, t in plan.pass_timings))

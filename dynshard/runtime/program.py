@@ -16,7 +16,7 @@ from .buffer_sync import BufferSync
 from .ddp import check_active_ddp
 from .eager_guard import guard_modules
 from .mesh import Layout
-from .sharding import shard_in_place
+from .sharding import get_tag, shard_in_place
 from .split_values import adopt_split_inputs, local_arguments, mark_split_outputs, split_input_indices
 from .unit_inputs import InputCheck
 from .zero import ZeroSpec
@@ -59,6 +59,7 @@ class ShardedProgram:
         self.plan = plan
         self._prepared = False
         self._params = [inp for inp in plan.inputs if inp.kind == "parameter"]
+        self._state = [inp.index for inp in plan.inputs if inp.is_state]
         self._split_inputs = split_input_indices(plan.inputs)   # DTensors (split values of another program)
         self._tags = []            # of its parameters and buffers, and of the programs its DTensors come from
         # built while Dynamo compiles a frame: the meta-built models of that frame, initialised on the first run
@@ -70,8 +71,8 @@ class ShardedProgram:
 
     def __call__(self, *args: Any):
         check_active_ddp()      # a DDP built around the model after its parameters were cut is refused
-        if not self._prepared:
-            self.prepare(args)
+        if not self._prepared or (self._state and get_tag(args[self._state[0]]) is None):
+            self.prepare(args)     # (or another model of the class: Dynamo serves it this compiled frame)
         plan = self.plan
         if plan.input_check is not None:
             plan.input_check(args)

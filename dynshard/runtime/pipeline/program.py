@@ -74,6 +74,16 @@ class PipelinePlan:
     compiled: dict = dataclasses.field(default_factory=dict)    # stage -> its latest CompiledProgram here
     _metas: dict = dataclasses.field(default_factory=dict)   # input shapes -> boundary metas, or the failure
 
+    def serves(self, args) -> bool:
+        """Whether this plan runs for the tensors in ``args``: a plan that has taken its tensors serves only
+        the model they belong to (another model with the same graph, config and shapes gets its own)."""
+        return self.ownership is None or all(args[i] is t for i, t in self.ownership.held.items())
+
+    def fork(self) -> "PipelinePlan":
+        """The same plan for another model's tensors: what it planned, none of what it took or compiled."""
+        return dataclasses.replace(self, hits=0, ownership=None, steps=0, last_step={}, _combine=None,
+                                   _programs={}, compiled={}, _metas={})
+
     @property
     def nmicros(self) -> int:
         return self.config.pipeline.pipeline_nmicros
@@ -203,9 +213,12 @@ class PipelineProgram:
         self._meta_models = materialize.frame_models()
         materialize.install()      # the trace hook, again after a torch._dynamo.reset()
         self._roots = materialize.frame_roots()     # their modules refuse eager calls once they hold shards
+        self._others: list[PipelineProgram] = []      # the same plan for other models of the same graph
 
     def __call__(self, *args: Any):
         check_active_ddp()
+        if not self.plan.serves(args):     # Dynamo serves one compiled frame to every model of its class
+            return self._for_other_model(args)(*args)
         plan = self.plan
         if plan.ownership is None:
             materialize_stages(self._meta_models, args, plan)
@@ -230,6 +243,15 @@ class PipelineProgram:
             return outputs
         trainable = [t for t in runner.plan.ownership.held.values() if t.requires_grad]
         return _GPipe.apply(self, runner, args, mb_args, *trainable)
+
+    def _for_other_model(self, args) -> "PipelineProgram":
+        for program in self._others:
+            if program.plan.serves(args):
+                return program
+        program = PipelineProgram.__new__(PipelineProgram)
+        program.plan, program._meta_models, program._roots, program._others = self.plan.fork(), [], [], []
+        self._others.append(program)
+        return program
 
     def micro_batches(self, args) -> tuple["PipelineProgram", list[list[Any]]]:
         """The program that runs a plain call's micro-batches, and their graph inputs: this program on the
