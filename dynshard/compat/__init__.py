@@ -1,58 +1,32 @@
-"""Every use of a private PyTorch API in dynshard goes through this package (this module and
-:mod:`.inductor`, whose names it re-exports).
+"""Every use of a private PyTorch API in dynshard goes through this package (this module and its
+submodules, whose names it re-exports: :mod:`.ops`, :mod:`.tracing`, :mod:`.inductor`, ...).
 
 A torch upgrade that moves one of these should only ever need an edit here. Each helper names the
 private piece it wraps.
+
+The submodules import what they share from each other (:mod:`.ops`, :mod:`.tracing`), never from this
+package, which imports them: the package's imports run one way.
 """
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
+# private torch names used across dynshard, under public names here
+from torch._ops import OpOverload
+from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
+from torch.utils import _pytree as pytree  # noqa: F401
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 
-_c10d = torch.ops._c10d_functional
-
-# Functional collectives as they appear in traced graphs, by the name dynshard reports them under.
-COLLECTIVE_KINDS: dict[Any, str] = {
-    _c10d.all_reduce.default: "all_reduce",
-    _c10d.all_reduce_.default: "all_reduce",
-    _c10d.all_gather_into_tensor.default: "all_gather",
-    _c10d.reduce_scatter_tensor.default: "reduce_scatter",
-    _c10d.all_to_all_single.default: "all_to_all",
-    _c10d.broadcast.default: "broadcast",
-}
-ALL_GATHER = _c10d.all_gather_into_tensor.default
-if hasattr(_c10d, "all_reduce_coalesced"):
-    COLLECTIVE_KINDS[_c10d.all_reduce_coalesced.default] = "all_reduce"
-
-# the higher-order op behind ``torch.compiler.nested_compile_region``: ``invoke_subgraph(subgraph,
-# identifier, *operands)``; aot_autograd traces and partitions each identifier once, Inductor emits it once
-invoke_subgraph = torch.ops.higher_order.invoke_subgraph
-
-
-def all_gather_rows(tensor: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    """Functional all-gather along dim 0 (traceable: aot_autograd records it as it is)."""
-    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(tensor.contiguous(), group_size, group_name))
-
-
-def reduce_scatter_rows(tensor: torch.Tensor, group_size: int, group_name: str, op: str = "sum") -> torch.Tensor:
-    """Functional reduce-scatter (``op``: "sum" or "avg") along dim 0."""
-    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(tensor.contiguous(), op, group_size, group_name))
-
-
-def all_reduce(tensor: torch.Tensor, group_name: str, op: str) -> torch.Tensor:
-    """Functional all-reduce (``op``: "sum", "avg", ...)."""
-    return _c10d.wait_tensor(_c10d.all_reduce(tensor.contiguous(), op, group_name))
-
-
-def group_rank(group_name: str) -> int:
-    """This process's rank in the process group registered as ``group_name`` (functional collectives' name)."""
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    return torch.distributed.get_rank(_resolve_process_group(group_name))
+# how each rank's program is compiled
+from .cpu_isa import start_cpu_isa_probe, wait_cpu_isa_probe  # noqa: F401
+from .inductor import bucketing_patches, compile_per_rank, gather_buckets_copied_out  # noqa: F401
+from .mask_partial import mask_offsets_read_at_run_time  # noqa: F401
+from .ops import (ALL_GATHER, COLLECTIVE_KINDS, all_gather_rows, all_reduce, group_rank, invoke_subgraph,  # noqa: F401
+                  reduce_scatter_rows)
+from .tracing import fake_tensor_log_quiet, isolated_tracing, new_fake_mode, trace_to_aten  # noqa: F401
 
 
 def register_logger(name: str) -> None:
@@ -177,6 +151,41 @@ def module_backend_options(module: torch.nn.Module) -> Any:
         return None
 
 
+def registered_backend(name: str) -> Callable | None:
+    """The function ``torch.compile(backend=name)`` runs, from Dynamo's backend registry (an entry point of
+    ``torch_dynamo_backends``, such as dynshard's own, is loaded at its first look-up); None when no backend
+    has that name. Lets a module recognise a backend without importing the module that defines it."""
+    from torch._dynamo.backends.registry import lookup_backend
+    from torch._dynamo.exc import InvalidBackend
+
+    try:
+        return lookup_backend(name)
+    except InvalidBackend:
+        return None
+
+
+def is_backend(backend: Callable | None, name: str) -> bool:
+    """Whether ``backend`` (as :func:`compiling_backend` or :func:`module_backend` give it) is the backend
+    registered as ``name``."""
+    return backend is not None and backend is registered_backend(name)
+
+
+def register_compile_start(callback: Callable[[Any], None]) -> None:
+    """Register ``callback(args)`` with Dynamo's start-of-compile callbacks (``torch._dynamo.callback_handler``)
+    unless it is there; ``torch._dynamo.reset()`` drops them: call this again and it is registered again."""
+    handler = torch._dynamo.callback_handler
+    if callback not in handler.start_callbacks:
+        handler.register_start_callback(callback)
+
+
+def starts_frame_compile(args: Any) -> bool:
+    """Whether a compile callback's ``args`` are for Dynamo compiling a frame (trigger DYNAMO), not for
+    aot_autograd's lazy backward compile or another trigger."""
+    from torch._dynamo.callback import CallbackTrigger
+
+    return args.callback_trigger is CallbackTrigger.DYNAMO
+
+
 def ignore_in_ddp(module: torch.nn.Module, names: list[str]) -> None:
     """DistributedDataParallel's hook for parameters it must leave alone (they also get ``_ddp_ignored``,
     which keeps Dynamo's DDPOptimizer from splitting their graphs)."""
@@ -226,42 +235,6 @@ def around_dynamo_compiles(start: Callable[[], None], end: Callable[[], None],
 def keep_shapes_static() -> None:
     """dynshard plans static shapes: a new batch size recompiles instead of going symbolic."""
     torch._dynamo.config.automatic_dynamic_shapes = False
-
-
-def new_fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    # The planning passes' fake mode: no ShapeEnv (nothing symbolic to track). Inductor's compiles get one,
-    # with the program's inputs fakeified statically (compat.inductor._cacheable_fake_mode), for its FX
-    # graph cache. See docs/design.md.
-    return FakeTensorMode(allow_non_fake_inputs=True)
-
-
-@contextlib.contextmanager
-def isolated_tracing(fake_mode=None) -> Iterator[None]:
-    """Run nested tracing/compiling inside a Dynamo backend call without touching Dynamo's context."""
-    from torch._guards import TracingContext, tracing
-
-    with tracing(TracingContext(fake_mode or new_fake_mode())):
-        yield
-
-
-def trace_to_aten(gm: fx.GraphModule, fake_inputs: Sequence[Any], fake_mode,
-                  decompositions: dict | None = None) -> fx.GraphModule:
-    """Lower a Dynamo graph to ATen ops with FakeTensor metadata (``make_fx``), keeping each node's
-    source line (``stack_trace``) from the Dynamo graph."""
-    import torch.fx.traceback as fx_traceback
-    from torch.fx.experimental.proxy_tensor import make_fx
-
-    def run(*args):
-        return fx.Interpreter(gm).run(*args)
-
-    # functionalized: an in-place update of a buffer (BatchNorm's running stats) becomes a value and a
-    # final copy_ into the buffer, which DTensor can place; an in-place op on a re-sharded copy of a
-    # buffer would be lost
-    functional = torch.func.functionalize(run, remove="mutations")
-    with isolated_tracing(fake_mode), fake_mode, fx_traceback.preserve_node_meta():
-        return make_fx(functional, decomposition_table=decompositions or {}, tracing_mode="real")(*fake_inputs)
 
 
 def dtensor_redistributions(op, args: tuple, kwargs: dict):
@@ -321,7 +294,7 @@ def has_sharding_strategy(op, direct_only: bool = False) -> bool:
     ``direct_only``) DTensor's decomposition-based strategy."""
     from torch.distributed.tensor import DTensor
 
-    if not isinstance(op, torch._ops.OpOverload):
+    if not isinstance(op, OpOverload):
         return True
     dispatcher = DTensor._op_dispatcher
     prop = dispatcher.sharding_propagator
@@ -379,7 +352,7 @@ def sharding_decompositions() -> dict:
         from torch._decomp import core_aten_decompositions
 
         _DECOMPOSITIONS = {op: fn for op, fn in core_aten_decompositions().items()
-                           if isinstance(op, torch._ops.OpOverload) and not has_sharding_strategy(op, direct_only=True)}
+                           if isinstance(op, OpOverload) and not has_sharding_strategy(op, direct_only=True)}
         # native_batch_norm updates its running statistics in place without saying so in its schema;
         # decomposed, the update becomes a visible (functionalized) copy into the buffer
         from torch._decomp import decomposition_table
@@ -462,8 +435,3 @@ def abstract_device_mesh(device_type: str, size: int, dim_name: str):
 
     return DeviceMesh(device_type, torch.arange(size), mesh_dim_names=(dim_name,), _init_backend=False, _rank=0)
 
-
-# how each rank's program is compiled (at the end: the submodule reads the helpers above)
-from .cpu_isa import start_cpu_isa_probe, wait_cpu_isa_probe  # noqa: E402,F401
-from .inductor import bucketing_patches, compile_per_rank, gather_buckets_copied_out  # noqa: E402,F401
-from .mask_partial import mask_offsets_read_at_run_time  # noqa: E402,F401

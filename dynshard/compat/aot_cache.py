@@ -32,7 +32,6 @@ import dataclasses
 import enum
 import functools
 import hashlib
-import importlib
 import logging
 import os
 import pickle
@@ -231,7 +230,8 @@ def prepared_for_cache_hits() -> None:
     """What a program read from aot_autograd's cache needs that its compile would have done: every group's
     alias registered on this rank (the cached code names groups by alias) and ``dynshard::copy_out_gathered``
     registered (Inductor's bucketing ops: ``compile_per_rank`` imports them for every compile)."""
-    importlib.import_module("dynshard.runtime.gathered_bucket")
+    from . import gathered_bucket  # noqa: F401  (registers dynshard::copy_out_gathered)
+
     if torch.distributed.is_initialized() and rank_free_compiles():
         from torch.distributed.distributed_c10d import _world
 

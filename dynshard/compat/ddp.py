@@ -54,6 +54,12 @@ def pass_through(ddp: DistributedDataParallel, ignored: list[str]) -> None:
         del ddp.reducer      # its destructor removes its autograd hooks and frees its buckets
 
 
+def mark_ignored(param: torch.nn.Parameter) -> None:
+    """Mark ``param`` as DDP's ``register_ddp_parameters_to_ignore`` marks the parameters it is given
+    (``_ddp_ignored``, read by DDP's helpers and Dynamo's DDPOptimizer)."""
+    param._ddp_ignored = True
+
+
 def keep_graph_whole(compiler_fn) -> None:
     """``compiler_fn`` (what Dynamo compiles the current frame with): if it is a DDPOptimizer's, make it
     hand the whole graph to the backend (no bucket ever fills)."""

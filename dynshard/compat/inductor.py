@@ -13,12 +13,14 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from . import _c10d, aot_cache, invoke_subgraph, isolated_tracing
+from . import aot_cache
 from .counted_patch import CountedPatch
 from .cpp_kernel_batches import cpp_kernels_batched
 from .cpu_isa import wait_cpu_isa_probe
 from .mask_partial import mask_offsets_read_at_run_time
+from .ops import _c10d, invoke_subgraph
 from .shared_compiles import compile_shared, compiled_once_per_host, rank_free_compiles
+from .tracing import isolated_tracing
 
 
 def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str,
@@ -279,7 +281,7 @@ def gather_buckets_copied_out() -> contextlib.AbstractContextManager:
       are packed into a buffer of their own (Inductor's packing op, as for a group of one) and gathered
       out of place: the same copies, one more shard-sized buffer;
     - each bucket's copy-out is one ``dynshard::copy_out_gathered`` call instead of one generated kernel
-      per parameter (see runtime/gathered_bucket.py), where the bucket has one dtype.
+      per parameter (see compat/gathered_bucket.py), where the bucket has one dtype.
 
     Counted (:mod:`.counted_patch`): a compile on another thread must not get Inductor's merge back while
     this one still traces buckets, or a rank's entry would hold its rank."""
@@ -293,7 +295,7 @@ def _bucketing_module():
 
 
 def _rank_free_merge(inductor_merge: Callable) -> Callable:
-    from ..runtime.gathered_bucket import copy_out
+    from .gathered_bucket import copy_out
 
     bucketing = _bucketing_module()
 

@@ -4,23 +4,24 @@ DTensor's vocabulary-parallel embedding and cross-entropy mask the indices that 
 rows of the table (``_MaskPartial``): ``ids - offset`` and a range test, with ``offset = coordinate *
 rows`` computed while tracing, a Python int. Inductor bakes it into the generated kernel, so the ranks of
 a tp group generate kernels that differ in that constant alone, and each coordinate built its own copy of
-every C++ library holding one (``compat.cpp_kernel_batches``). Read from a tensor the program computes,
+every C++ library holding one (:mod:`.cpp_kernel_batches`). Read from a tensor the program computes,
 the offset becomes a kernel argument: every coordinate generates the same code and the ranks share each
-library. ``compat.mask_offsets_read_at_run_time`` routes DTensor's masking through it while dynshard traces.
+library. :func:`.mask_partial.mask_offsets_read_at_run_time` routes DTensor's masking through it while
+dynshard traces (the op's only user: it lives beside it, in compat).
 """
 
 from __future__ import annotations
 
 import torch
 
-from .. import compat
+from .ops import group_rank
 
 
 @torch.library.custom_op("dynshard::mesh_coordinate", mutates_args=())
 def mesh_coordinate(like: torch.Tensor, group_name: str) -> torch.Tensor:
     """This rank's index in the process group named ``group_name``: a 0-dim int64 tensor on ``like``'s
     device (a fill, no copy from the host)."""
-    return torch.full((), compat.group_rank(group_name), dtype=torch.int64, device=like.device)
+    return torch.full((), group_rank(group_name), dtype=torch.int64, device=like.device)
 
 
 @mesh_coordinate.register_fake

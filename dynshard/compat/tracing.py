@@ -1,0 +1,62 @@
+"""Tracing inside a Dynamo backend call: the planning passes' fake mode, a tracing context of dynshard's
+own, and the lowering of a Dynamo graph to ATen ops (``make_fx``). Re-exported by :mod:`dynshard.compat`;
+:mod:`.inductor` imports from here, not from the package (which imports it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any, Iterator, Sequence
+
+import torch
+import torch.fx as fx
+
+
+def new_fake_mode():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    # The planning passes' fake mode: no ShapeEnv (nothing symbolic to track). Inductor's compiles get one,
+    # with the program's inputs fakeified statically (compat.inductor._cacheable_fake_mode), for its FX
+    # graph cache. See docs/design.md.
+    return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+@contextlib.contextmanager
+def isolated_tracing(fake_mode=None) -> Iterator[None]:
+    """Run nested tracing/compiling inside a Dynamo backend call without touching Dynamo's context."""
+    from torch._guards import TracingContext, tracing
+
+    with tracing(TracingContext(fake_mode or new_fake_mode())):
+        yield
+
+
+def trace_to_aten(gm: fx.GraphModule, fake_inputs: Sequence[Any], fake_mode,
+                  decompositions: dict | None = None) -> fx.GraphModule:
+    """Lower a Dynamo graph to ATen ops with FakeTensor metadata (``make_fx``), keeping each node's
+    source line (``stack_trace``) from the Dynamo graph."""
+    import torch.fx.traceback as fx_traceback
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def run(*args):
+        return fx.Interpreter(gm).run(*args)
+
+    # functionalized: an in-place update of a buffer (BatchNorm's running stats) becomes a value and a
+    # final copy_ into the buffer, which DTensor can place; an in-place op on a re-sharded copy of a
+    # buffer would be lost
+    functional = torch.func.functionalize(run, remove="mutations")
+    with isolated_tracing(fake_mode), fake_mode, fx_traceback.preserve_node_meta():
+        return make_fx(functional, decomposition_table=decompositions or {}, tracing_mode="real")(*fake_inputs)
+
+
+@contextlib.contextmanager
+def fake_tensor_log_quiet() -> Iterator[None]:
+    """Within: FakeTensor's logger (``torch._subclasses.fake_tensor``) reports nothing below CRITICAL, for a
+    fake run whose failure is an answer, not an error to report."""
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    level = log.level
+    log.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
