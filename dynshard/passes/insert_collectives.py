@@ -29,9 +29,9 @@ import itertools
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate
-from torch.utils import _pytree as pytree
 
 from .. import compat
+from ..compat import pytree
 from ..runtime.mesh import Layout
 from ..runtime.sharding import SHARDS
 from ..runtime.zero import zero_groups

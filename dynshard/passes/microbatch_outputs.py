@@ -76,10 +76,9 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import compat
+from ..compat import TorchDispatchMode, pytree
 from .microbatch_weights import WeightedMean, mean_loss, weighted_mean
 from .propagate_sharding import source_line
 

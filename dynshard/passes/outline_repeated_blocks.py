@@ -358,7 +358,7 @@ def unalias_subgraph_outputs(gm: fx.GraphModule) -> int:
         for k, result in enumerate(results):
             views, source = [], result
             while isinstance(source, fx.Node) and source.op == "call_function" and \
-                    isinstance(source.target, torch._ops.OpOverload) and source.target.is_view and \
+                    isinstance(source.target, compat.OpOverload) and source.target.is_view and \
                     isinstance(source.args[0], fx.Node):
                 views.append(source)
                 source = source.args[0]

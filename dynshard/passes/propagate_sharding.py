@@ -37,9 +37,9 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
-from torch.utils import _pytree as pytree
 
 from .. import compat
+from ..compat import pytree
 from ..runtime.mesh import Layout
 from ..runtime.sharding import SHARDS, local_shape
 from .context import PassContext
@@ -215,7 +215,7 @@ class ShardingInterpreter(fx.Interpreter):
 
     def call_function(self, target, args, kwargs):
         node = self._current
-        if not isinstance(target, torch._ops.OpOverload):
+        if not isinstance(target, compat.OpOverload):
             return target(*args, **kwargs)
         if node in self._paired_log_softmax and split_on_classes(args[0]):
             return abstract_log_softmax(args[0], args[2])   # its collectives are counted with its nll_loss
@@ -297,13 +297,13 @@ class ShardingInterpreter(fx.Interpreter):
 
     def place(self, node: fx.Node, tensor: DTensor, placements: tuple[Placement, ...]) -> DTensor:
         if tuple(placements) != tuple(tensor.placements):
-            self.record(node, node.name, tensor._spec.tensor_meta, tensor.placements, placements)
+            self.record(node, node.name, compat.dtensor_spec(tensor).tensor_meta, tensor.placements, placements)
         return tensor.redistribute(self.layout.tp_mesh, placements)
 
     def reduce_partial(self, node: fx.Node, tensor: DTensor) -> DTensor:
         target = reduced_placements(tensor.placements)
         if tuple(target) != tuple(tensor.placements):
-            self.record(node, node.name, tensor._spec.tensor_meta, tensor.placements, target)
+            self.record(node, node.name, compat.dtensor_spec(tensor).tensor_meta, tensor.placements, target)
         return tensor.redistribute(self.layout.tp_mesh, target)
 
     def record(self, node: fx.Node, source: str, meta, src, dst) -> None:
@@ -326,7 +326,7 @@ class ShardingInterpreter(fx.Interpreter):
         def gather(value):
             if isinstance(value, DTensor):
                 if tuple(value.placements) != tuple(whole):
-                    self.record(node, "", value._spec.tensor_meta, value.placements, whole)
+                    self.record(node, "", compat.dtensor_spec(value).tensor_meta, value.placements, whole)
                 return value.redistribute(self.layout.tp_mesh, whole).to_local()
             return value
 
@@ -382,7 +382,7 @@ def _only_viewed(node: fx.Node) -> bool:
 def _first_dtensor(out):
     for leaf in pytree.tree_leaves(out):
         if isinstance(leaf, DTensor):
-            return leaf._spec
+            return compat.dtensor_spec(leaf)
     return None
 
 

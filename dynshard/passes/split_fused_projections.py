@@ -17,8 +17,8 @@ import operator
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..compat import StridedShard
 from .context import PassContext
 from .op_sets import CASTS, RESHAPES, aten
 
@@ -30,7 +30,7 @@ def param_block(tensor: torch.Tensor, index: int, count: int, dim: int) -> torch
     if not isinstance(tensor, DTensor):
         return tensor.chunk(count, dim)[index]
     placement = tensor.placements[0]
-    if isinstance(placement, _StridedShard) and placement.dim == dim and placement.split_factor == count:
+    if isinstance(placement, StridedShard) and placement.dim == dim and placement.split_factor == count:
         block_placement = Shard(dim)
     elif placement == Replicate():
         block_placement = Replicate()

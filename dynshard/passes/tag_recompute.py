@@ -115,7 +115,7 @@ def is_rng(node: fx.Node) -> bool:
     """An op that draws random numbers. Attention kernels carry the RNG tag because they can apply
     dropout; called with ``dropout_p=0`` they draw nothing and may be recomputed."""
     target = node.target
-    if not isinstance(target, torch._ops.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
+    if not isinstance(target, compat.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
         return False
     probabilities = [(i, a) for i, a in enumerate(target._schema.arguments) if a.name == "dropout_p"]
     if not probabilities:
@@ -152,7 +152,7 @@ LOCAL_IN_FORWARD = ("reduce_grad_partials", "replicate")
 def _is_dynshard_node(node: fx.Node) -> bool:
     """A node that a dynshard pass inserted as a Python function that may communicate (it traces to
     DTensor ops, maybe collectives)."""
-    return node.op == "call_function" and not isinstance(node.target, torch._ops.OpOverload) \
+    return node.op == "call_function" and not isinstance(node.target, compat.OpOverload) \
         and node.target is not operator.getitem and getattr(node.target, "__name__", "") not in LOCAL_IN_FORWARD
 
 

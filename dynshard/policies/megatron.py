@@ -42,6 +42,7 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor import Replicate, Shard
 
+from ..compat import OpOverload
 from ..config import Config, ConfigError
 from ..passes.insert_collectives import matmul_input_roots
 from ..passes.op_sets import CASTS, MATMUL_OPERANDS, SLICE_COMMUTING, TRANSPOSE_OPS, VIEW_OPS, aten, view_root
@@ -343,4 +344,4 @@ def _looked_up_dim(plan: PlanBuilder, node: fx.Node | None, dst) -> tuple[str, i
 
 
 def _is_pointwise(target) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags
+    return isinstance(target, OpOverload) and torch.Tag.pointwise in target.tags

@@ -20,14 +20,14 @@ from typing import Any, Mapping
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
+from ..compat import StridedShard
 from .mesh import Layout
 from .zero import ZeroSpec, gather_rows, shard_rows, zero_groups
 
 TAG_ATTR = "_dynshard_tag"
 ALIKE_ATTR = "_dynshard_initialized_alike"   # every rank computed the same values (no broadcast needed)
-SHARDS = (Shard, _StridedShard)   # _StridedShard is not a Shard subclass in torch 2.13
+SHARDS = (Shard, StridedShard)   # torch's _StridedShard is not a Shard subclass in torch 2.13
 _SHARDED: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
 _LOCAL_DATA: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 

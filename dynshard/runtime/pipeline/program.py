@@ -21,13 +21,13 @@ rank of the unit. Each rank compiles only its own stages, once per micro-batch s
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
+from ... import compat
 from .executor import StepRun
 from .. import materialize
 from ..ddp import check_active_ddp
@@ -132,15 +132,11 @@ class PipelinePlan:
         why the stage graphs do not run at that shape (a graph holding sizes of the batch it was traced with)."""
         shapes = self._input_shapes(mb_args)
         if shapes not in self._metas:
-            fake_log = logging.getLogger("torch._subclasses.fake_tensor")
-            level = fake_log.level
-            fake_log.setLevel(logging.CRITICAL)      # a failure is an answer, not an error to report
-            try:
-                self._metas[shapes] = _boundary_metas(self, mb_args[0])
-            except Exception as error:   # noqa: BLE001 (any failure of the fake run means the same)
-                self._metas[shapes] = error
-            finally:
-                fake_log.setLevel(level)
+            with compat.fake_tensor_log_quiet():      # a failure is an answer, not an error to report
+                try:
+                    self._metas[shapes] = _boundary_metas(self, mb_args[0])
+                except Exception as error:   # noqa: BLE001 (any failure of the fake run means the same)
+                    self._metas[shapes] = error
         return self._metas[shapes]
 
     def runs_micro_batches(self, mb_args: list[list[Any]]) -> bool:
@@ -185,8 +181,6 @@ def _example(inp, value, device) -> torch.Tensor:
 def _boundary_metas(plan: PipelinePlan, args: list[Any]) -> dict[str, ValueMeta]:
     """Shapes, dtypes and whether they need gradients, of every value a stage returns, for one
     micro-batch: the stages run on FakeTensors in order."""
-    from ... import compat
-
     metas: dict[str, ValueMeta] = {}
     fake_mode = compat.new_fake_mode()
     with fake_mode, torch.enable_grad():
