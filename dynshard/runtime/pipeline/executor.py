@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ...backend.split_backward import DeferredWeightGradients
-from .schedules import ALL
+from .actions import ALL
 from .trace import StepTrace
 
 

@@ -34,7 +34,7 @@ from ..ddp import check_active_ddp
 from ..eager_guard import guard_modules
 from .ownership import FreshGradients, Ownership, materialize_stages, reduce_gradients, take_ownership
 from .recorder import active_recorder, recording
-from .schedules import ALL
+from .actions import ALL
 from .trace import idle_fraction, writer_for
 
 

@@ -5,7 +5,9 @@ activations and gradients cross ranks. It is built here once, in pure Python, an
 :mod:`.simulate` before anyone runs it, so a bad plan fails at plan time with a message instead of hanging
 in ``irecv``. The executor only walks the lists. The vocabulary is torch's ``_Action`` IR
 (``torch.distributed.pipelining.schedules``) so that printouts read like torch's: ``1F3`` is stage 1's
-forward of micro-batch 3, ``0SEND_F2`` stage 0 sending its output for micro-batch 2.
+forward of micro-batch 3, ``0SEND_F2`` stage 0 sending its output for micro-batch 2. The data types
+(:class:`Action`, :class:`Schedule`) live in :mod:`.actions`, which :mod:`.simulate` shares, and are
+re-exported here.
 
 The compute orders are generated here rather than imported from torch. torch 2.13's
 ``Schedule1F1B._get_pipeline_order`` is wrong for the last rank (it skips F0 and invents F<m>; memo 1.7),
@@ -51,99 +53,17 @@ and its W as the full backward, since nothing waits on stage 0's I.
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
+
+from .actions import ALL, COMM_KINDS, COMPUTE_KINDS, Action, Schedule
+from .simulate import check_deadlock_free, simulate
 
 __all__ = ["ALL", "Action", "Schedule", "SCHEDULES", "COMPUTE_KINDS", "COMM_KINDS", "build_schedule"]
 
 SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved", "1f1b_plus", "chimera_direct", "infer_pipe",
              "zb1p")   # infer_pipe: forward only
-COMPUTE_KINDS = ("F", "B", "I", "W")
-COMM_KINDS = ("SEND_F", "RECV_F", "SEND_B", "RECV_B", "BCAST_B")
-ALL = -1          # in a lane: the stage runs on every rank (1f1b_plus's all-device segment)
 # schedules that need exactly one stage per rank
 _ONE_STAGE_PER_RANK = ("gpipe", "1f1b", "zb1p")
-
-
-@dataclasses.dataclass(frozen=True)
-class Action:
-    """One step of one pipeline rank.
-
-    ``stage`` is the stage whose data this is: the sending stage for SEND_F and SEND_B, the receiving
-    stage for RECV_F and RECV_B. A message is therefore SEND_F(s) -> RECV_F(s+1), or SEND_B(s) ->
-    RECV_B(s-1), for the same micro-batch. ``peer`` is the other pipeline rank (comms only).
-    """
-
-    kind: str
-    stage: int
-    mb: int
-    peer: int | None = None
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.mb}"
-
-    @property
-    def is_comm(self) -> bool:
-        return self.kind in COMM_KINDS
-
-
-@dataclasses.dataclass(frozen=True)
-class Schedule:
-    """A lowered pipeline schedule: per pipeline rank, the actions in execution order, comms included."""
-
-    name: str
-    nstages: int
-    nmicros: int
-    nranks: int
-    lanes: tuple[tuple[int, ...], ...]        # per lane, the rank of each stage; micro-batch mb takes lane mb % n
-    actions: tuple[tuple[Action, ...], ...]
-
-    def rank_of(self, stage: int, mb: int) -> int:
-        """The rank that runs ``stage`` for micro-batch ``mb`` (``ALL``: every rank)."""
-        return self.lanes[mb % len(self.lanes)][stage]
-
-    def ranks_of(self, stage: int) -> tuple[int, ...]:
-        """The ranks that hold ``stage`` (two under chimera_direct, all for an all-device stage), in order."""
-        ranks = {lane[stage] for lane in self.lanes}
-        return tuple(range(self.nranks)) if ALL in ranks else tuple(sorted(ranks))
-
-    def on_every_rank(self, stage: int) -> bool:
-        return ALL in (lane[stage] for lane in self.lanes)
-
-    def stages_of(self, rank: int) -> tuple[int, ...]:
-        """The stages that ``rank`` holds, in increasing order."""
-        return tuple(s for s in range(self.nstages) if rank in self.ranks_of(s))
-
-    @property
-    def splits_backward(self) -> bool:
-        """Whether backwards run as separate input-gradient (I) and weight-gradient (W) actions."""
-        return any(a.kind in ("I", "W") for actions in self.actions for a in actions)
-
-    def compute_actions(self, rank: int) -> tuple[Action, ...]:
-        """``rank``'s compute actions (F, B, I, W) in order, without the comms."""
-        return tuple(a for a in self.actions[rank] if not a.is_comm)
-
-    def format(self, comms: bool = True) -> str:
-        """A step per row and a column per rank, as torch's ``_format_pipeline_order``.
-
-        Rows are positions in each rank's list, not time: rank 1's row 3 may run long after rank 0's
-        (``simulate`` gives the times). ``comms=False`` leaves the SEND/RECV actions out.
-        """
-        lists = [self.actions[r] if comms else self.compute_actions(r) for r in range(self.nranks)]
-        placement = "  ".join(f"rank {r}: {list(self.stages_of(r))}" for r in range(self.nranks))
-        header = (f"{self.name}: {self.nstages} stages on {self.nranks} ranks, {self.nmicros} micro-batches"
-                  f" ({placement})")
-        cells = [["step"] + [f"rank {r}" for r in range(self.nranks)]]
-        for step in range(max((len(a) for a in lists), default=0)):
-            cells.append([str(step)] + [str(a[step]) if step < len(a) else "" for a in lists])
-        widths = [max(len(row[c]) for row in cells) for c in range(len(cells[0]))]
-        lines = [header]
-        for row in cells:
-            lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
-        return "\n".join(lines)
-
-    def __str__(self) -> str:
-        return self.format()
 
 
 def build_schedule(name: str, nstages: int, nmicros: int, nranks: int, all_device_first: bool = False) -> Schedule:
@@ -153,9 +73,6 @@ def build_schedule(name: str, nstages: int, nmicros: int, nranks: int, all_devic
     is laid out over the other ``nstages - 1``. Raises ValueError for an unknown name or an impossible
     configuration, saying what to change. The result has passed :func:`.simulate.check_deadlock_free`.
     """
-    # simulate imports this module for Action and Schedule, so import it here, not at the top
-    from .simulate import check_deadlock_free
-
     if name not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     for label, value in (("nstages", nstages), ("nmicros", nmicros), ("nranks", nranks)):
@@ -197,8 +114,6 @@ def _all_device_first(name: str, lanes, orders, m: int, p: int):
     forward of ``mb`` just before stage 1's, its backward just after stage 1's. "Before" and "after" are
     times of the order run with F = 1, B = 2 (:func:`.simulate.simulate`), the same on every rank, so every
     rank runs stage 0's actions (collectives) in one order and between the same neighbours."""
-    from .simulate import simulate
-
     base = Schedule(name, len(lanes[0]), m, p, lanes, tuple(_lower(order, lanes) for order in orders))
     timeline = simulate(base).timeline
     first_f = {a.mb: start for actions in timeline for start, _, a in actions if a.kind == "F" and a.stage == 0}

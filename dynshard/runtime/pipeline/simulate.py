@@ -12,7 +12,7 @@ Execution model (what the executor does, and what is checked):
 - messages are matched by (kind, stage, micro-batch), so their order between a pair of ranks does not
   matter for this check (see :func:`fifo_mismatches` for executors that match in order);
 - a neighbour stage on the same rank is handed its input locally, so it must have run earlier in the list;
-- an all-device stage (``schedules.ALL``) runs on every rank, and its F and B, and the BCAST_B before its
+- an all-device stage (``actions.ALL``) runs on every rank, and its F and B, and the BCAST_B before its
   B, are collectives: a rank that reaches one waits until every rank is at the same one (ranks at
   different collectives deadlock), then all start together.
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from .schedules import ALL, Action, Schedule
+from .actions import ALL, Action, Schedule
 
 __all__ = ["ScheduleError", "DeadlockError", "SimResult", "check_deadlock_free", "simulate", "fifo_mismatches"]
 
