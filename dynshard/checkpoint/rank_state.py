@@ -19,7 +19,8 @@ per-rank state dicts do:
   "world_size", "params": {index: info}}`` beside ``state`` and ``param_groups`` (torch's
   ``Optimizer.load_state_dict`` reads only those two; a load pre-hook removes it anyway).
 - **Installation.** The module hook goes on the modules of the frame that dynshard compiles (the module
-  given to ``torch.compile``, found as :mod:`..runtime.materialize` finds it), when its program is built;
+  given to ``torch.compile``, found as :mod:`..runtime.materialize` finds it), when its program is built
+  (:func:`hook_module` is in ``runtime.program.FRAME_MODULE_HOOKS``, added when this module is imported);
   the optimizer hooks go on any optimizer that steps with dynshard's tagged parameters (a global step
   pre-hook registered when this module is imported). The helpers of :mod:`.merged` also install them on
   the model and optimizer they are given.
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import Replicate
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ..runtime.program import FRAME_MODULE_HOOKS
 from ..runtime.sharding import SHARDS, ShardTag, get_tag
 
 MARK = "dynshard_rank_state"        # in a module's state-dict metadata; beside "state" in an optimizer's
@@ -226,14 +228,6 @@ def entries_of(state_dict: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]
     return found
 
 
-def hook_frame_modules() -> None:
-    """While Dynamo compiles a frame for dynshard: hook the outermost modules that frame reaches."""
-    from ..runtime import materialize
-
-    for module in materialize.frame_roots():
-        hook_module(module)
-
-
 # -- the optimizer's entry -----------------------------------------------------------------------------
 
 def indexed_params(optimizer: torch.optim.Optimizer,
@@ -285,3 +279,4 @@ def _watch_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
 
 
 _STEP_HOOK = register_optimizer_step_pre_hook(_watch_optimizer)
+FRAME_MODULE_HOOKS.append(hook_module)     # each program's frame modules, when the program is built

@@ -40,6 +40,7 @@ import torch
 from .. import compat
 from ..compat import ddp as compat_ddp
 from .accumulation import no_sync
+from .backend_identity import compiled_with_dynshard, compiling_for_dynshard
 from .sharding import get_tag
 
 log = logging.getLogger("dynshard")
@@ -55,22 +56,14 @@ class DDPWrapError(RuntimeError):
 def watch() -> None:
     """Check, at the start of each Dynamo compile, whether the frame is dynshard's and runs inside a DDP
     (idempotent; ``torch._dynamo.reset()`` drops the callback, and the next call registers it again)."""
-    handler = torch._dynamo.callback_handler
-    if _on_compile_start not in handler.start_callbacks:
-        handler.register_start_callback(_on_compile_start)
+    compat.register_compile_start(_on_compile_start)
 
 
 def _on_compile_start(args) -> None:
-    from torch._dynamo.callback import CallbackTrigger
-
-    if args.callback_trigger is not CallbackTrigger.DYNAMO:
+    if not compat.starts_frame_compile(args):
         return
     ddp = compat_ddp.active_ddp()
-    if ddp is None:
-        return
-    from ..backend import dynshard_backend
-
-    if compat.compiling_backend() is not dynshard_backend:
+    if ddp is None or not compiling_for_dynshard():
         return
     frame = compat.compiling_frame()
     compat_ddp.keep_graph_whole(frame.get("compiler_fn") if frame is not None else None)
@@ -115,7 +108,7 @@ def leave_to_dynshard(ddp: torch.nn.parallel.DistributedDataParallel) -> None:
     compat_ddp.pass_through(ddp, names)
     ddp.no_sync = functools.partial(no_sync, ddp.module)   # DDP's accumulation (Trainer's) becomes dynshard's
     for _, param in ours:
-        param._ddp_ignored = True      # as register_ddp_parameters_to_ignore marks them
+        compat_ddp.mark_ignored(param)
     log.info("dynshard: DistributedDataParallel around a dynshard model (%d parameters) released: dynshard "
              "reduces their gradients itself, DDP's forward now only calls the model", len(names))
 
@@ -132,13 +125,6 @@ def named_tensors(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]
     """Every name of every parameter and buffer (a tensor shared between modules has several)."""
     yield from module.named_parameters(remove_duplicate=False)
     yield from module.named_buffers(remove_duplicate=False)
-
-
-def compiled_with_dynshard(module: torch.nn.Module) -> bool:
-    """Whether ``module`` was compiled (wrapped or in place) with dynshard as its backend."""
-    from ..backend import dynshard_backend
-
-    return compat.module_backend(module) is dynshard_backend
 
 
 def _under(name: str, prefix: str) -> bool:

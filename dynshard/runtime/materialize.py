@@ -60,6 +60,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .. import compat
+from .backend_identity import compiling_for_dynshard
 from .sharding import mark_initialized_alike, shard_in_place
 
 PENDING_ATTR = "_dynshard_pending_init"   # on a stand-in: the _Pending model it is materialised with
@@ -110,7 +111,7 @@ def default_device(device_type: str) -> torch.device:
 def _present_meta_models() -> None:
     """Dynamo's start hook: meta tensors of the frame's models become stand-ins on the real device."""
     _FRAME_MODELS.clear()
-    if not _compiles_for_dynshard():
+    if not compiling_for_dynshard():
         return
     frame = _frame_being_compiled()
     if frame is None:
@@ -129,12 +130,6 @@ def _present_meta_models() -> None:
             _swap_for_stand_ins(root, meta, pending)
         if pending is not None and not pending.done:
             _FRAME_MODELS.append(pending)
-
-
-def _compiles_for_dynshard() -> bool:
-    from ..backend import dynshard_backend
-
-    return compat.compiling_backend() is dynshard_backend
 
 
 def _frame_being_compiled() -> dict[str, Any] | None:

@@ -1,4 +1,8 @@
-"""What runs every step: the compiled per-rank program, called with this rank's local tensors."""
+"""What runs every step: the compiled per-rank program, called with this rank's local tensors.
+
+The plan's inputs and program are the backend's (``backend.capture.GraphInput``,
+``backend.compile.CompiledProgram``); the runtime reads them and does not import the backend, a later layer.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,6 @@ from typing import Any, Callable
 import torch
 from torch.distributed.tensor import DTensor, Placement
 
-from ..backend.capture import GraphInput
-from ..backend.compile import CompiledProgram
 from . import materialize
 from .accumulation import ACCUMULATION
 from .buffer_sync import BufferSync
@@ -22,26 +24,33 @@ from .unit_inputs import InputCheck
 from .zero import ZeroSpec
 
 
+# Called with each outermost module of the frame a ShardedProgram is built for (while Dynamo compiles it).
+# Later layers add to it rather than being imported from here: dynshard.checkpoint.rank_state adds the hook
+# that makes the module's state_dict() say where each shard sits (when it is imported, as `import dynshard`
+# does).
+FRAME_MODULE_HOOKS: list[Callable[[torch.nn.Module], None]] = []
+
+
 @dataclasses.dataclass(eq=False)
 class CompiledPlan:
     """A plan and its compiled program; shared by every Dynamo graph with the same key."""
 
     key: str
-    inputs: list[GraphInput]
+    inputs: list                       # backend.capture.GraphInput
     placements: dict[int, tuple[Placement, ...]]
     zero: dict[int, ZeroSpec]          # inputs stored as ZeRO rows over the data-parallel ranks
     layout: Layout
-    program: CompiledProgram
+    program: Any                       # backend.compile.CompiledProgram
     propagation: Any
     pass_timings: list[tuple[str, float]]
     inference_only: bool
     hits: int = 0
-    build_no_sync: Callable[[], CompiledProgram] | None = None   # the accumulation variant, compiled lazily
+    build_no_sync: Callable[[], Any] | None = None   # the accumulation variant, compiled lazily
     input_check: InputCheck | None = None       # the unit's ranks were fed the same batch
     buffer_sync: BufferSync | None = None       # written buffers stay equal over the data-parallel units
-    _no_sync: CompiledProgram | None = None
+    _no_sync: Any = None
 
-    def no_sync_program(self) -> CompiledProgram:
+    def no_sync_program(self) -> Any:
         if self._no_sync is None:
             self._no_sync = self.build_no_sync()
         return self._no_sync
@@ -66,8 +75,9 @@ class ShardedProgram:
         self._meta_models = materialize.frame_models()
         materialize.install()      # the trace hook, again after a torch._dynamo.reset()
         self._roots = materialize.frame_roots()     # their modules refuse eager calls once they hold shards
-        from ..checkpoint.rank_state import hook_frame_modules
-        hook_frame_modules()       # the frame's modules: their state_dict() says where each shard sits
+        for module in self._roots:
+            for hook in FRAME_MODULE_HOOKS:
+                hook(module)
 
     def __call__(self, *args: Any):
         check_active_ddp()      # a DDP built around the model after its parameters were cut is refused
@@ -97,7 +107,7 @@ class ShardedProgram:
             ACCUMULATION.flush()       # the first synchronising call reduces what was accumulated
         return self._outputs(plan.program, plan.program.run(*args))
 
-    def _outputs(self, program: CompiledProgram, outputs):
+    def _outputs(self, program, outputs):
         """``Config(gather_outputs=False)``: this rank's shards of split outputs become DTensors."""
         if not program.split_outputs:
             return outputs
