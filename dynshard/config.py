@@ -63,6 +63,13 @@ class Config:
         faster first step, the top level unfused). A program with no outlined block is compiled whole;
         so is the weight-gradient half of a split (zero-bubble) backward. No effect with aot_eager.
     cache_dir: where plans are stored so that a restart skips planning; None keeps them in memory only.
+    save_plan_path: rank 0 writes the job's plans (:class:`dynshard.Plan`) to this file as they are made: one
+        plan per graph Dynamo captures, in compile order (see :mod:`dynshard.planning.files`). Not part of the plan.
+    load_plan_path: run the plans in this file (saved by a job, made offline by ``dynshard.plan``, edited by
+        hand) instead of running a policy: rank 0 reads it and sends it to the others. The plan's mesh, ZeRO,
+        recompute, mixed precision and pipeline replace this config's ``plan_ngpus``, ``policy``,
+        ``pas_config``, ``use_zero``/``zero_*``, ``recompute_modules`` and ``mixed_precision``. A graph no plan
+        in the file was made for raises :class:`dynshard.PlanFileError` on every rank, naming the first mismatch.
     share_traces: whether the ranks of a host that hold the same program trace it once, the others
         waiting to read it from aot_autograd's cache (Inductor's code is generated once per host either
         way). None: where the host's ranks outnumber its cores, where a waiting rank's core is worth
@@ -118,6 +125,8 @@ class Config:
     regional_compile: bool = True
     compile_scope: str = "program"
     cache_dir: str | None = None
+    save_plan_path: str | None = None
+    load_plan_path: str | None = None
     share_traces: bool | None = None
     trace_dir: str | None = None
     verify_inputs_every: int = 100
@@ -141,6 +150,11 @@ class Config:
         every = self.verify_inputs_every
         if not isinstance(every, int) or isinstance(every, bool) or every < 0:
             raise ConfigError(f"dynshard: verify_inputs_every must be an integer >= 0 (0: never), got {every!r}")
+        for name in ("save_plan_path", "load_plan_path"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), (str, os.PathLike)):
+                raise ConfigError(f"dynshard: {name} must be a file path, got {getattr(self, name)!r}")
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, os.fspath(getattr(self, name)) or None)
         if self.share_traces not in (None, True, False):
             raise ConfigError(f"dynshard: share_traces must be True, False or None (decided per host), "
                               f"got {self.share_traces!r}")
@@ -155,7 +169,7 @@ class Config:
                 raise ConfigError(
                     f"dynshard: unknown policy {self.policy!r}; use one of {', '.join(POLICIES)} "
                     "or a callable policy(plan, config)")
-            if self.policy == "dp" and self.plan_ngpus != 1:
+            if self.policy == "dp" and self.plan_ngpus != 1 and self.load_plan_path is None:
                 raise ConfigError(
                     f"dynshard: policy 'dp' needs plan_ngpus=1 (got {self.plan_ngpus}); "
                     "use 'tp' or 'data' to partition inside a unit")
@@ -301,7 +315,8 @@ class Config:
     def cache_token(self) -> str:
         """The part of the plan-cache key that comes from the configuration."""
         parts = {f: getattr(self, f) for f in self.fields()
-                 if f not in ("cache_dir", "trace_dir", "share_traces", "policy", "param_init_fn")}
+                 if f not in ("cache_dir", "trace_dir", "share_traces", "policy", "param_init_fn",
+                              "save_plan_path", "load_plan_path")}
         parts["policy"] = self.policy if isinstance(self.policy, str) else _qualified_name(self.policy)
         parts["param_init_fn"] = None if self.param_init_fn is None else _qualified_name(self.param_init_fn)
         parts["pas_config"] = dict(self.pas_config)

@@ -6,7 +6,11 @@ import dataclasses
 
 import torch
 
+from typing import Sequence
+
 from .backend.compile import CollectiveRecord
+from .planning import Plan
+from .planning.costs import RankBytes, StepCollective, memory_at_rest, step_collectives
 from .runtime.sharding import describe_placements, get_tag
 from .runtime.state_dict import unwrap_compiled
 
@@ -146,8 +150,72 @@ def format_plan(plan) -> str:
     return "\n".join(lines)
 
 
-def explain(model: torch.nn.Module) -> Explanation:
-    """The plan of every compiled program that uses ``model``'s parameters (after its first run)."""
+@dataclasses.dataclass(frozen=True)
+class PlanExplanation:
+    """Plans as values (``dynshard.plan``'s, or loaded): what each holds per rank and sends per step."""
+
+    plans: tuple[Plan, ...]
+
+    def memory(self, index: int = 0) -> list[RankBytes]:
+        return memory_at_rest(self.plans[index])
+
+    def collectives(self, index: int = 0) -> list[StepCollective]:
+        return step_collectives(self.plans[index])
+
+    def __str__(self) -> str:
+        lines: list[str] = []
+        for index, plan in enumerate(self.plans):
+            mesh, zero = plan.mesh, plan.zero
+            made = "" if plan.made_for is None else f", graph {plan.made_for.graph}"
+            level = f"ZeRO-{zero.level}" + (f" in {zero.ngroups} groups" if zero.ngroups > 1 else "") \
+                + (" reduce-scatter" if zero.reduce_scatter else "") if zero.level else "no ZeRO"
+            lines += [f"plan {index}: policy {plan.policy}{made}; {mesh.world} ranks = dp {mesh.dp} x pp {mesh.pp} "
+                      f"x tp {mesh.tp}; {level}" + (f"; recompute {', '.join(plan.recompute)}" if plan.recompute else "")]
+            tensors = [t for t in plan.tensors.values() if t.kind != "input"]
+            split = sum(1 for t in tensors if t.tp not in (None, "R"))
+            rows = sum(1 for t in tensors if t.dp == "zero")
+            lines.append(f"  {len(tensors)} parameters and buffers: {split} split over tp, {rows} in ZeRO rows over "
+                         f"dp; {len(plan.activations)} activations placed by the policy")
+            lines.append("  at rest, per rank (bytes; optimizer: Adam's two fp32 moments per element)")
+            memory = memory_at_rest(plan)
+            lines += _table([("ranks", "parameters", "buffers", "gradients", "optimizer", "total")] + [
+                (m.ranks + ("" if m.exact else " (hybrid: stage tensors counted whole)"), str(m.parameters),
+                 str(m.buffers), str(m.gradients), str(m.optimizer), str(m.total)) for m in memory])
+            collectives = step_collectives(plan)
+            unit = " (summed over a unit's pipeline ranks)" if plan.pipeline is not None else ""
+            lines.append(f"  collectives per step, per rank{unit} (payload bytes)")
+            lines += _table([("collective", "group", "count", "bytes", "of")] + [
+                (c.kind, c.dim, str(c.count), str(c.bytes), c.what) for c in collectives]) if collectives \
+                else ["    none"]
+            if plan.pipeline is not None:
+                lines += _pipeline_lines(plan)
+            lines.append("")
+        return "\n".join(lines).rstrip()
+
+
+def _pipeline_lines(plan: Plan) -> list[str]:
+    from .runtime.pipeline.schedules import build_schedule
+
+    p = plan.pipeline
+    first = p.schedule == "1f1b_plus"
+    schedule = build_schedule(p.schedule, p.nstages + int(first), p.nmicros, plan.mesh.pp, first)
+    lines = [f"  pipeline: {p.schedule}, {p.nstages} stages, {p.nmicros} micro-batches, {p.nchunks} chunk(s) per "
+             f"rank; cut {p.how}"]
+    lines += _table([("stage", "starts at", "pipeline ranks", "forward FLOPs")] + [
+        (str(s), "(the graph's start)" if s == 0 else p.starts[s - 1], ",".join(map(str, p.stage_ranks[s])),
+         str(p.flops[s]) if s < len(p.flops) else "-") for s in range(len(p.stage_ranks))])
+    return lines + ["  " + line for line in schedule.format(comms=False).splitlines()]
+
+
+def explain(model: torch.nn.Module | Plan | Sequence[Plan]) -> Explanation | PlanExplanation:
+    """The plan of every compiled program that uses ``model``'s parameters (after its first run); or, given
+    plans (``dynshard.plan``'s result, or ``Plan.from_json``'s), what they hold and send per rank."""
+    if isinstance(model, Plan):
+        return PlanExplanation((model,))
+    if isinstance(model, (list, tuple)):
+        if not all(isinstance(p, Plan) for p in model):
+            raise TypeError("dynshard.explain takes a compiled model, a Plan or a list of Plans")
+        return PlanExplanation(tuple(model))
     module = unwrap_compiled(model)
     parameters, plans = [], []
     for name, tensor in list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers()):

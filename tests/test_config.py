@@ -33,7 +33,16 @@ def test_every_field_can_come_from_the_environment_and_explicit_options_win():
                                     "use_zero", "zero_ngroups", "zero_use_reduce_scatter", "use_async_reducer",
                                     "reducer_bucket_cap_mb", "mixed_precision", "recompute_modules", "param_init_fn",
                                     "gather_outputs", "use_end2end", "trace_dir", "regional_compile",
-                                    "compile_scope", "share_traces", "verify_inputs_every", "broadcast_buffers"}
+                                    "compile_scope", "share_traces", "verify_inputs_every", "broadcast_buffers",
+                                    "save_plan_path", "load_plan_path"}
+
+
+def test_plan_files_come_from_the_environment_and_are_paths():
+    env = {"DYNSHARD_SAVE_PLAN_PATH": "out/gpt.plan.json", "DYNSHARD_LOAD_PLAN_PATH": "in.plan.json"}
+    config = Config.from_options(None, environ=env)
+    assert (config.save_plan_path, config.load_plan_path) == ("out/gpt.plan.json", "in.plan.json")
+    with pytest.raises(ConfigError, match="load_plan_path must be a file path"):
+        Config(load_plan_path=3)
 
 
 def test_the_unit_checks_read_the_environment_and_refuse_bad_values():

@@ -25,12 +25,18 @@ from .agreement import PlanChannel, ensure_ranks_agree, plan_channel
 from .capture import describe_inputs
 from .compile import compile_program
 from .pipeline import plan_pipeline
-from .plan_cache import PlanCache, decode_plan, encode_plan, plan_key
+from .plan_cache import PlanCache, modes_token, plan_key
+from .plan_files import PlanFiles
 from .reshard import reshard_pass
+from ..passes.assign_placements import record_plan
+from ..planning import Plan
+from ..planning.costs import with_forward_collectives
+from ..planning.plan import config_for, fingerprint
 
 log = logging.getLogger("dynshard")
 ASYNC_BUCKET_CAP_MB = 25
 PLANS = PlanCache()
+PLAN_FILES = PlanFiles()
 _logged_configs: set[str] = set()
 
 
@@ -45,6 +51,11 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     config = Config.from_options(options)
     device_type = _device_type(example_inputs)
     ensure_process_group(device_type)
+    inputs = describe_inputs(gm, example_inputs)
+    made_for = fingerprint(gm.code, world_size(), modes_token())
+    given = PLAN_FILES.given(config, made_for, inputs)      # load_plan_path: the plan runs, no policy
+    if given is not None:
+        config = config_for(given, config)
     config = config.resolve(world_size())
     if config.compiler == "inductor" and device_type == "cpu":
         compat.start_cpu_isa_probe()     # overlaps planning and aot_autograd; Inductor needs it to generate code
@@ -52,12 +63,11 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         _logged_configs.add(config.describe())
         log.info("%s", config.describe())
     layout = layout_for(config.plan_ngpus, device_type, config.pipeline_ranks)
-    inputs = describe_inputs(gm, example_inputs)
 
-    key = plan_key(gm.code, inputs, config, layout)
+    key = plan_key(gm.code, inputs, config, layout, None if given is None else given.digest())
     ensure_ranks_agree(key, gm.code, inputs, config, layout)
     if config.is_pipeline:
-        return _pipeline_program(gm, example_inputs, config, layout, inputs, key, device_type)
+        return _pipeline_program(gm, example_inputs, config, layout, inputs, key, device_type, made_for, given)
     plan = PLANS.get(key)
     if plan is not None:
         plan.hits += 1
@@ -65,12 +75,15 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         _drop_guards_on_sharded(gm, plan)
         return ShardedProgram(plan)
 
-    ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode())
+    ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
+                      made_for=made_for, given=given)
     if layout.mesh is None:   # a single process: nothing to place, compile as it is
+        ctx.placements = {i.index: () for i in inputs}
+        ctx.plan = record_plan(gm, ctx)
         gm = cast_to_compute_dtype(gm, ctx)
         compiled = compile_program(tag_single_process(gm, example_inputs, ctx), example_inputs, config.compiler,
                                    layout, config.inference_only)
-        plan = CompiledPlan(key, inputs, {i.index: () for i in inputs}, {}, layout, compiled, None, [],
+        plan = CompiledPlan(key, inputs, ctx.placements, {}, layout, compiled, None, [],
                             config.inference_only)
     else:
         compiled = _plan_once_and_compile(gm, ctx, key, device_type)
@@ -79,6 +92,8 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
                             build_no_sync=_no_sync_builder(gm, ctx, device_type) if layout.dp_group else None,
                             input_check=InputCheck.for_inputs(inputs, layout.plan_ngpus, config.verify_inputs_every),
                             buffer_sync=BufferSync.for_inputs(inputs, layout.dp_group, config.broadcast_buffers))
+    plan.plan = ctx.plan
+    PLAN_FILES.record(config, ctx.plan, layout.rank)
     _drop_guards_on_sharded(gm, plan)
     log.info("compiled plan %s in %.2fs (passes: %s)", key, plan.program.seconds,
              ", ".join(f"{name} {t:.2f}s" for name, t in plan.pass_timings))
@@ -86,11 +101,12 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     return ShardedProgram(plan)
 
 
-def _pipeline_program(gm, example_inputs, config, layout, inputs, key, device_type) -> PipelineProgram:
+def _pipeline_program(gm, example_inputs, config, layout, inputs, key, device_type, made_for, given) -> PipelineProgram:
     plan = PLANS.get(key)
     if plan is None or not plan.serves(example_inputs):     # (a second model of the same graph: its own)
-        plan = plan_pipeline(gm, example_inputs, config, layout, inputs, key, device_type)
+        plan = plan_pipeline(gm, example_inputs, config, layout, inputs, key, device_type, made_for, given)
         PLANS.put(key, plan)
+        PLAN_FILES.record(config, plan.plan, layout.rank)
         log.info("planned pipeline %s (passes: %s)", key, ", ".join(f"{n} {t:.2f}s" for n, t in plan.pass_timings))
     else:
         plan.hits += 1
@@ -103,7 +119,8 @@ def _pipeline_program(gm, example_inputs, config, layout, inputs, key, device_ty
 
 def _plan_once_and_compile(gm: fx.GraphModule, ctx: PassContext, key: str, device_type: str):
     """Planned once per job: rank 0 runs the policy, or reads the plan in ``cache_dir``, and sends the plan
-    to the other ranks, which install it as a stored plan and skip the policy (see ``PlanChannel``).
+    to the other ranks, which install it as a given plan and skip the policy (see ``PlanChannel``). A plan
+    from ``load_plan_path`` is on every rank already.
 
     The others lower the graph while rank 0 plans and wait for the plan just before the policy pass. A
     rank whose planning raises still takes part in the one message of the compile (rank 0 sends its error
@@ -111,38 +128,37 @@ def _plan_once_and_compile(gm: fx.GraphModule, ctx: PassContext, key: str, devic
     in step for the next compile. A process that plans alone (one rank, a fake group) plans as before.
     """
     config, layout = ctx.config, ctx.layout
+    if ctx.given is not None:       # a plan file: every rank holds the plan, nothing to send
+        compiled = plan_and_compile(gm, ctx, device_type)
+        ctx.plan = with_forward_collectives(ctx.plan, ctx.propagation, ctx.node_keys)
+        PLANS.save_plan(config, key, ctx.plan, layout)
+        return compiled
     channel = plan_channel()
     try:
         if channel is not None and not channel.planner:
             return plan_and_compile(gm, ctx, device_type, before_policy=lambda ctx: _receive_plan(ctx, channel))
-        stored = PLANS.load_plan(config, key)
-        if stored is not None:
-            _install_plan(ctx, stored)
-            if channel is not None:    # at once: the others need not wait for this rank's lowering
-                channel.send(encode_plan(stored["placements"], stored["over_dp"], stored["constraints"]))
+        ctx.given = PLANS.load_plan(config, key)
+        if ctx.given is not None and channel is not None:   # at once: the others need not wait for this rank's lowering
+            channel.send(ctx.given.to_json())
         compiled = plan_and_compile(gm, ctx, device_type,
                                     after_policy=None if channel is None else lambda ctx: _send_plan(ctx, channel))
     except BaseException as error:
         if channel is not None:
             channel.abandon(error)
         raise
-    PLANS.save_plan(config, key, ctx.placements, set(ctx.zero), ctx.constraints, layout)
+    ctx.plan = with_forward_collectives(ctx.plan, ctx.propagation, ctx.node_keys)
+    PLANS.save_plan(config, key, ctx.plan, layout)
     return compiled
-
-
-def _install_plan(ctx: PassContext, stored: dict[str, Any]) -> None:
-    """A stored or received plan replaces the policy (``assign_placements`` skips it)."""
-    ctx.placements, ctx.over_dp, ctx.constraints = stored["placements"], stored["over_dp"], stored["constraints"]
 
 
 def _send_plan(ctx: PassContext, channel: PlanChannel) -> None:
     if not channel.finished:      # (a plan read from cache_dir went out before the passes)
-        channel.send(encode_plan(ctx.placements, set(ctx.zero), ctx.constraints))
+        channel.send(ctx.plan.to_json())
 
 
 def _receive_plan(ctx: PassContext, channel: PlanChannel) -> None:
     start = time.perf_counter()
-    _install_plan(ctx, decode_plan(channel.receive()))
+    ctx.given = Plan.from_json(channel.receive(), "the plan rank 0 sent")
     ctx.timings.append(("receive_plan", time.perf_counter() - start))     # mostly waiting for rank 0
 
 
@@ -190,8 +206,8 @@ def _no_sync_builder(gm: fx.GraphModule, planned: PassContext, device_type: str)
     placements, ZeRO parameters as whole replicas): gradient accumulation's micro-steps."""
     def build():
         ctx = PassContext(config=planned.config, layout=planned.layout, inputs=planned.inputs,
-                          fake_mode=compat.new_fake_mode(), placements=dict(planned.placements),
-                          over_dp=set(planned.zero), constraints=dict(planned.constraints), sync_grads=False)
+                          fake_mode=compat.new_fake_mode(), made_for=planned.made_for, given=planned.plan,
+                          sync_grads=False)
         return plan_and_compile(gm, ctx, device_type)
     return build
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .. import compat
 from ..config import Config
+from ..planning import PlanFileError
 from ..runtime.mesh import Layout
 from .capture import GraphInput
 from .plan_cache import modes_token
@@ -62,6 +63,17 @@ class _Agreement:
         self.generation = itertools.count()
 
     def check(self, key: str, describe: Callable[[], dict]) -> None:
+        self.ensure_group()
+        keys = self.all_gather(key.encode(), _KEY_BYTES)
+        if len(set(keys)) > 1:
+            descriptions = self.all_gather_object(describe())
+            raise PlanMismatchError(
+                f"dynshard: the ranks compiled different plans at compile #{self.compiles}, so their "
+                f"collectives would not match: {explain_mismatch(descriptions)}. {_FIX}")
+        self.compiles += 1
+
+    def ensure_group(self) -> None:
+        """The group of this default process group, made at its first use; notes how far this rank got."""
         if self.world is not dist.group.WORLD:
             self.world, self.group, self.compiles = dist.group.WORLD, None, 0
             self.store = dist.PrefixStore(f"dynshard/agreement/{next(self.generation)}", compat.default_store())
@@ -72,13 +84,6 @@ class _Agreement:
                 self.group = dist.ProcessGroupGloo(self.store, dist.get_rank(), dist.get_world_size(), TIMEOUT)
             except RuntimeError as error:
                 raise PlanMismatchError(self._absent(error)) from error
-        keys = self.all_gather(key.encode(), _KEY_BYTES)
-        if len(set(keys)) > 1:
-            descriptions = self.all_gather_object(describe())
-            raise PlanMismatchError(
-                f"dynshard: the ranks compiled different plans at compile #{self.compiles}, so their "
-                f"collectives would not match: {explain_mismatch(descriptions)}. {_FIX}")
-        self.compiles += 1
 
     def all_gather(self, payload: bytes, size: int) -> list[bytes]:
         """Each rank's ``payload`` (at most ``size`` bytes, zero-padded)."""
@@ -153,9 +158,33 @@ def ensure_ranks_agree(key: str, code: str, inputs: Sequence[GraphInput], config
     _AGREEMENT.check(key, lambda: describe_plan(key, code, inputs, config, layout))
 
 
+def from_rank0(read: Callable[[], str]) -> str:
+    """What ``read()`` returns on rank 0, on every rank (a file only rank 0 may see). When rank 0's ``read``
+    raises, every rank raises: rank 0 its error, the others a :class:`PlanFileError` with its message."""
+    if not _checks_agreement():
+        return read()
+    _AGREEMENT.ensure_group()
+    if dist.get_rank() == 0:
+        try:
+            text = read()
+        except Exception as error:
+            _AGREEMENT.broadcast(b"E" + str(error).encode(), TIMEOUT)
+            raise
+        _AGREEMENT.broadcast(b"T" + text.encode(), TIMEOUT)
+        return text
+    try:
+        message = _AGREEMENT.broadcast(None, TIMEOUT)
+    except RuntimeError as error:
+        raise PlanMismatchError(f"dynshard: rank {dist.get_rank()} waited for rank 0 to read a plan file and it did "
+                                f"not send it (gloo: {_first_line(error)}). {_FIX}") from error
+    if message[:1] == b"E":
+        raise PlanFileError(f"{message[1:].decode()} (read by rank 0)")
+    return message[1:].decode()
+
+
 class PlanChannel:
     """Rank 0 -> the other ranks, one message per compile that plans: the plan (the JSON text of
-    :func:`.plan_cache.encode_plan`, as kept in ``cache_dir``) or, when rank 0's planning raised before the
+    ``Plan.to_json()``, as kept in ``cache_dir``) or, when rank 0's planning raised before the
     plan was sent, its error.
 
     Every rank of such a compile takes part (the keys agree, so all the ranks miss the plan cache or none

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import logging
 import time
 
@@ -15,7 +14,10 @@ import torch.fx as fx
 from .. import compat
 from ..config import Config
 from ..passes import PassContext, cast_to_compute_dtype, run_passes
+from ..passes.assign_placements import dtype_name, policy_name
 from ..passes.cut_stages import assign_stages, split_stages
+from ..planning import PipelineChoice, Plan, PlanFileError, TensorChoice
+from ..planning.plan import mesh_of, plan_settings
 from ..passes.tag_recompute import tag_single_process
 from ..runtime.mesh import Layout, layout_for
 from ..runtime.pipeline.groups import PipelineGroups
@@ -25,6 +27,7 @@ from ..runtime.buffer_sync import BufferSync
 from ..runtime.pipeline.schedules import build_schedule
 from ..runtime.program import CompiledPlan, ShardedProgram
 from ..runtime.unit_inputs import InputCheck
+from .agreement import plan_channel
 from .capture import describe_inputs
 from .compile import compile_program
 from .split_backward import compiled_backward
@@ -39,17 +42,18 @@ PIPELINE_PASSES = [
 
 
 def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: Layout, inputs, key: str,
-                  device_type: str) -> PipelinePlan:
+                  device_type: str, made_for=None, given: Plan | None = None) -> PipelinePlan:
     from ..runtime.materialize import default_device
 
     from . import copy_graph
 
-    ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode())
-    _cut_once(copy_graph(gm), ctx, key)
     options = config.pipeline
     nstages, nranks, m = options.nsegments(config), layout.pp_size, options.pipeline_nmicros
     first = options.all_device_first
     schedule = build_schedule(options.pipeline_scheduler, nstages, m, nranks, first)
+    ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
+                      made_for=made_for, given=given)
+    _cut_once(copy_graph(gm), ctx, key, schedule)
     forward_only = build_schedule("infer_pipe", nstages, m, nranks, first)
     gpipe = None
     if not config.inference_only:
@@ -93,40 +97,75 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
         key=key, frame_call=frame_call, config=config, inputs=inputs, staged=ctx.staged, schedule=schedule, gpipe=gpipe,
         forward_only=forward_only, groups=PipelineGroups(layout), layout=layout, device=device,
         output_metas=[_meta(o) for o in outputs], compile_stage=compile_stage, combine_fn=combine,
-        pass_timings=ctx.timings,
+        pass_timings=ctx.timings, plan=ctx.plan,
         input_check=InputCheck.for_inputs(inputs, layout.plan_ngpus, config.verify_inputs_every),
         buffer_sync=BufferSync.for_inputs(inputs, layout.dp_group, config.broadcast_buffers))
 
 
-def _cut_once(gm: fx.GraphModule, ctx: PassContext, key: str) -> None:
+def _cut_once(gm: fx.GraphModule, ctx: PassContext, key: str, schedule) -> None:
     """The pipeline passes, with the stage cut planned once per job: rank 0 measures and cuts (or reads the
-    cut in ``cache_dir``) and sends it; the other ranks install it and measure nothing (as placements are
-    sent under the other policies, see ``backend._plan_once_and_compile``)."""
-    from .agreement import plan_channel
+    plan in ``cache_dir``) and sends the plan; the other ranks install its cut and measure nothing (as
+    placements are sent under the other policies, see ``backend._plan_once_and_compile``). A plan from
+    ``load_plan_path`` is on every rank already."""
     from . import PLANS
 
     config = ctx.config
     planned = PIPELINE_PASSES.index(assign_stages) + 1      # the passes up to the cut, then the rest
+    if ctx.given is not None:
+        run_passes(gm, ctx, PIPELINE_PASSES)
+        ctx.plan = pipeline_plan(ctx, schedule)
+        return
     channel = plan_channel()
     try:
         if channel is not None and not channel.planner:
             start = time.perf_counter()
-            ctx.stage_info = json.loads(channel.receive())
+            ctx.given = Plan.from_json(channel.receive(), "the plan rank 0 sent")
             ctx.timings.append(("receive_plan", time.perf_counter() - start))
             run_passes(gm, ctx, PIPELINE_PASSES)
+            ctx.plan = pipeline_plan(ctx, schedule)
             return
-        stored = PLANS.load_text(config, key)
-        if stored is not None:
-            ctx.stage_info = json.loads(stored)
+        ctx.given = PLANS.load_plan(config, key)
         gm = run_passes(gm, ctx, PIPELINE_PASSES[:planned])
+        ctx.plan = pipeline_plan(ctx, schedule)
         if channel is not None:
-            channel.send(json.dumps(ctx.stage_info))
+            channel.send(ctx.plan.to_json())
         run_passes(gm, ctx, PIPELINE_PASSES[planned:])
     except BaseException as error:
         if channel is not None:
             channel.abandon(error)
         raise
-    PLANS.save_text(config, key, json.dumps(ctx.stage_info), ctx.layout)
+    PLANS.save_plan(config, key, ctx.plan, ctx.layout)
+
+
+def pipeline_plan(ctx: PassContext, schedule) -> Plan:
+    """The pipeline's decisions: the cut, the schedule, and its tensors (whole on every pipeline rank, or
+    placed by each stage's tp policy under hybrid; ZeRO rows over dp for trainable ones when use_zero)."""
+    config, layout, given = ctx.config, ctx.layout, ctx.given
+    options = config.pipeline
+    tensors = {}
+    input_stages = ctx.stage_info["input_stages"]
+    for inp in ctx.inputs:
+        zero = bool(config.zero) and layout.dp_size > 1 and inp.is_state and inp.requires_grad
+        dp = "zero" if zero else "batch" if inp.kind == "input" else "replicate"
+        tensors[inp.name] = TensorChoice(inp.kind, tuple(inp.shape), dtype_name(inp.dtype),
+                                         "R" if layout.tp_size == 1 or not inp.is_state else None, dp,
+                                         tuple(input_stages[inp.index]))
+    if given is not None:
+        for name, choice in given.tensors.items():
+            if (choice.tp, choice.dp) != (tensors[name].tp, tensors[name].dp):
+                raise PlanFileError(
+                    f"dynshard: the plan gives {name} tp={choice.tp!r} dp={choice.dp!r} in a pipeline, which runs it "
+                    f"as tp={tensors[name].tp!r} dp={tensors[name].dp!r}: per-tensor choices inside pipeline stages "
+                    "are not built yet (edit the stage starts, schedule, ZeRO level or recompute instead)")
+    info = ctx.stage_info
+    pipeline = PipelineChoice(
+        schedule=options.pipeline_scheduler, nmicros=options.pipeline_nmicros, nstages=options.nstages(config),
+        nchunks=options.pipeline_nchunks, starts=tuple(info["starts"]),
+        stage_ranks=tuple(schedule.ranks_of(s) for s in range(schedule.nstages)), how=info["how"],
+        flops=tuple(info["flops"]), sequence_parallel=options.sequence_parallel)
+    return Plan(made_for=ctx.made_for, policy=given.policy if given is not None else policy_name(config),
+                mesh=mesh_of(layout), tensors=tensors, pipeline=pipeline,
+                predicted=None if given is None else given.predicted, **plan_settings(config))
 
 
 def _tensor_parallel_stage(stage, args, config: Config, layout: Layout, key: str, device_type: str, backward=None):

@@ -1,9 +1,10 @@
 """Plans keyed on what decides them: graph structure, global input shapes, config and world layout.
 
 In memory a hit returns the compiled program itself (the re-trace that follows the in-place sharding of
-parameters never compiles twice). On disk (``Config.cache_dir``) the placements are kept as JSON, so a
-restarted job skips the policy search. The same JSON is what rank 0 sends the other ranks of a job (see
-:class:`.agreement.PlanChannel`): a received plan and a stored one are installed alike.
+parameters never compiles twice). On disk (``Config.cache_dir``) the :class:`~dynshard.planning.Plan` is
+kept as its JSON, so a restarted job skips the policy search. The same JSON is what rank 0 sends the other
+ranks of a job (see :class:`.agreement.PlanChannel`), and what plan files hold: a received, stored or
+loaded plan is installed alike.
 """
 
 from __future__ import annotations
@@ -14,19 +15,18 @@ import os
 from typing import Any, Sequence
 
 import torch
-from torch.distributed.tensor import Partial, Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
-
 from .. import compat
 from ..config import Config
-from ..passes.context import ActivationPlacement
+from ..planning import Plan
 from ..runtime.mesh import Layout
 from .capture import GraphInput
 
 
-def plan_key(code: str, inputs: Sequence[GraphInput], config: Config, layout: Layout) -> str:
+def plan_key(code: str, inputs: Sequence[GraphInput], config: Config, layout: Layout,
+             given_plan: str | None = None) -> str:
+    """``given_plan``: the digest of a plan loaded from a file (an edited plan is another program)."""
     parts = [code, *(inp.token() for inp in inputs), config.cache_token(), layout.token(),
-             torch.__version__, modes_token()]
+             torch.__version__, modes_token(), given_plan or ""]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
 
 
@@ -74,59 +74,13 @@ class PlanCache:
             f.write(text)
         os.replace(tmp, path)
 
-    def load_plan(self, config: Config, key: str) -> dict[str, Any] | None:
-        """A stored plan (see :func:`decode_plan`), None when ``cache_dir`` holds none for ``key``."""
+    def load_plan(self, config: Config, key: str) -> Plan | None:
+        """The plan stored for ``key`` in ``cache_dir``, None when it holds none."""
         text = self.load_text(config, key)
-        return None if text is None else decode_plan(text)
+        if text is None or '"dynshard_plan"' not in text:     # (an older dynshard's placements: planned again)
+            return None
+        return Plan.from_json(text, f"the stored plan {os.path.join(config.cache_dir, f'plan-{key}.json')} "
+                                    "(remove it from cache_dir)")
 
-    def save_plan(self, config: Config, key: str, placements: dict[int, tuple[Placement, ...]], over_dp: set[int],
-                  constraints: dict[str, ActivationPlacement], layout: Layout) -> None:
-        self.save_text(config, key, encode_plan(placements, over_dp, constraints), layout)
-
-
-def encode_plan(placements: dict[int, tuple[Placement, ...]], over_dp: set[int],
-                constraints: dict[str, ActivationPlacement]) -> str:
-    """What the policy decided, as JSON text: kept in ``cache_dir`` and sent by rank 0 to the other ranks."""
-    return json.dumps({"placements": {i: [_encode(p) for p in ps] for i, ps in placements.items()},
-                       "over_dp": sorted(over_dp),
-                       "constraints": {name: {"placements": [_encode(p) for p in c.placements],
-                                              "readers": None if c.readers is None else list(c.readers)}
-                                       for name, c in constraints.items()}})
-
-
-def decode_plan(text: str) -> dict[str, Any]:
-    """A plan from :func:`encode_plan`: each input's placements ("placements"), the inputs whose rows ZeRO
-    splits over dp ("over_dp") and the activations the policy placed ("constraints")."""
-    stored = json.loads(text)
-    return {"placements": {int(i): _decode_all(ps) for i, ps in stored["placements"].items()},
-            "over_dp": set(stored.get("over_dp", ())),
-            "constraints": {name: ActivationPlacement(_decode_all(c["placements"]),
-                                                      None if c["readers"] is None else tuple(c["readers"]))
-                            for name, c in stored.get("constraints", {}).items()}}
-
-
-def _decode_all(texts) -> tuple[Placement, ...]:
-    return tuple(_decode(t) for t in texts)
-
-
-def _encode(placement: Placement) -> str:
-    if isinstance(placement, _StridedShard):
-        return f"S{placement.dim}x{placement.split_factor}"
-    if isinstance(placement, Shard):
-        return f"S{placement.dim}"
-    if isinstance(placement, Partial):
-        return f"P{placement.reduce_op}"
-    if isinstance(placement, Replicate):
-        return "R"
-    raise ValueError(f"dynshard: cannot store placement {placement}")
-
-
-def _decode(text: str) -> Placement:
-    if text == "R":
-        return Replicate()
-    if text.startswith("S") and "x" in text:
-        dim, blocks = text[1:].split("x")
-        return _StridedShard(int(dim), split_factor=int(blocks))
-    if text.startswith("S"):
-        return Shard(int(text[1:]))
-    return Partial(text[1:])
+    def save_plan(self, config: Config, key: str, plan: Plan, layout: Layout) -> None:
+        self.save_text(config, key, plan.to_json(), layout)

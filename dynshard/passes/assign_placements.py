@@ -1,24 +1,106 @@
-"""Run the policy: every parameter, buffer and user input gets its placement on the mesh."""
+"""Run the policy, or install the plan given instead (a loaded, received or stored :class:`~dynshard.planning.Plan`):
+every parameter, buffer and user input gets its placement on the mesh, and the program's Plan is recorded."""
 
 from __future__ import annotations
 
 import torch.fx as fx
 
-from .context import PassContext
+from ..planning import ActivationChoice, Plan, PlanFileError, TensorChoice, decode_placement, encode_placement
+from ..planning.node_keys import node_keys
+from ..planning.plan import mesh_of, plan_settings
+from ..runtime.sharding import check_divisible, placements_for
+from .context import ActivationPlacement, PassContext
 
 
 def assign_placements(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Placements already in the context (a plan stored on disk by an earlier run) skip the policy."""
     from ..policies import PlanBuilder, resolve
     from ..policies.plan_builder import zero_specs
 
-    if ctx.placements:
-        if sorted(ctx.placements) != [inp.index for inp in ctx.inputs]:
-            raise ValueError("dynshard: a stored plan does not match the graph's inputs; clear cache_dir")
+    if ctx.given is not None:
+        install_plan(ctx.given, gm, ctx)
         ctx.zero = zero_specs(ctx, ctx.placements, ctx.over_dp)
-        return gm
-    plan = PlanBuilder(gm, ctx)
-    resolve(ctx.config)(plan, ctx.config)
-    ctx.placements = plan.finish()
-    ctx.zero = plan.finish_zero(ctx.placements)
+    else:
+        plan = PlanBuilder(gm, ctx)
+        resolve(ctx.config)(plan, ctx.config)
+        ctx.placements = plan.finish()
+        ctx.zero = plan.finish_zero(ctx.placements)
+    ctx.plan = record_plan(gm, ctx)
     return gm
+
+
+def record_plan(gm: fx.GraphModule, ctx: PassContext) -> Plan:
+    """The decisions in ``ctx`` as a Plan (the given plan's policy name and predictions are kept)."""
+    keys = node_keys(gm.graph)
+    by_name = {n.name: n for n in keys}
+    ctx.node_keys = {n.name: key for n, key in keys.items()}
+    activations = {}
+    for name, choice in ctx.constraints.items():
+        readers = None if choice.readers is None else tuple(keys[by_name[r]] for r in choice.readers)
+        activations[keys[by_name[name]]] = ActivationChoice(encode_placement(choice.placements[0]), readers)
+    order = {key: i for i, key in enumerate(keys.values())}
+    given = ctx.given
+    return Plan(made_for=ctx.made_for, policy=given.policy if given is not None else policy_name(ctx.config),
+                mesh=mesh_of(ctx.layout), tensors=tensor_choices(ctx), activations=dict(sorted(
+                    activations.items(), key=lambda item: order[item[0]])),
+                predicted=given.predicted if given is not None else None, **plan_settings(ctx.config))
+
+
+def tensor_choices(ctx: PassContext) -> dict[str, TensorChoice]:
+    choices = {}
+    for inp in ctx.inputs:
+        placements = ctx.placements.get(inp.index, ())
+        dp = "zero" if inp.index in ctx.zero else "batch" if inp.kind == "input" else "replicate"
+        choices[inp.name] = TensorChoice(inp.kind, tuple(inp.shape), dtype_name(inp.dtype),
+                                         encode_placement(placements[0]) if placements else "R", dp)
+    return choices
+
+
+def install_plan(plan: Plan, gm: fx.GraphModule, ctx: PassContext) -> None:
+    """``plan``'s placements in ``ctx``, checked against this graph (a hand-edited plan may not fit)."""
+    layout = ctx.layout
+    names = [inp.name for inp in ctx.inputs]
+    if list(plan.tensors) != names:
+        missing = [n for n in names if n not in plan.tensors] or [n for n in plan.tensors if n not in names]
+        raise PlanFileError(f"dynshard: the plan's tensors are not this graph's inputs (first difference: "
+                            f"{missing[0] if missing else 'their order'}); make the plan again for this model")
+    ctx.placements, ctx.over_dp = {}, set()
+    for inp in ctx.inputs:
+        choice = plan.tensors[inp.name]
+        placement = decode_placement(choice.tp)
+        placements = placements_for(layout, {"tp": placement} if layout.placement_dims else {})
+        fixed = ctx.arrival(inp) if inp.tag is not None or inp.is_split_value else None
+        if fixed is not None and tuple(fixed) != tuple(placements):
+            raise PlanFileError(f"dynshard: the plan places {inp.name} as {choice.tp}, but it is already placed "
+                                f"{fixed} (by an earlier compiled program, or as a split value); a tensor keeps one "
+                                "placement in every graph")
+        check_divisible(inp.name, inp.shape, layout, placements)
+        ctx.placements[inp.index] = placements
+        if choice.dp == "zero":
+            if not inp.is_state or not inp.requires_grad:
+                raise PlanFileError(f"dynshard: the plan splits {inp.name} over dp ('zero'), but ZeRO splits only "
+                                    "trainable parameters; use 'replicate'")
+            ctx.over_dp.add(inp.index)
+    ctx.constraints = {}
+    if plan.activations and not layout.placement_dims:
+        raise PlanFileError("dynshard: the plan places activations, but a plan unit of one rank has nothing to place")
+    by_key = {key: node for node, key in node_keys(gm.graph).items()}
+    for key, choice in plan.activations.items():
+        readers = choice.readers or ()
+        for wanted in (key, *readers):
+            if wanted not in by_key:
+                raise PlanFileError(f"dynshard: the plan places activation {wanted!r}, which this graph does not "
+                                    "compute (node keys are '<module path>:<op>:<occurrence>')")
+        ctx.constraints[by_key[key].name] = ActivationPlacement(
+            placements_for(layout, {"tp": decode_placement(choice.tp)}),
+            None if choice.readers is None else tuple(by_key[r].name for r in choice.readers))
+
+
+def policy_name(config) -> str:
+    policy = config.policy
+    if isinstance(policy, str):
+        return policy
+    return getattr(policy, "__qualname__", None) or type(policy).__name__
+
+
+def dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")

@@ -30,7 +30,7 @@ class PassContext:
     inputs: list[GraphInput]
     fake_mode: Any
     placements: dict[int, tuple[Placement, ...]] = dataclasses.field(default_factory=dict)
-    over_dp: set[int] = dataclasses.field(default_factory=set)   # from a stored plan: inputs ZeRO splits
+    over_dp: set[int] = dataclasses.field(default_factory=set)   # from a given plan: inputs ZeRO splits
     zero: dict[int, ZeroSpec] = dataclasses.field(default_factory=dict)   # inputs whose rows ZeRO splits
     sync_grads: bool = True          # False: the no-sync variant (whole replicas in, local gradients out)
     propagation: Any = None          # passes.propagate_sharding.Propagation
@@ -42,6 +42,10 @@ class PassContext:
     stage_info: dict[str, Any] = dataclasses.field(default_factory=dict)   # pipeline: how stages were cut
     staged: Any = None               # pipeline: passes.cut_stages.StagedGraph
     outlined: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # blocks compiled once: (class, calls)
+    made_for: Any = None             # planning.plan.MadeFor: the graph, world and modes the plan is for
+    given: Any = None                # a Plan to execute instead of running the policy (loaded, received, stored)
+    plan: Any = None                 # the Plan of this program, once placements are assigned
+    node_keys: dict[str, str] = dataclasses.field(default_factory=dict)  # node name -> planning.node_keys key
 
     def arrival(self, inp: GraphInput) -> tuple[Placement, ...]:
         """How a graph input arrives at the program on this rank.

@@ -30,6 +30,8 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from ..planning import PlanFileError
+from ..planning.node_keys import find_position, module_paths, node_keys
 from .context import PassContext
 
 _PIPE_SPLIT = "pippy._pipe_split"
@@ -140,13 +142,18 @@ def assign_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     read from ``cache_dir``) is used as it is: nothing is measured.
     """
     nodes = _compute_nodes(gm)
+    keys = node_keys(gm.graph)
+    given = ctx.given.pipeline if ctx.given is not None else None
     if "cuts" not in ctx.stage_info:
-        ctx.stage_info = _choose_cuts(gm, nodes, ctx)
+        ctx.stage_info = _cuts_of(given, nodes, keys, gm, ctx) if given is not None else _choose_cuts(gm, nodes, ctx)
     cuts = ctx.stage_info["cuts"]
     nstages = ctx.config.pipeline.nsegments(ctx.config)
-    if len(cuts) != nstages - 1 or cuts != sorted(cuts) or not all(0 < c < len(nodes) for c in cuts):
-        raise ValueError(f"dynshard: the stored pipeline cut {cuts} does not fit this graph ({len(nodes)} ops, "
-                         f"{nstages} stages); remove the plan file from cache_dir")
+    if len(cuts) != nstages - 1 or cuts != sorted(cuts) or not all(0 < c < len(nodes) for c in cuts) \
+            or len(set(cuts)) != len(cuts):
+        raise PlanFileError(f"dynshard: the plan's pipeline stages start at {ctx.stage_info.get('starts')}, which "
+                            f"does not cut this graph ({len(nodes)} ops) into {nstages} stages in graph order")
+    ctx.stage_info["starts"] = [_start_name(nodes, cut, keys) for cut in cuts]
+    ctx.stage_info["input_stages"] = _input_stages(gm, cuts, nodes, nstages)
     stage = 0
     for position, node in enumerate(nodes):
         while stage < len(cuts) and position >= cuts[stage]:
@@ -156,6 +163,48 @@ def assign_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         gm.graph.erase_node(node)
     gm.recompile()
     return gm
+
+
+def _cuts_of(given, nodes: list[fx.Node], keys: dict, gm: fx.GraphModule, ctx: PassContext) -> dict[str, Any]:
+    """A plan's stage starts (node keys or module paths) as positions; FLOPs measured again when edited."""
+    cuts = []
+    for start in given.starts:
+        position = find_position(nodes, start, keys)
+        if position is None:
+            raise PlanFileError(f"dynshard: the plan starts a pipeline stage at {start!r}, which this graph does not "
+                                "run (a module path such as 'layers.4', or a node key '<module path>:<op>:<n>')")
+        cuts.append(position)
+    flops = list(given.flops)
+    if len(flops) != len(cuts) + 1 or [_start_name(nodes, c, keys) for c in cuts] != list(given.starts):
+        node_flops = _node_flops(gm, ctx)
+        bounds = [0, *cuts, len(nodes)]
+        flops = [sum(node_flops.get(n, 0) for n in nodes[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return {"cuts": cuts, "how": given.how or "as the plan says", "flops": flops, "starts": list(given.starts)}
+
+
+def _input_stages(gm: fx.GraphModule, cuts: list[int], nodes: list[fx.Node], nstages: int) -> list[list[int]]:
+    """Per graph input, the stages that read it (the last stage returns what the graph outputs)."""
+    position = {n: i for i, n in enumerate(nodes)}
+    bounds = [0, *cuts]
+    stages = []
+    for placeholder in (n for n in gm.graph.nodes if n.op == "placeholder"):
+        read = set()
+        for user in placeholder.users:
+            if user.op == "output":
+                read.add(nstages - 1)
+            elif user in position:
+                read.add(max(s for s, b in enumerate(bounds) if position[user] >= b))
+        stages.append(sorted(read))
+    return stages
+
+
+def _start_name(nodes: list[fx.Node], cut: int, keys: dict) -> str:
+    """The module whose instance the stage starts with (``layers.4``), else the first op's node key."""
+    previous = set(module_paths(nodes[cut - 1])) if cut > 0 else set()
+    for path in module_paths(nodes[cut]):
+        if path and path not in previous and find_position(nodes, path, keys) == cut:
+            return path
+    return keys[nodes[cut]]
 
 
 def _choose_cuts(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> dict[str, Any]:

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from ..backend.capture import GraphInput
+from ..compat import StridedShard
 from ..config import Config
 from ..passes.context import ActivationPlacement, PassContext
 from ..passes.propagate_sharding import Propagation, propagate
@@ -93,7 +93,7 @@ class PlanBuilder:
         inp = self._input(name)
         dim = dim % max(len(inp.shape), 1)
         blocks, block_dim = self.ctx.blocked.get(inp.index, (1, None))
-        self._set(inp, _StridedShard(dim, split_factor=blocks) if blocks > 1 and dim == block_dim else Shard(dim))
+        self._set(inp, StridedShard(dim, split_factor=blocks) if blocks > 1 and dim == block_dim else Shard(dim))
 
     def replicate(self, name: str) -> None:
         self._set(self._input(name), Replicate())

@@ -145,3 +145,8 @@ def _layout(plan_ngpus: int, device_type: str, pp_size: int, world: int) -> Layo
         mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
     return Layout(world_size=world, rank=rank, plan_ngpus=plan_ngpus, device_type=device_type, mesh=mesh,
                   pp_size=pp_size)
+
+
+def forget_layouts() -> None:
+    """Drop the layouts (and their meshes) built for a process group that is gone (offline planning's)."""
+    _layout.cache_clear()

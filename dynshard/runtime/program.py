@@ -48,6 +48,7 @@ class CompiledPlan:
     build_no_sync: Callable[[], Any] | None = None   # the accumulation variant, compiled lazily
     input_check: InputCheck | None = None       # the unit's ranks were fed the same batch
     buffer_sync: BufferSync | None = None       # written buffers stay equal over the data-parallel units
+    plan: Any = None                            # planning.Plan: the decisions this program executes
     _no_sync: Any = None
 
     def no_sync_program(self) -> Any:

@@ -67,6 +67,7 @@ class PipelinePlan:
     ownership: Ownership | None = None
     input_check: Any = None          # runtime.unit_inputs.InputCheck: the unit's ranks were fed the same batch
     buffer_sync: Any = None          # runtime.buffer_sync.BufferSync: written buffers equal over the units
+    plan: Any = None                 # planning.Plan: the decisions this pipeline executes
     steps: int = 0                  # steps run (a plain call with autograd is one step: forward + backward)
     last_step: dict = dataclasses.field(default_factory=dict)   # sent bytes, idle fraction of the latest step
     _combine: list | None = None

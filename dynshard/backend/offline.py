@@ -1,0 +1,95 @@
+"""``dynshard.plan``: the plans of a job of any size, made in one ordinary process.
+
+The model runs once under ``torch.compile`` with a backend that captures and plans each graph as the
+dynshard backend would on rank 0 of a ``world_size``-rank job (a process group that never communicates
+stands in for the job), and runs the graph eagerly so that Dynamo goes on to the next one. Nothing is
+compiled, nothing is sharded, and a model on the meta device stays there (its batch is moved to meta).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+
+from .. import compat
+from ..config import Config
+from ..passes import PASSES, PassContext, assign_placements, propagate_sharding, run_passes
+from ..passes.assign_placements import record_plan
+from ..passes.cut_stages import assign_stages
+from ..planning import Plan
+from ..planning.costs import with_forward_collectives
+from ..planning.plan import fingerprint
+from ..runtime import mesh
+from ..runtime.pipeline.schedules import build_schedule
+from . import copy_graph
+from .capture import describe_inputs
+from .pipeline import PIPELINE_PASSES, pipeline_plan
+from .plan_cache import modes_token
+
+
+def plan(model: torch.nn.Module, args: Sequence[Any], config: Config | Mapping[str, Any] | None = None,
+         world_size: int = 1, kwargs: Mapping[str, Any] | None = None) -> list[Plan]:
+    """The plans (one per graph Dynamo captures, in order) that ``config`` gives ``model`` called with
+    ``args``/``kwargs`` in a job of ``world_size`` ranks. Save one with ``Plan.to_json()`` and run it with
+    ``Config(load_plan_path=...)``; ``dynshard.explain(plans)`` tells what it holds and sends."""
+    if dist.is_initialized():
+        raise RuntimeError("dynshard.plan plans in a process without a process group (it stands one in for the "
+                           f"{world_size}-rank job); call it before init_process_group, or in another process")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"dynshard.plan: world_size must be a positive integer, got {world_size!r}")
+    config = Config.from_options(config)
+    if config.load_plan_path:
+        raise ValueError("dynshard.plan makes plans; a config with load_plan_path has nothing to plan")
+    on_meta = any(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
+    if on_meta:
+        args, kwargs = _to_meta(tuple(args)), _to_meta(dict(kwargs or {}))
+    plans: list[Plan] = []
+    torch._dynamo.reset()
+    compat.fake_process_group(world_size)
+    try:
+        compat.keep_shapes_static()
+        compiled = torch.compile(model, backend=functools.partial(_plan_graph, config=config, plans=plans))
+        compiled(*args, **(kwargs or {}))
+    finally:
+        dist.destroy_process_group()
+        mesh.forget_layouts()
+        torch._dynamo.reset()
+    return plans
+
+
+def _plan_graph(gm: fx.GraphModule, example_inputs, config: Config, plans: list[Plan]):
+    world = dist.get_world_size()
+    config = config.resolve(world)
+    inputs = describe_inputs(gm, example_inputs)
+    layout = mesh.layout_for(config.plan_ngpus, "cpu", config.pipeline_ranks)
+    ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
+                      made_for=fingerprint(gm.code, world, modes_token()))
+    graph = copy_graph(gm)
+    if config.is_pipeline:
+        options = config.pipeline
+        schedule = build_schedule(options.pipeline_scheduler, options.nsegments(config), options.pipeline_nmicros,
+                                  layout.pp_size, options.all_device_first)
+        run_passes(graph, ctx, PIPELINE_PASSES[:PIPELINE_PASSES.index(assign_stages) + 1])
+        plans.append(pipeline_plan(ctx, schedule))
+    elif layout.mesh is None:
+        ctx.placements = {i.index: () for i in inputs}
+        plans.append(record_plan(graph, ctx))
+    else:
+        run_passes(graph, ctx, PASSES[:PASSES.index(propagate_sharding) + 1])
+        assert PASSES.index(assign_placements) < PASSES.index(propagate_sharding)
+        plans.append(with_forward_collectives(ctx.plan, ctx.propagation, ctx.node_keys))
+    return gm.forward
+
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor):
+        return value.to("meta")
+    if isinstance(value, (tuple, list)):
+        return type(value)(_to_meta(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _to_meta(v) for k, v in value.items()}
+    return value

@@ -1,0 +1,136 @@
+"""What a plan costs, read from the plan alone: bytes per rank at rest and the collectives of a step.
+
+Memory at rest, per rank (ZeRO's levels as dynshard runs them, docs/design.md "ZeRO rows"): a parameter
+holds its tp shard, and its rows over its ZeRO group when the plan says "zero"; its gradient the same;
+the optimizer state is Adam's two fp32 moments per element the rank updates (nnScaler's default model).
+A tied tensor read by two pipeline stages is held by both stages' ranks. Parameters count as trainable.
+
+Collectives per step, per rank, as payload bytes (what each rank puts in; a ring all-reduce moves about
+twice that): the forward collectives the propagation predicted (``Plan.predicted["forward_collectives"]``),
+and the data-parallel ones each parameter costs: an all-reduce of its gradient ("replicate"), or for ZeRO
+rows an all-gather of the parameter (level 3: two, forward and backward) and a reduce-scatter of the
+gradient (level 1 without ``reduce_scatter``: an all-reduce of the whole gradient instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import defaultdict
+
+import torch
+
+from .plan import Plan, TensorChoice, decode_placement
+
+ADAM_STATE_BYTES = 8         # two fp32 moments per element
+
+
+@dataclasses.dataclass(frozen=True)
+class RankBytes:
+    ranks: str                  # which ranks of a unit ("all", "pipeline rank 1", ...)
+    parameters: int
+    buffers: int
+    gradients: int
+    optimizer: int
+    exact: bool = True          # False: a hybrid stage's tensors counted whole (its tp placement comes later)
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.buffers + self.gradients + self.optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCollective:
+    kind: str
+    dim: str                    # mesh dimension: "tp", "dp" (or the ZeRO group)
+    bytes: int                  # payload per rank per step
+    count: int
+    what: str
+
+
+def itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
+
+
+def local_numel(plan: Plan, tensor: TensorChoice) -> tuple[int, bool]:
+    """Elements this rank holds at rest, and whether that is exact."""
+    shape = list(tensor.shape)
+    exact = tensor.tp is not None
+    if tensor.tp is not None and plan.mesh.tp > 1:
+        placement = decode_placement(tensor.tp)
+        dim = getattr(placement, "dim", None)
+        if dim is not None and shape:
+            shape[dim] = math.ceil(shape[dim] / plan.mesh.tp)
+    if tensor.dp == "zero" and shape:
+        group = plan.mesh.dp // plan.zero.ngroups
+        shape[0] = math.ceil(shape[0] / group)
+    return math.prod(shape), exact
+
+
+def memory_at_rest(plan: Plan) -> list[RankBytes]:
+    """Bytes per rank at rest: one row for a plan unit's ranks alike, one per pipeline rank otherwise."""
+    if plan.pipeline is None:
+        return [_bytes_of(plan, list(plan.tensors.values()), "every rank")]
+    rows = []
+    for rank in range(plan.mesh.pp):
+        stages = {s for s, ranks in enumerate(plan.pipeline.stage_ranks) if rank in ranks}
+        held = [t for t in plan.tensors.values() if t.stages and stages & set(t.stages)]
+        rows.append(_bytes_of(plan, held, f"pipeline rank {rank} (stages {', '.join(map(str, sorted(stages)))})"))
+    return rows
+
+
+def _bytes_of(plan: Plan, tensors: list[TensorChoice], ranks: str) -> RankBytes:
+    totals: dict[str, int] = defaultdict(int)
+    exact = True
+    for tensor in tensors:
+        if tensor.kind == "input":
+            continue
+        numel, precise = local_numel(plan, tensor)
+        exact &= precise
+        size = numel * itemsize(tensor.dtype)
+        if tensor.kind == "buffer":
+            totals["buffers"] += size
+            continue
+        totals["parameters"] += size
+        totals["gradients"] += size
+        totals["optimizer"] += numel * ADAM_STATE_BYTES
+    return RankBytes(ranks, totals["parameters"], totals["buffers"], totals["gradients"], totals["optimizer"], exact)
+
+
+def step_collectives(plan: Plan) -> list[StepCollective]:
+    """The collectives of one training step on a rank, grouped by kind, dimension and what they move."""
+    found: dict[tuple[str, str, str], list[int]] = defaultdict(list)
+    for c in (plan.predicted or {}).get("forward_collectives", ()):
+        found[(c["kind"], c["dim"], "forward activations (tp)")].append(c["bytes"])
+    if plan.mesh.dp > 1:
+        for tensor in plan.tensors.values():
+            if tensor.kind != "parameter":
+                continue
+            numel, _ = local_numel(plan, tensor)
+            size = numel * itemsize(tensor.dtype)
+            if tensor.dp == "replicate":
+                found[("all_reduce", "dp", "gradients")].append(size)
+                continue
+            if tensor.dp != "zero":
+                continue
+            found[("all_gather", "dp", "parameters (ZeRO rows)")].append(size)
+            if plan.zero.level == 3:
+                found[("all_gather", "dp", "parameters again in the backward (ZeRO-3)")].append(size)
+            whole = size * (plan.mesh.dp // plan.zero.ngroups)
+            if plan.zero.level == 1 and not plan.zero.reduce_scatter:
+                found[("all_reduce", "dp", "gradients, then sliced (ZeRO-1)")].append(whole)
+            else:
+                found[("reduce_scatter", "dp", "gradients (ZeRO)")].append(whole)
+            if plan.zero.ngroups > 1:
+                found[("all_reduce", "dp", "gradient rows across ZeRO groups")].append(size)
+    return [StepCollective(kind, dim, sum(sizes), len(sizes), what) for (kind, dim, what), sizes in found.items()]
+
+
+def with_forward_collectives(plan: Plan, propagation, node_keys: dict[str, str]) -> Plan:
+    """``plan`` with the forward collectives a sharding propagation (``passes.propagate_sharding``) found,
+    by node key, in ``predicted`` (other predictions kept)."""
+    if propagation is None:
+        return plan
+    collectives = [{"at": node_keys.get(c.node, c.node), "kind": c.kind, "dim": c.mesh_dim, "bytes": c.bytes}
+                   for c in propagation.collectives]
+    return dataclasses.replace(plan, predicted={**(plan.predicted or {}), "forward_collectives": collectives})
