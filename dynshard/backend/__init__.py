@@ -3,40 +3,36 @@
 from __future__ import annotations
 
 import logging
-import time
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
 
 from .. import compat
 from ..config import Config
-from ..passes import PASSES, PassContext, assign_placements, cast_to_compute_dtype, run_passes
+from ..passes import PassContext, cast_to_compute_dtype
+from ..passes.assign_placements import record_plan
 from ..passes.tag_recompute import tag_single_process
+from ..planning.costs import with_forward_collectives
+from ..planning.plan import config_for, fingerprint
+from ..policies import place
 from ..runtime.mesh import ensure_process_group, layout_for, world_size
 from ..runtime.pipeline.program import PipelineProgram
 from ..runtime.program import CompiledPlan, ShardedProgram
 from ..runtime.buffer_sync import BufferSync
 from ..runtime.ddp import watch as watch_ddp_wraps
-from ..runtime.sharding import is_sharded, present_global_shapes, restore_local_shards, stored_shape
+from ..runtime.sharding import is_sharded, present_global_shapes, restore_local_shards
 from ..runtime.unit_inputs import InputCheck
-from ..runtime.zero import zero_groups
-from .agreement import PlanChannel, ensure_ranks_agree, plan_channel
+from .agreement import ensure_ranks_agree
 from .capture import describe_inputs
 from .compile import compile_program
 from .pipeline import plan_pipeline
-from .plan_cache import PlanCache, modes_token, plan_key
-from .plan_files import PlanFiles
-from .reshard import reshard_pass
-from ..passes.assign_placements import record_plan
-from ..planning import Plan
-from ..planning.costs import with_forward_collectives
-from ..planning.plan import config_for, fingerprint
+from .plan_and_compile import copy_graph, plan_and_compile  # noqa: F401  (copy_graph: re-exported)
+from .plan_cache import PLANS, modes_token, plan_key
+from .plan_files import PLAN_FILES
+from .plan_once import plan_once
 
 log = logging.getLogger("dynshard")
-ASYNC_BUCKET_CAP_MB = 25
-PLANS = PlanCache()
-PLAN_FILES = PlanFiles()
 _logged_configs: set[str] = set()
 
 
@@ -76,7 +72,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         return ShardedProgram(plan)
 
     ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
-                      made_for=made_for, given=given)
+                      made_for=made_for, given=given, policy=place)
     if layout.mesh is None:   # a single process: nothing to place, compile as it is
         ctx.placements = {i.index: () for i in inputs}
         ctx.plan = record_plan(gm, ctx)
@@ -86,7 +82,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         plan = CompiledPlan(key, inputs, ctx.placements, {}, layout, compiled, None, [],
                             config.inference_only)
     else:
-        compiled = _plan_once_and_compile(gm, ctx, key, device_type)
+        compiled = plan_once(ctx, key, lambda before, after: _compile_planned(gm, ctx, device_type, before, after))
         plan = CompiledPlan(key, inputs, ctx.placements, ctx.zero, layout, compiled, ctx.propagation,
                             ctx.timings, config.inference_only,
                             build_no_sync=_no_sync_builder(gm, ctx, device_type) if layout.dp_group else None,
@@ -117,88 +113,10 @@ def _pipeline_program(gm, example_inputs, config, layout, inputs, key, device_ty
     return PipelineProgram(plan)
 
 
-def _plan_once_and_compile(gm: fx.GraphModule, ctx: PassContext, key: str, device_type: str):
-    """Planned once per job: rank 0 runs the policy, or reads the plan in ``cache_dir``, and sends the plan
-    to the other ranks, which install it as a given plan and skip the policy (see ``PlanChannel``). A plan
-    from ``load_plan_path`` is on every rank already.
-
-    The others lower the graph while rank 0 plans and wait for the plan just before the policy pass. A
-    rank whose planning raises still takes part in the one message of the compile (rank 0 sends its error
-    instead of the plan; another rank waits for rank 0's message), so every rank raises and the ranks stay
-    in step for the next compile. A process that plans alone (one rank, a fake group) plans as before.
-    """
-    config, layout = ctx.config, ctx.layout
-    if ctx.given is not None:       # a plan file: every rank holds the plan, nothing to send
-        compiled = plan_and_compile(gm, ctx, device_type)
-        ctx.plan = with_forward_collectives(ctx.plan, ctx.propagation, ctx.node_keys)
-        PLANS.save_plan(config, key, ctx.plan, layout)
-        return compiled
-    channel = plan_channel()
-    try:
-        if channel is not None and not channel.planner:
-            return plan_and_compile(gm, ctx, device_type, before_policy=lambda ctx: _receive_plan(ctx, channel))
-        ctx.given = PLANS.load_plan(config, key)
-        if ctx.given is not None and channel is not None:   # at once: the others need not wait for this rank's lowering
-            channel.send(ctx.given.to_json())
-        compiled = plan_and_compile(gm, ctx, device_type,
-                                    after_policy=None if channel is None else lambda ctx: _send_plan(ctx, channel))
-    except BaseException as error:
-        if channel is not None:
-            channel.abandon(error)
-        raise
+def _compile_planned(gm, ctx: PassContext, device_type: str, before_policy, after_policy):
+    program = plan_and_compile(gm, ctx, device_type, before_policy, after_policy)
     ctx.plan = with_forward_collectives(ctx.plan, ctx.propagation, ctx.node_keys)
-    PLANS.save_plan(config, key, ctx.plan, layout)
-    return compiled
-
-
-def _send_plan(ctx: PassContext, channel: PlanChannel) -> None:
-    if not channel.finished:      # (a plan read from cache_dir went out before the passes)
-        channel.send(ctx.plan.to_json())
-
-
-def _receive_plan(ctx: PassContext, channel: PlanChannel) -> None:
-    start = time.perf_counter()
-    ctx.given = Plan.from_json(channel.receive(), "the plan rank 0 sent")
-    ctx.timings.append(("receive_plan", time.perf_counter() - start))     # mostly waiting for rank 0
-
-
-def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str,
-                     before_policy: Callable[[PassContext], Any] | None = None,
-                     after_policy: Callable[[PassContext], Any] | None = None, backward=None):
-    """The passes, then the per-rank compile of their program (``before_policy``/``after_policy``: called
-    around the ``assign_placements`` pass; ``backward``: compiles the backward graph, see compile_program)."""
-    config, layout = ctx.config, ctx.layout
-    policy = PASSES.index(assign_placements)
-    lowered = run_passes(copy_graph(gm), ctx, PASSES[:policy])   # passes may edit the graph; the variant reuses gm
-    if before_policy is not None:
-        before_policy(ctx)
-    lowered = run_passes(lowered, ctx, PASSES[policy:policy + 1])
-    if after_policy is not None:
-        after_policy(ctx)
-    lowered = run_passes(lowered, ctx, PASSES[policy + 1:])
-    local_inputs = [_local_example(inp, ctx.placements[inp.index], ctx.zero_of(inp), layout) for inp in ctx.inputs]
-    program = compile_program(lowered, local_inputs, config.compiler, layout, config.inference_only,
-                              freeze=config.constant_folding, partition_pass=_reshard_pass(config, ctx),
-                              inductor_patches=compat.bucketing_patches(
-                                  bool(ctx.zero) and ctx.sync_grads, _bucket_cap_mb(config),
-                                  config.use_async_reducer and device_type == "cuda"), backward=backward,
-                              blocks_only=config.compile_scope == "blocks", share_traces=config.share_traces)
-    program.split_outputs = ctx.split_outputs     # recorded while the program was traced
-    program.outlined = ctx.outlined
     return program
-
-
-def _bucket_cap_mb(config: Config) -> float | None:
-    """nnScaler's and DDP's default: 25 MB buckets when reduction overlaps the backward, else one bucket."""
-    if config.reducer_bucket_cap_mb:
-        return config.reducer_bucket_cap_mb
-    return ASYNC_BUCKET_CAP_MB if config.use_async_reducer else None
-
-
-def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
 
 
 def _no_sync_builder(gm: fx.GraphModule, planned: PassContext, device_type: str):
@@ -210,14 +128,6 @@ def _no_sync_builder(gm: fx.GraphModule, planned: PassContext, device_type: str)
                           sync_grads=False)
         return plan_and_compile(gm, ctx, device_type)
     return build
-
-
-def _reshard_pass(config: Config, ctx: PassContext):
-    """ZeRO-3 frees gathered parameters after the forward (see :mod:`.reshard`)."""
-    if config.zero < 3 or not ctx.zero or not ctx.sync_grads:
-        return None
-    groups = {zero_groups(ctx.layout, spec.ngroups).shard_name for spec in ctx.zero.values()}
-    return reshard_pass(groups)
 
 
 def _drop_guards_on_sharded(gm: fx.GraphModule, plan: CompiledPlan) -> None:
@@ -234,11 +144,3 @@ def _device_type(example_inputs: Sequence[Any]) -> str:
     return "cpu"
 
 
-def _local_example(inp, placements, zero, layout) -> torch.Tensor:
-    """A tensor of the shape and device ``inp`` arrives in at run time; a meta parameter (a meta-built model
-    Dynamo traced as it is) arrives materialised on the current device."""
-    from ..runtime.materialize import default_device
-
-    shape = stored_shape(inp.shape, layout, placements, zero) if inp.is_state or inp.is_split_value else inp.shape
-    device = default_device(layout.device_type) if inp.device.type == "meta" else inp.device
-    return torch.empty(shape, dtype=inp.dtype, device=device).requires_grad_(inp.requires_grad)

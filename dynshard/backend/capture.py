@@ -12,50 +12,19 @@ process mixes them (``F.cross_entropy(logits, labels)``), and Dynamo's trace onl
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import re
 from typing import Any, Sequence
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import DTensor, Placement
+from torch.distributed.tensor import DTensor
 
 from .. import compat
 from ..compat.dtensor_inputs import tensors_as_replicated
-from ..runtime.sharding import ShardTag, get_tag
+from ..runtime.graph_inputs import GraphInput, mesh_identity  # noqa: F401  (re-exported)
+from ..runtime.sharding import get_tag
 
 _MODULE_PATH = re.compile(r"\._modules\['([^']+)'\]|\._(parameters|buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)")
-
-
-@dataclasses.dataclass(frozen=True)
-class GraphInput:
-    """One placeholder of the captured graph, described by its global (unsharded) metadata."""
-
-    index: int
-    name: str            # fully qualified name for parameters and buffers, placeholder name otherwise
-    kind: str            # "parameter", "buffer" or "input"
-    shape: torch.Size
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    device: torch.device
-    requires_grad: bool
-    tag: ShardTag | None  # set when the tensor already holds its shard (placement is then fixed)
-    # a DTensor input (a split value from another program): its placements, fixed, and its mesh's ranks
-    placements: tuple[Placement, ...] | None = None
-    mesh: tuple[tuple[str, ...], tuple[int, ...]] | None = None
-
-    @property
-    def is_state(self) -> bool:
-        return self.kind in ("parameter", "buffer")
-
-    @property
-    def is_split_value(self) -> bool:
-        """A DTensor input: it arrives as this rank's piece, with placements no policy may change."""
-        return self.placements is not None
-
-    def token(self) -> str:
-        token = f"{self.kind}:{self.name}:{tuple(self.shape)}:{self.stride}:{self.dtype}:{self.requires_grad}"
-        return token if self.placements is None else f"{token}:{self.placements}:{self.mesh}"
 
 
 _LOCAL = re.compile(r"^L\['([^']+)'\]$")
@@ -119,11 +88,6 @@ def describe_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[G
             placements=tuple(value.placements) if split else None,
             mesh=mesh_identity(value.device_mesh) if split else None))
     return described
-
-
-def mesh_identity(mesh) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """What tells two device meshes apart: their dimension names and global ranks."""
-    return tuple(mesh.mesh_dim_names or ()), tuple(mesh.mesh.flatten().tolist())
 
 
 _MIXED = contextlib.ExitStack()

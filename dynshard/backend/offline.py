@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from .. import compat
 from ..config import Config
+from ..policies import place
 from ..passes import PASSES, PassContext, assign_placements, propagate_sharding, run_passes
 from ..passes.assign_placements import record_plan
 from ..passes.cut_stages import assign_stages
@@ -25,9 +26,9 @@ from ..planning.costs import with_forward_collectives
 from ..planning.plan import fingerprint
 from ..runtime import mesh
 from ..runtime.pipeline.schedules import build_schedule
-from . import copy_graph
 from .capture import describe_inputs
 from .pipeline import PIPELINE_PASSES, pipeline_plan
+from .plan_and_compile import copy_graph
 from .plan_cache import modes_token
 
 
@@ -67,7 +68,7 @@ def _plan_graph(gm: fx.GraphModule, example_inputs, config: Config, plans: list[
     inputs = describe_inputs(gm, example_inputs)
     layout = mesh.layout_for(config.plan_ngpus, "cpu", config.pipeline_ranks)
     ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
-                      made_for=fingerprint(gm.code, world, modes_token()))
+                      made_for=fingerprint(gm.code, world, modes_token()), policy=place)
     graph = copy_graph(gm)
     if config.is_pipeline:
         options = config.pipeline

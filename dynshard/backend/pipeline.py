@@ -6,13 +6,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import time
 
 import torch
 import torch.fx as fx
 
 from .. import compat
 from ..config import Config
+from ..policies import place
 from ..passes import PassContext, cast_to_compute_dtype, run_passes
 from ..passes.assign_placements import dtype_name, policy_name
 from ..passes.cut_stages import assign_stages, split_stages
@@ -27,9 +27,11 @@ from ..runtime.buffer_sync import BufferSync
 from ..runtime.pipeline.schedules import build_schedule
 from ..runtime.program import CompiledPlan, ShardedProgram
 from ..runtime.unit_inputs import InputCheck
-from .agreement import plan_channel
+from ..runtime.materialize import default_device
 from .capture import describe_inputs
 from .compile import compile_program
+from .plan_and_compile import copy_graph, plan_and_compile
+from .plan_once import plan_once
 from .split_backward import compiled_backward
 
 log = logging.getLogger("dynshard")
@@ -43,10 +45,6 @@ PIPELINE_PASSES = [
 
 def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: Layout, inputs, key: str,
                   device_type: str, made_for=None, given: Plan | None = None) -> PipelinePlan:
-    from ..runtime.materialize import default_device
-
-    from . import copy_graph
-
     options = config.pipeline
     nstages, nranks, m = options.nsegments(config), layout.pp_size, options.pipeline_nmicros
     first = options.all_device_first
@@ -103,38 +101,21 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
 
 
 def _cut_once(gm: fx.GraphModule, ctx: PassContext, key: str, schedule) -> None:
-    """The pipeline passes, with the stage cut planned once per job: rank 0 measures and cuts (or reads the
-    plan in ``cache_dir``) and sends the plan; the other ranks install its cut and measure nothing (as
-    placements are sent under the other policies, see ``backend._plan_once_and_compile``). A plan from
-    ``load_plan_path`` is on every rank already."""
-    from . import PLANS
-
-    config = ctx.config
+    """The pipeline passes, with the stage cut planned once per job (:func:`.plan_once.plan_once`): rank 0
+    measures and cuts, the other ranks install its cut and measure nothing."""
     planned = PIPELINE_PASSES.index(assign_stages) + 1      # the passes up to the cut, then the rest
-    if ctx.given is not None:
-        run_passes(gm, ctx, PIPELINE_PASSES)
+
+    def run(before, after):
+        graph = run_passes(gm, ctx, PIPELINE_PASSES[:planned - 1])
+        if before is not None:
+            before(ctx)
+        graph = run_passes(graph, ctx, PIPELINE_PASSES[planned - 1:planned])
         ctx.plan = pipeline_plan(ctx, schedule)
-        return
-    channel = plan_channel()
-    try:
-        if channel is not None and not channel.planner:
-            start = time.perf_counter()
-            ctx.given = Plan.from_json(channel.receive(), "the plan rank 0 sent")
-            ctx.timings.append(("receive_plan", time.perf_counter() - start))
-            run_passes(gm, ctx, PIPELINE_PASSES)
-            ctx.plan = pipeline_plan(ctx, schedule)
-            return
-        ctx.given = PLANS.load_plan(config, key)
-        gm = run_passes(gm, ctx, PIPELINE_PASSES[:planned])
-        ctx.plan = pipeline_plan(ctx, schedule)
-        if channel is not None:
-            channel.send(ctx.plan.to_json())
-        run_passes(gm, ctx, PIPELINE_PASSES[planned:])
-    except BaseException as error:
-        if channel is not None:
-            channel.abandon(error)
-        raise
-    PLANS.save_plan(config, key, ctx.plan, ctx.layout)
+        if after is not None:
+            after(ctx)
+        run_passes(graph, ctx, PIPELINE_PASSES[planned:])
+
+    plan_once(ctx, key, run)
 
 
 def pipeline_plan(ctx: PassContext, schedule) -> Plan:
@@ -172,14 +153,12 @@ def _tensor_parallel_stage(stage, args, config: Config, layout: Layout, key: str
     """A hybrid plan's stage: planned by the tp policy over the stage's tp ranks, as a whole graph would be,
     without data-parallel communication (the pipeline reduces gradients once per step). Its tensors are cut
     into tp shards in place here, before the first micro-batch. ``backward``: zb1p's split backward."""
-    from . import plan_and_compile
-
     # ZeRO is the pipeline's (rows gathered once per step), not the stage program's
     stage_config = dataclasses.replace(config, policy="tp", pas_config=config.pipeline.tp_options, use_zero=0,
                                        zero_ngroups=1, zero_use_reduce_scatter=False)
     inputs = describe_inputs(stage.module, args)
     ctx = PassContext(config=stage_config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
-                      sync_grads=False)
+                      sync_grads=False, policy=place)
     compiled = plan_and_compile(stage.module, ctx, device_type, backward=backward)
     plan = CompiledPlan(f"{key}/stage{stage.index}", inputs, ctx.placements, ctx.zero, layout, compiled,
                         ctx.propagation, ctx.timings, config.inference_only)

@@ -10,7 +10,6 @@ loaded plan is installed alike.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from typing import Any, Sequence
 
@@ -84,3 +83,6 @@ class PlanCache:
 
     def save_plan(self, config: Config, key: str, plan: Plan, layout: Layout) -> None:
         self.save_text(config, key, plan.to_json(), layout)
+
+
+PLANS = PlanCache()       # this process's plans: compiled programs by key, Plans in cache_dir

@@ -45,6 +45,9 @@ class PlanFiles:
         self._saved.clear()
 
 
+PLAN_FILES = PlanFiles()
+
+
 def graph_tensors(inputs: Sequence[GraphInput]) -> dict[str, TensorChoice]:
     """The graph's inputs as a plan lists them (names, kinds, shapes, dtypes), to match a plan against."""
     return {inp.name: TensorChoice(inp.kind, tuple(inp.shape), str(inp.dtype).replace("torch.", ""))

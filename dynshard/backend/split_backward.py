@@ -18,17 +18,13 @@ nothing into them) and leaves W's inputs with :class:`DeferredWeightGradients`, 
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 import torch.fx as fx
 
-_DEFERRED: contextvars.ContextVar["tuple[DeferredWeightGradients, Any] | None"] = contextvars.ContextVar(
-    "dynshard_deferred_weight_gradients", default=None)
-
+from ..runtime.pipeline.deferred import DEFERRING, DeferredWeightGradients  # noqa: F401  (re-exported)
 
 @dataclasses.dataclass
 class SplitBackward:
@@ -90,25 +86,6 @@ def split(bw: fx.GraphModule, weight_outputs: set[int]) -> SplitBackward:
                          weight_positions, len(outs))
 
 
-@dataclasses.dataclass
-class DeferredWeightGradients:
-    """The W parts left by I actions, by (stage, micro-batch), until their W action runs them."""
-
-    pending: dict[Any, Callable[[], list[torch.Tensor]]] = dataclasses.field(default_factory=dict)
-
-    @contextlib.contextmanager
-    def collecting(self, key) -> Iterator[None]:
-        token = _DEFERRED.set((self, key))
-        try:
-            yield
-        finally:
-            _DEFERRED.reset(token)
-
-    def run(self, key) -> dict[int, torch.Tensor]:
-        """The weight gradients of (stage, micro-batch) ``key``, by forward input position."""
-        return self.pending.pop(key)()
-
-
 def compiled_backward(bw: fx.GraphModule, example_inputs, compile_graph, weight_outputs: set[int]) -> Callable:
     """The boxed backward aot_autograd calls: I now, W deferred (or at once outside a ``collecting`` block)."""
     parts = split(bw, weight_outputs)
@@ -127,7 +104,7 @@ def compiled_backward(bw: fx.GraphModule, example_inputs, compile_graph, weight_
             grads[position] = grad
         reads = [args[i] for i in parts.weight_reads] + results[ninput:]
         args.clear()
-        deferred = _DEFERRED.get()
+        deferred = DEFERRING.get()
 
         def weights() -> list[torch.Tensor]:
             return list(run_w(list(reads)))

@@ -4,28 +4,46 @@ every parameter, buffer and user input gets its placement on the mesh, and the p
 from __future__ import annotations
 
 import torch.fx as fx
+from torch.distributed.tensor import Placement
 
 from ..planning import ActivationChoice, Plan, PlanFileError, TensorChoice, decode_placement, encode_placement
 from ..planning.node_keys import node_keys
 from ..planning.plan import mesh_of, plan_settings
-from ..runtime.sharding import check_divisible, placements_for
+from ..runtime.sharding import check_divisible, local_shape, placements_for
+from ..runtime.zero import ZeroSpec, zero_spec
 from .context import ActivationPlacement, PassContext
 
 
 def assign_placements(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    from ..policies import PlanBuilder, resolve
-    from ..policies.plan_builder import zero_specs
-
+    """``ctx.policy`` (the backend passes ``policies.place``, a later stage of the flow) decides unless a plan
+    is given."""
     if ctx.given is not None:
         install_plan(ctx.given, gm, ctx)
         ctx.zero = zero_specs(ctx, ctx.placements, ctx.over_dp)
+    elif ctx.policy is None:
+        raise ValueError("dynshard: nothing places this graph: the context has neither a plan nor a policy")
     else:
-        plan = PlanBuilder(gm, ctx)
-        resolve(ctx.config)(plan, ctx.config)
-        ctx.placements = plan.finish()
-        ctx.zero = plan.finish_zero(ctx.placements)
+        ctx.policy(gm, ctx)
     ctx.plan = record_plan(gm, ctx)
     return gm
+
+
+def zero_specs(ctx: PassContext, placements: dict[int, tuple[Placement, ...]],
+               over_dp: set[int]) -> dict[int, ZeroSpec]:
+    """The ZeRO storage of the inputs split over the data-parallel ranks (tagged inputs keep theirs)."""
+    specs = {}
+    for inp in ctx.inputs:
+        if inp.tag is not None:
+            spec = inp.tag.zero
+        elif inp.index in over_dp:
+            spec = zero_spec(ctx.config.zero, ctx.layout, ctx.config.zero_ngroups,
+                             local_shape(inp.shape, ctx.layout, placements[inp.index]),
+                             ctx.config.zero_use_reduce_scatter)
+        else:
+            spec = None
+        if spec is not None:
+            specs[inp.index] = spec
+    return specs
 
 
 def record_plan(gm: fx.GraphModule, ctx: PassContext) -> Plan:
@@ -39,10 +57,15 @@ def record_plan(gm: fx.GraphModule, ctx: PassContext) -> Plan:
         activations[keys[by_name[name]]] = ActivationChoice(encode_placement(choice.placements[0]), readers)
     order = {key: i for i, key in enumerate(keys.values())}
     given = ctx.given
+    settings = plan_settings(ctx.config)
+    if given is not None:
+        settings["recompute"] = given.recompute
+    elif ctx.recompute is not None:
+        settings["recompute"] = ctx.recompute
     return Plan(made_for=ctx.made_for, policy=given.policy if given is not None else policy_name(ctx.config),
                 mesh=mesh_of(ctx.layout), tensors=tensor_choices(ctx), activations=dict(sorted(
                     activations.items(), key=lambda item: order[item[0]])),
-                predicted=given.predicted if given is not None else None, **plan_settings(ctx.config))
+                predicted=given.predicted if given is not None else None, **settings)
 
 
 def tensor_choices(ctx: PassContext) -> dict[str, TensorChoice]:

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch.distributed.tensor import Placement
 
-from ..backend.capture import GraphInput, mesh_identity
+from ..runtime.graph_inputs import GraphInput, mesh_identity
 from ..config import Config
 from ..runtime.mesh import Layout
 from ..runtime.sharding import placements_for
@@ -44,6 +44,8 @@ class PassContext:
     outlined: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # blocks compiled once: (class, calls)
     made_for: Any = None             # planning.plan.MadeFor: the graph, world and modes the plan is for
     given: Any = None                # a Plan to execute instead of running the policy (loaded, received, stored)
+    policy: Any = None               # (gm, ctx) -> None: places the inputs when no plan is given (policies.place)
+    recompute: tuple[str, ...] | None = None   # modules the policy recomputes (None: the config's)
     plan: Any = None                 # the Plan of this program, once placements are assigned
     node_keys: dict[str, str] = dataclasses.field(default_factory=dict)  # node name -> planning.node_keys key
 

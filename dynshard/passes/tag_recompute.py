@@ -212,11 +212,12 @@ def _check_names(names: Sequence[str], graph_frames: dict[fx.Node, list[Frame]])
 
 
 def tag_recompute(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Pass: recompute tags for the modules named by ``ctx.config.recompute_modules`` (see the module
-    docstring). Without names only user-checkpointed ops that communicate lose their recompute tag.
-    A no-op for inference programs."""
+    """Pass: recompute tags for the modules the plan recomputes (``Plan.recompute``: the config's
+    ``recompute_modules`` unless the policy or a plan file chose; see the module docstring). Without names
+    only user-checkpointed ops that communicate lose their recompute tag. A no-op for inference programs."""
     if not ctx.config.inference_only:
-        tag_graph(gm, ctx.config.recompute_names, _communicating_nodes(ctx))
+        names = ctx.plan.recompute if ctx.plan is not None else ctx.config.recompute_names
+        tag_graph(gm, names, _communicating_nodes(ctx))
     return gm
 
 

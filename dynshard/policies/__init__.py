@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch.fx as fx
+
 from ..config import Config
+from ..passes.context import PassContext
 from .data_parallel import data, dp
 from .megatron import tp
 from .plan_builder import PlanBuilder, PlanError
@@ -17,4 +20,12 @@ def resolve(config: Config) -> Callable[[PlanBuilder, Config], None]:
     return BUILTIN[config.policy] if isinstance(config.policy, str) else config.policy
 
 
-__all__ = ["BUILTIN", "PlanBuilder", "PlanError", "resolve", "dp", "data", "tp", "tensor_parallel"]
+def place(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """The policy step of ``passes.assign_placements``: the config's policy places every input of ``gm``."""
+    plan = PlanBuilder(gm, ctx)
+    resolve(ctx.config)(plan, ctx.config)
+    ctx.placements = plan.finish()
+    ctx.zero = plan.finish_zero(ctx.placements)
+
+
+__all__ = ["BUILTIN", "PlanBuilder", "PlanError", "place", "resolve", "dp", "data", "tp", "tensor_parallel"]

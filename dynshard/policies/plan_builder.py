@@ -3,8 +3,11 @@
 A policy is ``policy(plan: PlanBuilder, config: Config) -> None``. It reads the ATen graph
 (``plan.graph``), the parameters and buffers (``plan.state``) and user inputs (``plan.user_inputs``), and
 chooses, for the "tp" mesh dimension (the ranks of one plan unit), whether each is split along a
-dimension (``plan.shard(name, dim)``) or whole on every rank (``plan.replicate(name)``, the default).
-``plan.propagate()`` tells what the current choice costs.
+dimension (``plan.shard(name, dim)``) or whole on every rank (``plan.replicate(name)``, the default),
+where activations are redistributed (``plan.place_activation``) and which modules are recomputed
+(``plan.recompute``). ``plan.propagate()`` tells what the current choice costs. What it decides becomes the
+program's :class:`dynshard.Plan`. The world's factorisation (``plan_ngpus``, pipeline stages), the ZeRO level
+and mixed precision come from the Config (or a plan file) before a policy runs.
 
 Across units (mesh dimension "dp") each unit sees its own batch and gradients are averaged. With
 ``Config.use_zero`` every trainable parameter's rows are split over its zero group by default; a policy
@@ -17,13 +20,14 @@ from __future__ import annotations
 import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate, Shard
 
-from ..backend.capture import GraphInput
+from ..runtime.graph_inputs import GraphInput
 from ..compat import StridedShard
 from ..config import Config
+from ..passes.assign_placements import zero_specs
 from ..passes.context import ActivationPlacement, PassContext
 from ..passes.propagate_sharding import Propagation, propagate
-from ..runtime.sharding import check_divisible, local_shape, placements_for
-from ..runtime.zero import ZeroSpec, zero_spec
+from ..runtime.sharding import check_divisible, placements_for
+from ..runtime.zero import ZeroSpec
 
 
 class PlanError(ValueError):
@@ -125,6 +129,14 @@ class PlanBuilder:
         """Keep ``name`` whole on every data-parallel unit (its gradient is all-reduced)."""
         self._set_over_dp(self._input(name), False)
 
+    def recompute(self, *modules: str) -> None:
+        """Recompute the activations of these modules (class names or module paths, as ``recompute_modules``)
+        in the backward instead of keeping them; replaces the config's choice for this graph."""
+        if self.ctx.layout.tp_mesh is None and not self.config.recompute_names:
+            raise PlanError("dynshard: a policy chooses recompute on the ATen graph, which a plan unit of one rank "
+                            "does not lower; set Config(recompute_modules=...) for units of one rank")
+        self.ctx.recompute = tuple(m.strip() for m in modules if m.strip())
+
     def propagate(self, reuse: Propagation | None = None) -> Propagation:
         """Placements and communication of the current choice (``reuse``: an earlier result, whose
         unaffected prefix is not recomputed)."""
@@ -178,22 +190,3 @@ class PlanBuilder:
                 f"dynshard: {inp.name} arrives as a DTensor placed {self.placement(inp.name)} (a split output "
                 f"of another compiled program); its placement is fixed")
         self._tp[inp.index] = placement
-
-
-
-def zero_specs(ctx: PassContext, placements: dict[int, tuple[Placement, ...]],
-               over_dp: set[int]) -> dict[int, ZeroSpec]:
-    """The ZeRO storage of the inputs split over the data-parallel ranks (tagged inputs keep theirs)."""
-    specs = {}
-    for inp in ctx.inputs:
-        if inp.tag is not None:
-            spec = inp.tag.zero
-        elif inp.index in over_dp:
-            spec = zero_spec(ctx.config.zero, ctx.layout, ctx.config.zero_ngroups,
-                             local_shape(inp.shape, ctx.layout, placements[inp.index]),
-                             ctx.config.zero_use_reduce_scatter)
-        else:
-            spec = None
-        if spec is not None:
-            specs[inp.index] = spec
-    return specs

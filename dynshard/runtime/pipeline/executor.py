@@ -27,7 +27,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from ...backend.split_backward import DeferredWeightGradients
+from .deferred import DeferredWeightGradients
 from .actions import ALL
 from .trace import StepTrace
 

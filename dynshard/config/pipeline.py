@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from ..config import Config, ConfigError
+from .errors import ConfigError
 
 TRAINING_SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved", "1f1b_plus", "chimera_direct", "zb1p")
 INFERENCE_SCHEDULES = ("infer_pipe",)
@@ -20,7 +20,7 @@ INFERENCE_SCHEDULES = ("infer_pipe",)
 
 @dataclasses.dataclass(frozen=True)
 class PipelineOptions:
-    """``pas_config`` of ``policy="pp"``.
+    """``pas_config`` of ``policy="pp"`` (methods take the :class:`dynshard.Config` it belongs to).
 
     pipeline_nmicros: micro-batches per step (required); ``train_step`` takes exactly this many samples,
         a plain call splits its batch into this many along dim 0.
@@ -64,7 +64,7 @@ class PipelineOptions:
     def pivots(self) -> tuple[str, ...]:
         return tuple(n.strip() for n in self.pipeline_pivots.split(",") if n.strip())
 
-    def pipeline_ranks(self, config: Config) -> int:
+    def pipeline_ranks(self, config) -> int:
         """Pipeline ranks in a unit: every rank under pp; stages / chunks under hybrid."""
         return config.plan_ngpus if config.policy == "pp" else self.nstages(config) // self.pipeline_nchunks
 
@@ -73,7 +73,7 @@ class PipelineOptions:
         """The tp policy's pas_config for each stage of a hybrid plan."""
         return {"sequence_parallel": self.sequence_parallel}
 
-    def nstages(self, config: Config) -> int:
+    def nstages(self, config) -> int:
         """Pipeline stages (not counting 1f1b_plus's all-device segment)."""
         return self.pipeline_nstages if self.pipeline_nstages is not None else config.plan_ngpus * self.pipeline_nchunks
 
@@ -83,11 +83,11 @@ class PipelineOptions:
         unit, tensor parallel, and the pipeline stages follow it."""
         return self.pipeline_scheduler == "1f1b_plus"
 
-    def nsegments(self, config: Config) -> int:
+    def nsegments(self, config) -> int:
         """The graphs the captured graph is cut into: the stages, and 1f1b_plus's all-device segment."""
         return self.nstages(config) + int(self.all_device_first)
 
-    def check(self, config: Config) -> None:
+    def check(self, config) -> None:
         """nnScaler's rules, and what dynshard does not build yet, as errors that say what to change."""
         name = self.pipeline_scheduler
         if name not in TRAINING_SCHEDULES + INFERENCE_SCHEDULES:
@@ -128,7 +128,7 @@ class PipelineOptions:
             raise ConfigError("dynshard: use_zero with pipeline_scheduler '1f1b_plus' is not built yet (its "
                               "all-device segment is tensor parallel over the unit); use '1f1b' with use_zero")
 
-    def _check_hybrid(self, config: Config) -> None:
+    def _check_hybrid(self, config) -> None:
         if self.pipeline_nstages is None:
             raise ConfigError("dynshard: policy 'hybrid' needs pas_config['pipeline_nstages'] (plan_ngpus = stages / "
                               "pipeline_nchunks x tensor-parallel ranks per stage)")

@@ -17,6 +17,9 @@ from typing import Any, Callable, Mapping, Union
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from .errors import ConfigError
+from .pipeline import PipelineOptions
+
 POLICIES = ("dp", "data", "tp", "pp", "hybrid")
 PIPELINE_POLICIES = ("pp", "hybrid")
 COMPILERS = ("inductor", "aot_eager")
@@ -26,10 +29,6 @@ ENV_PREFIX = "DYNSHARD_"
 
 Policy = Union[str, Callable[..., Any]]
 ParamInitFn = Callable[["torch.nn.Module"], None]
-
-
-class ConfigError(ValueError):
-    """The configuration cannot work; the message says what to change."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,8 +235,6 @@ class Config:
             raise ConfigError(f"dynshard: use_end2end must be True or False, got {self.use_end2end!r}")
         if not self.is_pipeline:
             return
-        from .policies.pipeline import PipelineOptions
-
         options = PipelineOptions.from_pas_config(self.pas_config)
         options.check(self)
 
@@ -253,9 +250,7 @@ class Config:
 
     @property
     def pipeline(self):
-        """The pipeline policies' typed ``pas_config`` (:class:`dynshard.policies.pipeline.PipelineOptions`)."""
-        from .policies.pipeline import PipelineOptions
-
+        """The pipeline policies' typed ``pas_config`` (:class:`dynshard.config.pipeline.PipelineOptions`)."""
         return PipelineOptions.from_pas_config(self.pas_config)
 
     @property

@@ -1,0 +1,75 @@
+"""The passes, then the per-rank compile of their program: what every planned program (a whole graph, a
+pipeline stage split over tp, the accumulation variant) goes through once its plan is known or made."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+
+from .. import compat
+from ..config import Config
+from ..passes import PASSES, PassContext, assign_placements, run_passes
+from ..runtime.materialize import default_device
+from ..runtime.sharding import stored_shape
+from ..runtime.zero import zero_groups
+from .compile import compile_program
+from .reshard import reshard_pass
+
+ASYNC_BUCKET_CAP_MB = 25
+
+
+def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str,
+                     before_policy: Callable[[PassContext], Any] | None = None,
+                     after_policy: Callable[[PassContext], Any] | None = None, backward=None):
+    """The passes, then the per-rank compile of their program (``before_policy``/``after_policy``: called
+    around the ``assign_placements`` pass; ``backward``: compiles the backward graph, see compile_program)."""
+    config, layout = ctx.config, ctx.layout
+    policy = PASSES.index(assign_placements)
+    lowered = run_passes(copy_graph(gm), ctx, PASSES[:policy])   # passes may edit the graph; the variant reuses gm
+    if before_policy is not None:
+        before_policy(ctx)
+    lowered = run_passes(lowered, ctx, PASSES[policy:policy + 1])
+    if after_policy is not None:
+        after_policy(ctx)
+    lowered = run_passes(lowered, ctx, PASSES[policy + 1:])
+    local_inputs = [_local_example(inp, ctx.placements[inp.index], ctx.zero_of(inp), layout) for inp in ctx.inputs]
+    program = compile_program(lowered, local_inputs, config.compiler, layout, config.inference_only,
+                              freeze=config.constant_folding, partition_pass=_reshard_pass(config, ctx),
+                              inductor_patches=compat.bucketing_patches(
+                                  bool(ctx.zero) and ctx.sync_grads, _bucket_cap_mb(config),
+                                  config.use_async_reducer and device_type == "cuda"), backward=backward,
+                              blocks_only=config.compile_scope == "blocks", share_traces=config.share_traces)
+    program.split_outputs = ctx.split_outputs     # recorded while the program was traced
+    program.outlined = ctx.outlined
+    return program
+
+
+def _bucket_cap_mb(config: Config) -> float | None:
+    """nnScaler's and DDP's default: 25 MB buckets when reduction overlaps the backward, else one bucket."""
+    if config.reducer_bucket_cap_mb:
+        return config.reducer_bucket_cap_mb
+    return ASYNC_BUCKET_CAP_MB if config.use_async_reducer else None
+
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+def _reshard_pass(config: Config, ctx: PassContext):
+    """ZeRO-3 frees gathered parameters after the forward (see :mod:`.reshard`)."""
+    if config.zero < 3 or not ctx.zero or not ctx.sync_grads:
+        return None
+    groups = {zero_groups(ctx.layout, spec.ngroups).shard_name for spec in ctx.zero.values()}
+    return reshard_pass(groups)
+
+
+def _local_example(inp, placements, zero, layout) -> torch.Tensor:
+    """A tensor of the shape and device ``inp`` arrives in at run time; a meta parameter (a meta-built model
+    Dynamo traced as it is) arrives materialised on the current device."""
+    shape = stored_shape(inp.shape, layout, placements, zero) if inp.is_state or inp.is_split_value else inp.shape
+    device = default_device(layout.device_type) if inp.device.type == "meta" else inp.device
+    return torch.empty(shape, dtype=inp.dtype, device=device).requires_grad_(inp.requires_grad)
