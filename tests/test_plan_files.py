@@ -42,6 +42,8 @@ def test_a_saved_plan_loads_bit_for_bit_and_trains_like_one_process_without_a_po
         assert any(t["tp"] != "R" for t in plan["tensors"].values())
     if case["kind"] == "pipeline":
         assert plan["pipeline"]["starts"] == ["blocks.2"] and plan["pipeline"]["schedule"] == "1f1b"
+    if name == "hybrid":        # each stage's tp placements are in the plan, planned with the cut
+        assert plan["tensors"]["blocks.0.fc1.weight"]["tp"] == "S0" and plan["tensors"]["blocks.3.fc2.weight"]["tp"] == "S1"
 
 
 def test_a_hand_edited_plan_is_honoured_a_parameter_made_whole_and_a_stage_boundary_moved(tmp_path):
@@ -113,4 +115,6 @@ def test_an_offline_plan_for_64_ranks_of_a_32_layer_gpt_on_the_meta_device_takes
     plan = dynshard.Plan.from_json(text)
     assert (plan.mesh.dp, plan.mesh.pp, plan.mesh.tp) == (4, 4, 4) and plan.zero.level == 1
     assert plan.pipeline.starts == ("blocks.8", "blocks.16", "blocks.24")
+    assert plan.tensors["blocks.9.attn.q.weight"].tp == "S0" and plan.tensors["wte.weight"].tp == "S0"
     assert "pipeline rank 3 (stages 3)" in explained and "all_gather  dp" in explained
+    assert "all_reduce  tp     68" in explained      # Megatron's 2 per layer, the vocabulary's lookup and loss

@@ -20,7 +20,6 @@ from ..config import Config
 from ..policies import place
 from ..passes import PASSES, PassContext, assign_placements, propagate_sharding, run_passes
 from ..passes.assign_placements import record_plan
-from ..passes.cut_stages import assign_stages
 from ..planning import Plan
 from ..planning.costs import with_forward_collectives
 from ..planning.plan import fingerprint
@@ -74,7 +73,7 @@ def _plan_graph(gm: fx.GraphModule, example_inputs, config: Config, plans: list[
         options = config.pipeline
         schedule = build_schedule(options.pipeline_scheduler, options.nsegments(config), options.pipeline_nmicros,
                                   layout.pp_size, options.all_device_first)
-        run_passes(graph, ctx, PIPELINE_PASSES[:PIPELINE_PASSES.index(assign_stages) + 1])
+        run_passes(graph, ctx, PIPELINE_PASSES)
         plans.append(pipeline_plan(ctx, schedule))
     elif layout.mesh is None:
         ctx.placements = {i.index: () for i in inputs}

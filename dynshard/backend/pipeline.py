@@ -33,6 +33,7 @@ from .compile import compile_program
 from .plan_and_compile import copy_graph, plan_and_compile
 from .plan_once import plan_once
 from .split_backward import compiled_backward
+from .stage_plans import merge_stage_plans, plan_stages, stage_config, stage_plan
 
 log = logging.getLogger("dynshard")
 
@@ -69,9 +70,9 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
         tensors = [s if s is not None else a for a, s in zip(args, stored)]
         if schedule.on_every_rank(stage.index):     # 1f1b_plus: tensor parallel over the whole unit
             unit = layout_for(config.plan_ngpus, device_type)
-            return _tensor_parallel_stage(stage, tensors, config, unit, key, device_type)
+            return _tensor_parallel_stage(stage, tensors, config, unit, key, device_type, all_device=True)
         if layout.tp_size > 1:
-            return _tensor_parallel_stage(stage, tensors, config, layout, key, device_type, backward)
+            return _tensor_parallel_stage(stage, tensors, config, layout, key, device_type, backward, ctx.plan)
         # (what it compiled, what the executor calls)
         examples = [torch.empty(a.shape, dtype=a.dtype, device=a.device).requires_grad_(a.requires_grad) for a in args]
         stage_ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode())
@@ -101,26 +102,27 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
 
 
 def _cut_once(gm: fx.GraphModule, ctx: PassContext, key: str, schedule) -> None:
-    """The pipeline passes, with the stage cut planned once per job (:func:`.plan_once.plan_once`): rank 0
-    measures and cuts, the other ranks install its cut and measure nothing."""
-    planned = PIPELINE_PASSES.index(assign_stages) + 1      # the passes up to the cut, then the rest
+    """The pipeline passes, with the pipeline planned once per job (:func:`.plan_once.plan_once`): rank 0
+    measures and cuts (and, under hybrid, places each stage's tensors), the other ranks install its plan
+    and measure nothing."""
+    planned = PIPELINE_PASSES.index(assign_stages)
 
     def run(before, after):
-        graph = run_passes(gm, ctx, PIPELINE_PASSES[:planned - 1])
+        graph = run_passes(gm, ctx, PIPELINE_PASSES[:planned])
         if before is not None:
             before(ctx)
-        graph = run_passes(graph, ctx, PIPELINE_PASSES[planned - 1:planned])
+        run_passes(graph, ctx, PIPELINE_PASSES[planned:])
         ctx.plan = pipeline_plan(ctx, schedule)
         if after is not None:
             after(ctx)
-        run_passes(graph, ctx, PIPELINE_PASSES[planned:])
 
     plan_once(ctx, key, run)
 
 
 def pipeline_plan(ctx: PassContext, schedule) -> Plan:
-    """The pipeline's decisions: the cut, the schedule, and its tensors (whole on every pipeline rank, or
-    placed by each stage's tp policy under hybrid; ZeRO rows over dp for trainable ones when use_zero)."""
+    """The pipeline's decisions (after the stage passes): the cut, the schedule, and its tensors (whole on
+    every pipeline rank, or placed by each stage's tp policy under hybrid, :mod:`.stage_plans`; ZeRO rows
+    over dp for trainable ones when use_zero)."""
     config, layout, given = ctx.config, ctx.layout, ctx.given
     options = config.pipeline
     tensors = {}
@@ -131,34 +133,44 @@ def pipeline_plan(ctx: PassContext, schedule) -> Plan:
         tensors[inp.name] = TensorChoice(inp.kind, tuple(inp.shape), dtype_name(inp.dtype),
                                          "R" if layout.tp_size == 1 or not inp.is_state else None, dp,
                                          tuple(input_stages[inp.index]))
+    hybrid = layout.tp_size > 1
     if given is not None:
         for name, choice in given.tensors.items():
-            if (choice.tp, choice.dp) != (tensors[name].tp, tensors[name].dp):
+            if choice.dp != tensors[name].dp or (not hybrid and choice.tp != tensors[name].tp):
                 raise PlanFileError(
                     f"dynshard: the plan gives {name} tp={choice.tp!r} dp={choice.dp!r} in a pipeline, which runs it "
-                    f"as tp={tensors[name].tp!r} dp={tensors[name].dp!r}: per-tensor choices inside pipeline stages "
-                    "are not built yet (edit the stage starts, schedule, ZeRO level or recompute instead)")
+                    f"as tp={tensors[name].tp!r} dp={tensors[name].dp!r}: per-tensor ZeRO choices inside pipelines, "
+                    "and tp placements without tp ranks, are not built (edit the stage starts, schedule, ZeRO level, "
+                    "recompute, or a hybrid stage's tp placements)")
     info = ctx.stage_info
     pipeline = PipelineChoice(
         schedule=options.pipeline_scheduler, nmicros=options.pipeline_nmicros, nstages=options.nstages(config),
         nchunks=options.pipeline_nchunks, starts=tuple(info["starts"]),
         stage_ranks=tuple(schedule.ranks_of(s) for s in range(schedule.nstages)), how=info["how"],
         flops=tuple(info["flops"]), sequence_parallel=options.sequence_parallel)
-    return Plan(made_for=ctx.made_for, policy=given.policy if given is not None else policy_name(config),
+    plan = Plan(made_for=ctx.made_for, policy=given.policy if given is not None else policy_name(config),
                 mesh=mesh_of(layout), tensors=tensors, pipeline=pipeline,
                 predicted=None if given is None else given.predicted, **plan_settings(config))
+    if not hybrid:
+        return plan
+    if given is not None:           # the stages' placements as given (null: each stage's tp policy decides)
+        return dataclasses.replace(plan, tensors={n: dataclasses.replace(t, tp=given.tensors[n].tp if t.kind != "input"
+                                                                          else t.tp) for n, t in tensors.items()},
+                                   activations=given.activations)
+    placed = {s.index for s in ctx.staged.stages if not schedule.on_every_rank(s.index)}
+    return merge_stage_plans(plan, plan_stages(ctx, ctx.staged.stages, placed, place))
 
 
-def _tensor_parallel_stage(stage, args, config: Config, layout: Layout, key: str, device_type: str, backward=None):
+def _tensor_parallel_stage(stage, args, config: Config, layout: Layout, key: str, device_type: str, backward=None,
+                           pipeline: Plan | None = None, all_device: bool = False):
     """A hybrid plan's stage: planned by the tp policy over the stage's tp ranks, as a whole graph would be,
     without data-parallel communication (the pipeline reduces gradients once per step). Its tensors are cut
-    into tp shards in place here, before the first micro-batch. ``backward``: zb1p's split backward."""
-    # ZeRO is the pipeline's (rows gathered once per step), not the stage program's
-    stage_config = dataclasses.replace(config, policy="tp", pas_config=config.pipeline.tp_options, use_zero=0,
-                                       zero_ngroups=1, zero_use_reduce_scatter=False)
+    into tp shards in place here, before the first micro-batch. ``backward``: zb1p's split backward;
+    ``pipeline``: the pipeline's Plan, whose placements of the stage are installed (:mod:`.stage_plans`)."""
     inputs = describe_inputs(stage.module, args)
-    ctx = PassContext(config=stage_config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
-                      sync_grads=False, policy=place)
+    given = None if pipeline is None or all_device else stage_plan(pipeline, stage.index, inputs)
+    ctx = PassContext(config=stage_config(config), layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
+                      sync_grads=False, policy=place, given=given)
     compiled = plan_and_compile(stage.module, ctx, device_type, backward=backward)
     plan = CompiledPlan(f"{key}/stage{stage.index}", inputs, ctx.placements, ctx.zero, layout, compiled,
                         ctx.propagation, ctx.timings, config.inference_only)
