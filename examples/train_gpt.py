@@ -2,6 +2,8 @@
 
     torchrun --nproc-per-node 2 examples/train_gpt.py            # 2-way tensor parallel
     torchrun --nproc-per-node 4 examples/train_gpt.py --plan 2   # 2-way TP x 2-way DP
+    torchrun --nproc-per-node 2 examples/train_gpt.py --save-plan gpt.plan.json   # keep the plan it ran
+    torchrun --nproc-per-node 2 examples/train_gpt.py --load-plan gpt.plan.json   # run that plan (edited?)
 
 The model is an ordinary nn.Module (tests/models.py); nothing in it knows about parallelism.
 """
@@ -35,6 +37,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8, help="batch per plan unit")
     parser.add_argument("--compiler", default="inductor", choices=["inductor", "aot_eager"])
+    parser.add_argument("--save-plan", default=None, help="write the job's plan to this file")
+    parser.add_argument("--load-plan", default=None, help="run the plan in this file (no policy runs)")
     args = parser.parse_args()
 
     torch.manual_seed(0)                                  # every rank builds the same model
@@ -42,8 +46,9 @@ def main() -> None:
     model = GPT(cfg)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     plan = args.plan or (1 if args.policy == "dp" else world)
-    model = torch.compile(model, backend="dynshard",
-                          options=dynshard.Config(policy=args.policy, plan_ngpus=plan, compiler=args.compiler))
+    model = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy=args.policy, plan_ngpus=plan, compiler=args.compiler, save_plan_path=args.save_plan,
+        load_plan_path=args.load_plan))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     dp_rank, _ = dynshard.data_parallel_rank(plan)       # ranks of one plan unit read the same batch

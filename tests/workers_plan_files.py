@@ -72,8 +72,9 @@ def load_expecting_error(rank: int, world: int, path: str, batch: int = 4) -> di
     return {"error": None, "seconds": time.monotonic() - start}
 
 
-def offline(rank: int, world: int, case: dict, world_size: int) -> list[str]:
-    """``dynshard.plan`` in a plain process (no process group): the plans' JSON text."""
+def offline(rank: int, world: int, case: dict, world_size: int, meta: bool = False) -> list[str]:
+    """``dynshard.plan`` in a plain process (no process group): the plans' JSON text (``meta``: the model
+    built on the meta device)."""
     assert not dist.is_initialized()
     torch.manual_seed(0)
     if case["kind"] == "pipeline":
@@ -83,7 +84,8 @@ def offline(rank: int, world: int, case: dict, world_size: int) -> list[str]:
                                  compiler="aot_eager", pas_config={**GPT_PIPELINE, **case.get("pas_config", {})},
                                  **case.get("options", {}))
     else:
-        model = MLP() if case.get("model", "mlp") == "mlp" else GPT(GPTConfig())
+        with torch.device("meta" if meta else "cpu"):
+            model = MLP() if case.get("model", "mlp") == "mlp" else GPT(GPTConfig())
         args = mlp_batch(4, 0) if case.get("model", "mlp") == "mlp" else gpt_batch(GPTConfig(), 4, 0)
         config = dynshard.Config(policy=case["policy"], plan_ngpus=case["plan_ngpus"], compiler="aot_eager",
                                  **case.get("options", {}))

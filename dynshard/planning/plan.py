@@ -46,6 +46,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from types import MappingProxyType
 from typing import Any, Mapping
 
@@ -225,8 +226,14 @@ class Plan:
                                     f"along dim {placement.dim}")
 
 
+_DEVICE = re.compile(r"device\(type='[a-z_]+'(?:, index=\d+)?\)|device='[a-z_]+(?::\d+)?'|device = '[a-z_]+(?::\d+)?'")
+
+
 def fingerprint(code: str, world_size: int, modes: str) -> MadeFor:
-    return MadeFor(graph=hashlib.sha256(code.encode()).hexdigest()[:16], world_size=world_size, modes=modes)
+    """What a plan is made for. The graph's code is hashed without its device constants (``torch.arange(T,
+    device=idx.device)`` bakes the device in): a plan made on the meta device, or on CPU for a GPU job, fits."""
+    graph = hashlib.sha256(_DEVICE.sub("device(...)", code).encode()).hexdigest()[:16]
+    return MadeFor(graph=graph, world_size=world_size, modes=modes)
 
 
 def first_mismatch(plan: Plan, made_for: MadeFor, tensors: Mapping[str, TensorChoice]) -> str | None:
