@@ -77,6 +77,7 @@ class Explanation:
     parameters: tuple[ParameterPlacement, ...]
     programs: tuple[ProgramReport, ...]
     pipelines: tuple[PipelineReport, ...] = ()
+    plans: tuple[Plan, ...] = ()       # each program's (and pipeline's) dynshard.Plan, in compile order
 
     def collectives(self, kind: str | None = None, phase: str | None = None,
                     group: str | None = None) -> list[CollectiveRecord]:
@@ -231,6 +232,7 @@ def explain(model: torch.nn.Module | Plan | Sequence[Plan]) -> Explanation | Pla
             plan = ref()
             if plan is not None and all(plan is not p for p in plans):
                 plans.append(plan)
+    values = tuple(plan.plan for plan in plans if getattr(plan, "plan", None) is not None)
     pipelines = tuple(_pipeline_report(plan) for plan in plans if hasattr(plan, "staged"))
     plans = [plan for plan in plans if not hasattr(plan, "staged")]
     programs = tuple(ProgramReport(
@@ -238,7 +240,7 @@ def explain(model: torch.nn.Module | Plan | Sequence[Plan]) -> Explanation | Pla
         fallbacks=tuple(plan.propagation.fallbacks.values()) if plan.propagation else (),
         compile_seconds=plan.program.seconds, cache_hits=plan.hits, saved_bytes=plan.program.saved_bytes,
         saved_count=plan.program.saved_count, compiled_once=tuple(plan.program.outlined)) for plan in plans)
-    return Explanation(tuple(parameters), programs, pipelines)
+    return Explanation(tuple(parameters), programs, pipelines, values)
 
 
 def _pipeline_report(plan) -> PipelineReport:

@@ -33,6 +33,8 @@ def test_a_saved_plan_loads_bit_for_bit_and_trains_like_one_process_without_a_po
         assert_trains_like_one_process(result["second"], f"rank {rank} loading")
     saved = results[0]["saved"]
     assert results[0]["again"] == saved             # the loaded job ran, and saved, exactly that plan
+    if case["kind"] == "spmd":                      # explain(model).plans: the plan each program runs
+        assert [r["second"]["plans"] for r in results] == [[saved]] * case["world"]
     plan = json.loads(saved)
     assert plan["mesh"]["world"] == case["world"] and plan["policy"] == case["policy"]
     if name == "tp_zero1":

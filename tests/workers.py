@@ -65,6 +65,7 @@ def train_parity(rank: int, world: int, model_name: str, policy: str, plan_ngpus
         "collectives": [(c.phase, c.kind, c.group) for c in report.collectives()],
         "programs": len(report.programs),
         "explain": str(report),
+        "plans": [plan.to_json() for plan in report.plans],
     }
 
 
