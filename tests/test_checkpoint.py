@@ -12,13 +12,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 import dynshard
 from distributed import run_ranks
 from models import GPT
+from parity import assert_tensors_equal, assert_trains_like_one_process
 from workers_checkpoint import CFG, reshard_matrix, reshard_to_tp_x_dp, resume_under_tp
-
-
-def _assert_equal(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), what
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{what} {name}"
 
 
 def test_checkpoint_resume_reshard_and_export(tmp_path):
@@ -41,8 +36,8 @@ def test_checkpoint_resume_reshard_and_export(tmp_path):
         for when, resumed in result["results"].items():
             assert resumed["extra"] == {"step": 2}
             assert resumed["losses"] == result["reference_losses"], f"rank {rank} {when}"
-            _assert_equal(resumed["params"], result["reference"]["params"], f"rank {rank} {when} param")
-            _assert_equal(resumed["momentum"], result["reference"]["momentum"], f"rank {rank} {when} momentum")
+            assert_tensors_equal(resumed["params"], result["reference"]["params"], f"rank {rank} {when} param")
+            assert_tensors_equal(resumed["momentum"], result["reference"]["momentum"], f"rank {rank} {when} momentum")
             # this rank's RNG state is the one it saved
             assert torch.equal(resumed["rng"], result["rng_at_save"]), f"rank {rank} {when} rng"
     assert not torch.equal(results[0]["rng_at_save"], results[1]["rng_at_save"])
@@ -53,9 +48,9 @@ def test_checkpoint_resume_reshard_and_export(tmp_path):
     saved = torch.load(torch_save_file, weights_only=False)
     plain = GPT(CFG)
     plain.load_state_dict(saved["model"], strict=True)
-    _assert_equal({k: v.detach() for k, v in plain.state_dict().items()}, results[0]["saved_full"], "export")
-    _assert_equal({k: v["momentum_buffer"] for k, v in saved["optim"]["state"].items()},
-                  {k: v for k, v in results[0]["saved_momentum"].items()}, "export momentum")
+    assert_tensors_equal({k: v.detach() for k, v in plain.state_dict().items()}, results[0]["saved_full"], "export")
+    assert_tensors_equal({k: v["momentum_buffer"] for k, v in saved["optim"]["state"].items()},
+                         {k: v for k, v in results[0]["saved_momentum"].items()}, "export momentum")
 
     # (2) saved under tp (plan 2), loaded under dp and ZeRO-3 on 2 ranks, trained like one process
     zero_path = str(tmp_path / "zero3" / "step4")
@@ -64,23 +59,13 @@ def test_checkpoint_resume_reshard_and_export(tmp_path):
         for case, r in result["reshard"].items():
             if case == "zero3":
                 assert r["zero_tagged"] > 0 and "wpe.weight" in r["padded"], r["padded"]
-            _assert_close_to_one_process(r, f"rank {rank} {case}")
+            assert_trains_like_one_process(r, f"rank {rank} {case}", tensor_keys=("params", "momentum"))
     _assert_zero3_checkpoint(matrix, tmp_path, zero_path)
 
     # tp (2 ranks) -> tp 2 x dp 2 with ZeRO-1 rows of the tp shards (4 ranks)
     for rank, r in enumerate(run_ranks(reshard_to_tp_x_dp, 4, path, torch_save_file)):
         assert r["zero_tagged"] > 0
-        _assert_close_to_one_process(r, f"rank {rank} tp x dp zero1")
-
-
-def _assert_close_to_one_process(r: dict, what: str) -> None:
-    torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["ref_losses"]), rtol=1e-4, atol=1e-6)
-    for name, expected in r["ref_params"].items():
-        torch.testing.assert_close(r["params"][name], expected, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, n=name: f"{what} {n}: {m}")
-    for name, expected in r["ref_momentum"].items():
-        torch.testing.assert_close(r["momentum"][name], expected, rtol=1e-4, atol=1e-6,
-                                   msg=lambda m, n=name: f"{what} momentum {n}: {m}")
+        assert_trains_like_one_process(r, f"rank {rank} tp x dp zero1", tensor_keys=("params", "momentum"))
 
 
 def _assert_zero3_checkpoint(matrix, tmp_path, zero_path):
@@ -90,15 +75,15 @@ def _assert_zero3_checkpoint(matrix, tmp_path, zero_path):
     exported = torch.load(str(tmp_path / "zero3.pt"), weights_only=False)
     plain = GPT(CFG)
     plain.load_state_dict(exported["model"], strict=True)
-    _assert_equal({k: v.detach() for k, v in plain.state_dict().items()}, saved_zero["params"], "zero3 export")
-    _assert_equal({k: v["momentum_buffer"] for k, v in exported["optim"]["state"].items()},
-                  saved_zero["momentum"], "zero3 export momentum")
+    assert_tensors_equal({k: v.detach() for k, v in plain.state_dict().items()}, saved_zero["params"], "zero3 export")
+    assert_tensors_equal({k: v["momentum_buffer"] for k, v in exported["optim"]["state"].items()},
+                         saved_zero["momentum"], "zero3 export momentum")
     # and loaded under tp it is exactly what was saved
     for rank, result in enumerate(matrix):
         back = result["zero3_to_tp"]
         assert back["extra"] == {"step": 4}
-        _assert_equal(back["params"], saved_zero["params"], f"rank {rank} zero3 -> tp")
-        _assert_equal(back["momentum"], saved_zero["momentum"], f"rank {rank} zero3 -> tp momentum")
+        assert_tensors_equal(back["params"], saved_zero["params"], f"rank {rank} zero3 -> tp")
+        assert_tensors_equal(back["momentum"], saved_zero["momentum"], f"rank {rank} zero3 -> tp momentum")
 
 
 def test_latest_skips_partial_saves(tmp_path):
@@ -123,9 +108,9 @@ def test_save_and_load_in_one_process_replace_a_checkpoint(tmp_path):
     other = GPT(CFG)
     other_opt = torch.optim.AdamW(other.parameters(), lr=1e-3)
     assert dynshard.checkpoint.load(path, other, other_opt) == {"step": 1}
-    _assert_equal(other.state_dict(), model.state_dict(), "param")
+    assert_tensors_equal(other.state_dict(), model.state_dict(), "param")
     for p, q in zip(model.parameters(), other.parameters()):
-        _assert_equal(opt.state[p], other_opt.state[q], "adamw state")
+        assert_tensors_equal(opt.state[p], other_opt.state[q], "adamw state")
 
 
 class _FakeLayout:

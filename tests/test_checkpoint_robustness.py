@@ -11,6 +11,7 @@ from torch import nn
 
 import dynshard
 import dynshard.checkpoint.io as ckpt_io
+from parity import assert_tensors_equal
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -38,12 +39,6 @@ def _loaded(path: str) -> tuple[object, dict[str, torch.Tensor]]:
     model = _model(seed=1)
     extra = dynshard.checkpoint.load(path, model)
     return extra, _weights(model)
-
-
-def _assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert a.keys() == b.keys()
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
 
 
 def _kill_at(where: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -103,11 +98,11 @@ def test_a_save_over_a_checkpoint_killed_anywhere_leaves_a_complete_one_and_the_
     assert latest is not None and ckpt_io._TMP not in latest, names
     extra, weights = _loaded(latest)
     assert extra == {"step": 1 if expected == "old" else 2}, (where, latest)
-    _assert_same(weights, old if expected == "old" else new)
+    assert_tensors_equal(weights, old if expected == "old" else new)
     if where == "moved_aside":               # "last" is gone: load("…/last") reads the one moved aside
         extra, weights = _loaded(path)
         assert extra == {"step": 1}
-        _assert_same(weights, old)
+        assert_tensors_equal(weights, old)
 
     _step(model, opt)
     dynshard.checkpoint.save(path, model, opt, extra={"step": 3})
@@ -115,7 +110,7 @@ def test_a_save_over_a_checkpoint_killed_anywhere_leaves_a_complete_one_and_the_
     assert dynshard.checkpoint.latest(root) == path
     extra, weights = _loaded(path)
     assert extra == {"step": 3}
-    _assert_same(weights, _weights(model))
+    assert_tensors_equal(weights, _weights(model))
 
 
 def test_latest_stands_a_checkpoint_moved_aside_for_its_name_and_a_save_removes_only_its_own_leftovers(tmp_path):
@@ -172,7 +167,7 @@ def test_loading_into_another_optimizer_says_what_differs_and_what_to_do_before_
     before = _weights(model)
     with pytest.raises(ValueError, match=f"does not match this {loading[0].__name__}: {message}.*{_WHAT_TO_DO}"):
         dynshard.checkpoint.load(path, model, opt)
-    _assert_same(_weights(model), before)          # nothing was read
+    assert_tensors_equal(_weights(model), before)          # nothing was read
     assert dynshard.checkpoint.load(path, model) == {"step": 1}     # the weights alone, as the error says
 
 
@@ -200,7 +195,7 @@ def test_loading_into_a_model_with_other_parameter_names_names_them(tmp_path):
     with pytest.raises(ValueError, match=r"holds no 3\.weight, 3\.bias of this model: load it into the model it "
                                          "was saved from"):
         dynshard.checkpoint.load(path, bigger)
-    _assert_same(_weights(bigger), before)
+    assert_tensors_equal(_weights(bigger), before)
     renamed = nn.Sequential()
     renamed.add_module("first", nn.Linear(4, 3))
     with pytest.raises(ValueError, match=r"holds no first\.weight, first\.bias of this model \(it holds 0\.bias, "

@@ -11,6 +11,7 @@ import torch
 
 from distributed import run_ranks
 from models import GPTConfig
+from parity import assert_trains_like_one_process as one_process
 from workers_memory import optimizer_api, train_cases
 
 BF16 = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
@@ -18,14 +19,13 @@ DP_GROUPS = {"dp", "zero", "zero_replicas"}
 
 
 def assert_trains_like_one_process(result: dict, case: dict) -> None:
-    low_precision = "mixed_precision" in case
-    rtol, atol = (2e-2, 5e-3) if low_precision else (1e-4, 1e-6)
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]),
-                               rtol=2e-2 if low_precision else 1e-5, atol=0, msg=lambda m: f"{case} losses: {m}")
     assert result["relocated_equals_local"], case
-    for name, expected in result["ref_params"].items():
-        torch.testing.assert_close(result["params"][name], expected, rtol=rtol, atol=atol,
-                                   msg=lambda m, name=name: f"{case} {name}: {m}")
+    if "mixed_precision" in case:
+        # forward and backward in bf16 on both sides (FSDP2's mixed precision), summed in other orders: one
+        # bf16 rounding is up to 2**-8 ~ 4e-3 relative, far above the fp32 standard
+        one_process(result, str(case), loss_rtol=2e-2, rtol=2e-2, atol=5e-3)
+    else:
+        one_process(result, str(case))
 
 
 def padded_bytes(params: dict[str, torch.Tensor], group: int, itemsize: int | None = None) -> int:

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from distributed import run_ranks
-from parity import assert_trains_like_one_process
+from parity import assert_losses_close, assert_trains_like_one_process
 from workers_moe import HIDDEN, LAYERS, ROWS, SEQ, TOP_K, refused_moe, train_moe
 
 pytest.importorskip("transformers")
@@ -93,10 +93,10 @@ def test_bf16_grouped_mm_splits_torch_grouped_mm():
     the losses of one bf16 process up to bf16 rounding (partial sums are added in another order)."""
     results = job("mixtral", "grouped_mm", dtype="bfloat16")
     for rank, result in enumerate(results):
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]),
-                                   rtol=2e-3, atol=0, msg=lambda m: f"rank {rank} losses: {m}")
-        torch.testing.assert_close(torch.tensor(result["aux"]), torch.tensor(result["ref_aux"]),
-                                   rtol=2e-3, atol=0, msg=lambda m: f"rank {rank} router aux losses: {m}")
+        # bf16 on both sides, partial sums added in another order: one bf16 rounding is up to 2**-8 ~ 4e-3
+        # relative, so the losses are held to 2e-3, not parity's fp32 1e-5
+        assert_losses_close(result["losses"], result["ref_losses"], f"rank {rank} losses", rtol=2e-3)
+        assert_losses_close(result["aux"], result["ref_aux"], f"rank {rank} router aux losses", rtol=2e-3)
         for n, full in result["full_numel"].items():
             if n.endswith(EXPERTS):
                 assert result["local_numel"][n] * 2 == full, (n, result["explain"])

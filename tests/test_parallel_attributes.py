@@ -12,6 +12,7 @@ from distributed import run_ranks
 from dynshard.runtime.mesh import Layout
 from dynshard.runtime.parallel_attributes import get_order_type
 from dynshard.runtime.sharding import TAG_ATTR, ShardTag, get_tag
+from parity import assert_trains_like_one_process
 from workers_parallel_attributes import Block, ddp_and_tensor_parallel
 
 # ---------------------------------------------------------------------------------------------- slice
@@ -206,12 +207,7 @@ def two_ranks():
 
 def test_ddp_around_a_dynshard_submodule_trains_like_one_process(two_ranks):
     for rank, result in enumerate(two_ranks):
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]),
-                                   rtol=1e-4, atol=1e-6, msg=lambda m: f"rank {rank} losses: {m}")
-        assert result["params"].keys() == result["ref_params"].keys()
-        for name, expected in result["ref_params"].items():
-            torch.testing.assert_close(result["params"][name], expected, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, name=name: f"rank {rank} {name}: {m}")
+        assert_trains_like_one_process(result, f"rank {rank}")
 
 
 def test_ddp_reduces_only_what_dynshard_does_not(two_ranks):

@@ -10,9 +10,9 @@ Parity with SGD with momentum: every parameter update depends on every gradient 
 from __future__ import annotations
 
 import pytest
-import torch
 
 from distributed import run_ranks
+from parity import assert_trains_like_one_process as one_process
 from workers_recompile import recompile_scenarios
 
 
@@ -27,12 +27,7 @@ def assert_trains_like_one_process(results: list[dict], scenario: str) -> None:
     for rank, ranks_results in enumerate(results):
         result = ranks_results[scenario]
         assert "error" not in result, f"rank {rank} {scenario} failed:\n{result.get('error')}"
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]),
-                                   rtol=1e-5, atol=0, msg=lambda m: f"rank {rank} {scenario} losses: {m}")
-        assert result["params"].keys() == result["ref_params"].keys()
-        for name, expected in result["ref_params"].items():
-            torch.testing.assert_close(result["params"][name], expected, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, name=name: f"rank {rank} {scenario} {name}: {m}")
+        one_process(result, f"rank {rank} {scenario}")
 
 
 def new_graphs_per_step(result: dict) -> list[int]:

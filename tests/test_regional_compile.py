@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import operator
 
 import pytest
 import torch
@@ -12,6 +11,7 @@ import torch.nn as nn
 from distributed import run_ranks
 from dynshard import compat
 from dynshard.passes.outline_repeated_blocks import outline_blocks
+from parity import assert_losses_close, assert_tensors_close, assert_updates_close
 from workers_regional_compile import inductor_against_eager, regional_against_unrolled
 
 
@@ -66,9 +66,10 @@ def test_blocks_that_repeat_share_one_subgraph_and_compute_the_same(hiddens, exp
     ref_loss = reference(x)
     ref_loss.backward()
     assert (outlined, invocations) == (expected, calls)
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0)
-    for p, q in zip(model.parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7)
+    # one process, the same ops: held tighter than parity's standard
+    assert_losses_close(loss, ref_loss, "loss", rtol=1e-6)
+    assert_tensors_close({n: p.grad for n, p in model.named_parameters()},
+                         {n: p.grad for n, p in reference.named_parameters()}, "grads", rtol=1e-6, atol=1e-7)
 
 
 def test_a_blocks_schema_is_generated_once_however_often_it_is_called(monkeypatch):
@@ -114,9 +115,9 @@ def _assert_same_step(results: list[dict]) -> None:
     for result in results:
         outlined, unrolled = result[True], result[False]
         assert outlined["compiled_once"] == (("Block", 3),) and unrolled["compiled_once"] == ()
-        assert outlined["loss"] == pytest.approx(unrolled["loss"], rel=1e-6)
-        for name, grad in unrolled["grads"].items():
-            torch.testing.assert_close(outlined["grads"][name], grad, rtol=1e-5, atol=1e-7)
+        # the same ops outlined or not: held tighter than parity's standard
+        assert_losses_close(outlined["loss"], unrolled["loss"], "loss", rtol=1e-6)
+        assert_tensors_close(outlined["grads"], unrolled["grads"], "grads", rtol=1e-5, atol=1e-7)
         assert outlined["collectives"] == unrolled["collectives"]
 
 
@@ -160,5 +161,5 @@ def test_inductor_gradients_of_outlined_blocks_match_one_process():
     parallel GPT under Inductor, outlined by default, is checked in test_parity.py."""
     for result in run_ranks(inductor_against_eager, 2, timeout=900):
         assert result["compiled_once"] == (("Block", 2),)
-        worst = max(result["errors"].items(), key=operator.itemgetter(1))
-        assert worst[1] < 1e-4, worst
+        # gradients as vectors (Inductor may fuse and reorder sums; the bugs guarded were off by percents)
+        assert_updates_close(result["grads"], result["ref_grads"], label="grads", rtol=1e-4)

@@ -14,16 +14,11 @@ import torch
 
 import dynshard
 from distributed import run_ranks
+from parity import assert_tensors_equal
 from workers_restart import KILL_POINTS, resume_from_latest, train_then_die_saving
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(REPO, "examples", "train_with_restarts.py")
-
-
-def _assert_equal(a: dict, b: dict, what: str) -> None:
-    assert a.keys() == b.keys(), what
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{what} {name}"
 
 
 def test_a_killed_save_leaves_the_previous_checkpoint_latest_and_loadable(tmp_path):
@@ -56,10 +51,10 @@ def test_a_killed_save_leaves_the_previous_checkpoint_latest_and_loadable(tmp_pa
             r, expected = results[root], torch.load(f"{root}.expected.pt", weights_only=False)
             what = f"rank {rank} {where}"
             assert r["latest"] == os.path.join(root, "step2") and r["extra"] == {"step": 2}, what
-            _assert_equal(r["loaded"]["params"], expected["at_save"]["params"], f"{what} loaded")
-            _assert_equal(r["loaded"]["momentum"], expected["at_save"]["momentum"], f"{what} loaded momentum")
-            _assert_equal(r["after_step"]["params"], expected["after_step"]["params"], f"{what} resumed")
-            _assert_equal(r["after_step"]["momentum"], expected["after_step"]["momentum"], f"{what} momentum")
+            assert_tensors_equal(r["loaded"]["params"], expected["at_save"]["params"], f"{what} loaded")
+            assert_tensors_equal(r["loaded"]["momentum"], expected["at_save"]["momentum"], f"{what} loaded momentum")
+            assert_tensors_equal(r["after_step"]["params"], expected["after_step"]["params"], f"{what} resumed")
+            assert_tensors_equal(r["after_step"]["momentum"], expected["after_step"]["momentum"], f"{what} momentum")
             assert r["latest_after_save"] == os.path.join(root, "step3"), what
             # this rank's RNG state comes back, also when loaded before the process group exists
             assert torch.equal(r["rng"], torch.load(f"{root}.rng{rank}.pt")), what
@@ -125,7 +120,7 @@ def test_torchrun_restarts_a_dead_rank_and_the_resumed_run_is_bitwise_equal(tmp_
     assert sorted(restarted["losses"]) == list(range(last_complete, STEPS))
     for step, loss in restarted["losses"].items():
         assert loss == reference["losses"][step], f"step {step}: {loss} != {reference['losses'][step]}"
-    _assert_equal(restarted["params"], reference["params"], "final parameter")
+    assert_tensors_equal(restarted["params"], reference["params"], "final parameter")
     for workdir in (reference_dir, restarted_dir):
         ckpt = os.path.join(workdir, "ckpt")
         assert sorted(os.listdir(ckpt)) == [f"step{s}" for s in range(SAVE_EVERY, STEPS, SAVE_EVERY)], workdir

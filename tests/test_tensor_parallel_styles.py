@@ -17,6 +17,7 @@ import dynshard
 from distributed import run_ranks
 from dynshard.explain import format_plan
 from models import GPT, MLP, GPTConfig, gpt_batch, mlp_batch
+from parity import assert_trains_like_one_process
 from test_passes import plan_for
 from workers_styles import megatron_plan, sequence_parallel_plan, train_with_styles
 
@@ -210,12 +211,7 @@ def test_the_policy_is_a_picklable_value_keyed_by_its_plan():
 def test_declarative_sequence_parallel_gpt_trains_like_one_process():
     results = run_ranks(train_with_styles, 2)
     for rank, result in enumerate(results):
-        torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(result["ref_losses"]),
-                                   rtol=1e-5, atol=0, msg=lambda m: f"rank {rank} losses: {m}")
-        assert result["params"].keys() == result["ref_params"].keys()
-        for name, expected in result["ref_params"].items():
-            torch.testing.assert_close(result["params"][name], expected, rtol=1e-4, atol=1e-6,
-                                       msg=lambda m, name=name: f"rank {rank} {name}: {m}")
+        assert_trains_like_one_process(result, f"rank {rank}")
     first = results[0]
     assert first["moved"] > 1e-3          # the steps changed the parameters: the comparison means something
     dims = first["parallel_dims"]

@@ -10,6 +10,7 @@ import torch
 
 import dynshard
 from dynshard import Config
+from parity import assert_losses_close, assert_tensors_close
 from workers_pipeline import EndToEndGPT, build
 
 PP = dict(policy="pp", use_end2end=True)
@@ -21,8 +22,8 @@ def _one_process(model, scheduler="gpipe", nchunks=1, m=4, **options):
 
 
 def _assert_grads_match(model, reference) -> None:
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    assert_tensors_close({n: p.grad for n, p in model.named_parameters()},
+                         {n: p.grad for n, p in reference.named_parameters()}, "grads")
 
 
 def train_step_parity(rank: int, world: int, scheduler: str, nchunks: int) -> int:
@@ -39,7 +40,7 @@ def train_step_parity(rank: int, world: int, scheduler: str, nchunks: int) -> in
         loss = reference(sample)
         loss.backward()
         ref_losses.append(loss.detach())
-    torch.testing.assert_close(torch.stack(losses), torch.stack(ref_losses), rtol=1e-5, atol=0)
+    assert_losses_close(losses, ref_losses)
     _assert_grads_match(model, reference)
     report = dynshard.explain(compiled).pipelines[0]
     assert report.p2p_bytes == 0
@@ -54,10 +55,10 @@ def plain_call_parity(rank: int, world: int, name: str) -> None:
     loss.backward()
     ref_loss = reference(batch)
     ref_loss.backward()
-    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=0)
+    assert_losses_close(loss, ref_loss)
     _assert_grads_match(model, reference)
     with torch.no_grad():
-        torch.testing.assert_close(_one_process(model, "1f1b")(batch), reference(batch), rtol=1e-5, atol=0)
+        assert_losses_close(_one_process(model, "1f1b")(batch), reference(batch), "no_grad loss")
 
 
 def recompute_saved_bytes(rank: int, world: int) -> dict:

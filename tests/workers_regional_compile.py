@@ -63,6 +63,5 @@ def inductor_against_eager(rank: int, world: int) -> dict:
     reference = copy.deepcopy(model)
     result = one_step(model, cfg, rank, world, True, batch=2 * BATCH, compiler="inductor")
     reference(*gpt_batch(cfg, 2 * BATCH, seed=1)).backward()
-    result["errors"] = {name: ((result["grads"][name] - p.grad).norm() / p.grad.norm()).item()
-                        for name, p in reference.named_parameters()}
+    result["ref_grads"] = {name: p.grad for name, p in reference.named_parameters()}
     return result
