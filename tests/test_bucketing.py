@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from dynshard import Config, compat
-from dynshard.backend import _bucket_cap_mb
+from dynshard.backend.plan_and_compile import _bucket_cap_mb
 
 
 def _patches(config: Config, zero: bool, cuda: bool) -> dict:

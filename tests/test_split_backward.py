@@ -8,7 +8,8 @@ import torch
 import torch.fx as fx
 
 from dynshard import compat
-from dynshard.backend.split_backward import DeferredWeightGradients, compiled_backward, split
+from dynshard.backend.split_backward import compiled_backward, split
+from dynshard.runtime.pipeline.deferred import DeferredWeightGradients
 
 
 def _mlp(w1, w2, x):

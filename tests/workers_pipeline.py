@@ -257,7 +257,7 @@ def meta_pipeline(rank: int, world: int, steps: int = 2) -> dict:
 
 def deferred_weight_gradients(rank: int, world: int, *args) -> dict:
     """:func:`pipeline_parity`, counting the weight gradients each W action adds (zero bubble)."""
-    from dynshard.backend.split_backward import DeferredWeightGradients
+    from dynshard.runtime.pipeline.deferred import DeferredWeightGradients
 
     counts, run = [], DeferredWeightGradients.run
 

@@ -27,7 +27,7 @@ from .agreement import ensure_ranks_agree
 from .capture import describe_inputs
 from .compile import compile_program
 from .pipeline import plan_pipeline
-from .plan_and_compile import copy_graph, plan_and_compile  # noqa: F401  (copy_graph: re-exported)
+from .plan_and_compile import plan_and_compile
 from .plan_cache import PLANS, modes_token, plan_key
 from .plan_files import PLAN_FILES
 from .plan_once import plan_once

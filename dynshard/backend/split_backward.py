@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 
-from ..runtime.pipeline.deferred import DEFERRING, DeferredWeightGradients  # noqa: F401  (re-exported)
+from ..runtime.pipeline.deferred import DEFERRING
 
 @dataclasses.dataclass
 class SplitBackward:
