@@ -8,6 +8,7 @@ from .backend.offline import plan
 from .config import Config, ConfigError
 from .explain import Explanation, explain
 from .planning import Plan, PlanFileError
+from .profile import Profile, profile
 from .policies import PlanBuilder, PlanError, tensor_parallel
 from .runtime.accumulation import no_sync
 from .runtime.grad_norm import clip_grad_norm_, route_torch_clip_grad_norm
@@ -45,7 +46,7 @@ def data_parallel_rank(plan_ngpus: int = 1) -> tuple[int, int]:
 
 __all__ = ["broadcast_weights", "deduped_state_dict", "load_deduped_state_dict", "load_merged_state_dicts",
            "merge_state_dicts", "Config", "ConfigError", "Explanation", "GradScaler", "Layout", "ParallelOptimizer", "PlanBuilder",
-           "Plan", "PlanError", "PlanFileError", "PlanMismatchError", "plan", "PlanningFailedError", "Reducer", "build_optimizer", "clip_grad_norm_",
+           "Plan", "PlanError", "PlanFileError", "PlanMismatchError", "plan", "Profile", "profile", "PlanningFailedError", "Reducer", "build_optimizer", "clip_grad_norm_",
            "collect_state_dict",
            "data_parallel_rank", "explain", "get_parallel_dim", "infer_step", "no_sync", "register_ddp_parameters_to_ignore",
            "register_parallel_attribute", "register_parallel_dim", "relocate_state_dict", "slice", "summon_full_params", "tensor_parallel",
