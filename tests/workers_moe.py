@@ -85,12 +85,18 @@ def train_moe(rank: int, world: int, name: str, experts_implementation: str, pla
         dist.all_reduce(both)           # ranks of a unit hold the same loss; units hold their rows'
         losses.append(both[0].item() / world)
         aux.append(both[1].item() / world)
-        ref = reference(**global_batch)
-        ref.loss.backward()
+        # the reference as DDP trains: each unit's loss on its own rows (the router's load-balancing loss is
+        # not a mean over rows: over the whole batch it is another number), gradients averaged over units
+        ref_loss = ref_aux_loss = 0.0
+        for unit in range(dp_size):
+            ref = reference(**_unit_rows(global_batch, unit, ROWS))
+            (ref.loss / dp_size).backward()
+            ref_loss += ref.loss.item() / dp_size
+            ref_aux_loss += ref.aux_loss.item() / dp_size
         ref_opt.step()
         ref_opt.zero_grad()
-        ref_losses.append(ref.loss.item())
-        ref_aux.append(ref.aux_loss.item())
+        ref_losses.append(ref_loss)
+        ref_aux.append(ref_aux_loss)
     report = dynshard.explain(compiled)
     return {
         "losses": losses, "aux": aux, "ref_losses": ref_losses, "ref_aux": ref_aux,
