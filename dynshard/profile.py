@@ -58,9 +58,8 @@ def profile(model: torch.nn.Module, *args: Any, **kwargs: Any) -> Profile:
     fake_mode = compat.new_fake_mode()
     device = _device(args, kwargs)
     with fake_mode:
-        tensors = {name: _fake(t, device, fake_mode) for name, t in
-                   list(model.named_parameters()) + list(model.named_buffers())}
-        args, kwargs = _fake(args, device, fake_mode), _fake(kwargs, device, fake_mode)
+        tensors = _fake(dict(list(model.named_parameters()) + list(model.named_buffers())), device)
+        args, kwargs = _fake(args, device), _fake(kwargs, device)
     names = {id(m): path for path, m in model.named_modules()}
     params = {id(t) for t in tensors.values()}
     stack: list[str] = []
@@ -127,26 +126,11 @@ def _device(args, kwargs) -> torch.device:
     return torch.device("cpu")
 
 
-def _fake(value, device, fake_mode):
-    """A FakeTensor of ``value``'s shape on ``device`` (a meta tensor too); containers element by element."""
-    if isinstance(value, torch.Tensor):
-        fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
-        return fake.requires_grad_(value.requires_grad)
-    if isinstance(value, (tuple, list)):
-        return type(value)(_fake(v, device, fake_mode) for v in value)
-    if isinstance(value, dict):
-        return {k: _fake(v, device, fake_mode) for k, v in value.items()}
-    return value
+def _fake(value, device):
+    """Under a FakeTensorMode: a FakeTensor of each tensor's shape on ``device`` (a meta tensor too)."""
+    return compat.pytree.tree_map_only(torch.Tensor, lambda t: torch.empty_strided(
+        t.shape, t.stride(), dtype=t.dtype, device=device).requires_grad_(t.requires_grad), value)
 
 
 def _first_tensor(value):
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)):
-        for item in value:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    if isinstance(value, dict):
-        return _first_tensor(list(value.values()))
-    return None
+    return next((leaf for leaf in compat.pytree.tree_leaves(value) if isinstance(leaf, torch.Tensor)), None)

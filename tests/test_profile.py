@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -50,12 +48,10 @@ def test_fake_costs_equal_real_ones_module_by_module():
     assert "blocks.0.attn.q" in str(report)
 
 
-def test_a_model_on_the_meta_device_profiles_in_seconds_without_memory():
+def test_a_model_on_the_meta_device_profiles_without_memory():
     cfg = GPTConfig(vocab=32000, seq=512, d_model=1024, heads=16, layers=24)
     with torch.device("meta"):
         model = GPT(cfg)
-    start = time.perf_counter()
     report = dynshard.profile(model, *[t.to("meta") for t in gpt_batch(cfg, 2, 0)])
-    assert time.perf_counter() - start < 30
     assert report["blocks.23"].forward_flops == report["blocks.0"].forward_flops > 0
     assert report[""].parameter_bytes > 1e9      # 0.3B parameters, none allocated

@@ -69,6 +69,23 @@ def train_parity(rank: int, world: int, model_name: str, policy: str, plan_ngpus
     }
 
 
+def train_beside(compiled, reference, opts, batches) -> dict:
+    """Train ``compiled`` and its one-process ``reference`` on the same ``batches`` (each a tuple of call
+    arguments) with ``opts`` (theirs, in that order): the parity report of :mod:`parity`."""
+    losses, ref_losses = [], []
+    for batch in batches:
+        loss, ref_loss = compiled(*batch), reference(*batch)
+        loss.backward()
+        ref_loss.backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+        losses.append(loss.item())
+        ref_losses.append(ref_loss.item())
+    return {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
+            "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()}}
+
+
 class BrokenMLP(torch.nn.Module):
     """Two halves with a graph break between them: two compiled programs share one training step."""
 

@@ -8,6 +8,7 @@ import torch
 
 import dynshard
 from models import MLP, mlp_batch
+from workers import train_beside
 from workers_transformers import VOCAB, build as build_transformers, make_batch
 
 
@@ -83,18 +84,6 @@ def two_models_under(rank: int, world: int, options: dict, steps: int = 2) -> di
         model = MLP()
         reference = copy.deepcopy(model)
         compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(compiler="aot_eager", **options))
-        opt, ref_opt = _sgd(model.parameters()), _sgd(reference.parameters())
-        losses, ref_losses = [], []
-        for step in range(steps):
-            x, y = mlp_batch(4, seed=10 * step + seed)
-            loss, ref_loss = compiled(x, y), reference(x, y)
-            loss.backward()
-            ref_loss.backward()
-            for o in (opt, ref_opt):
-                o.step()
-                o.zero_grad()
-            losses.append(loss.item())
-            ref_losses.append(ref_loss.item())
-        out[seed] = {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
-                     "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()}}
+        out[seed] = train_beside(compiled, reference, (_sgd(model.parameters()), _sgd(reference.parameters())),
+                                 [mlp_batch(4, seed=10 * step + seed) for step in range(steps)])
     return out

@@ -13,6 +13,7 @@ from torch.distributed.pipelining import pipe_split
 
 import dynshard
 from models import GPT, MLP, GPTConfig, gpt_batch, mlp_batch
+from workers import train_beside
 
 LR = 0.05
 
@@ -284,18 +285,7 @@ def two_models(rank: int, world: int, steps: int = 2) -> dict:
         reference = copy.deepcopy(model)
         compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
             policy="pp", plan_ngpus=2, use_end2end=True, compiler="aot_eager", pas_config={"pipeline_nmicros": 2}))
-        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=LR), torch.optim.SGD(reference.parameters(), lr=LR)
-        losses, ref_losses = [], []
-        for step in range(steps):
-            batch = dict(zip(("x", "y"), mlp_batch(4, 10 * step + seed)))
-            loss, ref_loss = compiled(batch), reference(batch)
-            loss.backward()
-            ref_loss.backward()
-            for o in (opt, ref_opt):
-                o.step()
-                o.zero_grad()
-            losses.append(loss.item())
-            ref_losses.append(ref_loss.item())
-        out[seed] = {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
-                     "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()}}
+        opts = torch.optim.SGD(model.parameters(), lr=LR), torch.optim.SGD(reference.parameters(), lr=LR)
+        out[seed] = train_beside(compiled, reference, opts,
+                                 [(dict(zip(("x", "y"), mlp_batch(4, 10 * step + seed))),) for step in range(steps)])
     return out

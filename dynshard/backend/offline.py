@@ -18,7 +18,7 @@ import torch.fx as fx
 from .. import compat
 from ..config import Config
 from ..policies import place
-from ..passes import PASSES, PassContext, assign_placements, propagate_sharding, run_passes
+from ..passes import PASSES, PassContext, propagate_sharding, run_passes
 from ..passes.assign_placements import record_plan
 from ..planning import Plan
 from ..planning.costs import with_forward_collectives
@@ -80,16 +80,9 @@ def _plan_graph(gm: fx.GraphModule, example_inputs, config: Config, plans: list[
         plans.append(record_plan(graph, ctx))
     else:
         run_passes(graph, ctx, PASSES[:PASSES.index(propagate_sharding) + 1])
-        assert PASSES.index(assign_placements) < PASSES.index(propagate_sharding)
         plans.append(with_forward_collectives(ctx.plan, ctx.propagation, ctx.node_keys))
     return gm.forward
 
 
 def _to_meta(value):
-    if isinstance(value, torch.Tensor):
-        return value.to("meta")
-    if isinstance(value, (tuple, list)):
-        return type(value)(_to_meta(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_meta(v) for k, v in value.items()}
-    return value
+    return compat.pytree.tree_map_only(torch.Tensor, lambda t: t.to("meta"), value)

@@ -14,7 +14,7 @@ from .. import compat
 from ..config import Config
 from ..policies import place
 from ..passes import PassContext, cast_to_compute_dtype, run_passes
-from ..passes.assign_placements import dtype_name, policy_name
+from ..passes.assign_placements import policy_name
 from ..passes.cut_stages import assign_stages, split_stages
 from ..planning import PipelineChoice, Plan, PlanFileError, TensorChoice
 from ..planning.plan import mesh_of, plan_settings
@@ -129,10 +129,8 @@ def pipeline_plan(ctx: PassContext, schedule) -> Plan:
     input_stages = ctx.stage_info["input_stages"]
     for inp in ctx.inputs:
         zero = bool(config.zero) and layout.dp_size > 1 and inp.is_state and inp.requires_grad
-        dp = "zero" if zero else "batch" if inp.kind == "input" else "replicate"
-        tensors[inp.name] = TensorChoice(inp.kind, tuple(inp.shape), dtype_name(inp.dtype),
-                                         "R" if layout.tp_size == 1 or not inp.is_state else None, dp,
-                                         tuple(input_stages[inp.index]))
+        tensors[inp.name] = TensorChoice.of(inp, "R" if layout.tp_size == 1 or not inp.is_state else None,
+                                            "zero" if zero else None, tuple(input_stages[inp.index]))
     hybrid = layout.tp_size > 1
     if given is not None:
         for name, choice in given.tensors.items():

@@ -50,5 +50,4 @@ PLAN_FILES = PlanFiles()
 
 def graph_tensors(inputs: Sequence[GraphInput]) -> dict[str, TensorChoice]:
     """The graph's inputs as a plan lists them (names, kinds, shapes, dtypes), to match a plan against."""
-    return {inp.name: TensorChoice(inp.kind, tuple(inp.shape), str(inp.dtype).replace("torch.", ""))
-            for inp in inputs}
+    return {inp.name: TensorChoice.of(inp) for inp in inputs}

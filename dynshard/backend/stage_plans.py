@@ -97,8 +97,7 @@ def stage_plan(plan: Plan, stage_index: int, inputs: list[GraphInput]) -> Plan |
             return None
         else:
             tp = choice.tp
-        tensors[inp.name] = TensorChoice(inp.kind, tuple(inp.shape), str(inp.dtype).replace("torch.", ""), tp,
-                                         "batch" if inp.kind == "input" else "replicate")
+        tensors[inp.name] = TensorChoice.of(inp, tp)
     prefix = f"{stage_index}{STAGE_SEPARATOR}"
     activations = {key[len(prefix):]: ActivationChoice(
         a.tp, None if a.readers is None else tuple(r[len(prefix):] for r in a.readers))

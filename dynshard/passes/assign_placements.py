@@ -72,9 +72,8 @@ def tensor_choices(ctx: PassContext) -> dict[str, TensorChoice]:
     choices = {}
     for inp in ctx.inputs:
         placements = ctx.placements.get(inp.index, ())
-        dp = "zero" if inp.index in ctx.zero else "batch" if inp.kind == "input" else "replicate"
-        choices[inp.name] = TensorChoice(inp.kind, tuple(inp.shape), dtype_name(inp.dtype),
-                                         encode_placement(placements[0]) if placements else "R", dp)
+        choices[inp.name] = TensorChoice.of(inp, encode_placement(placements[0]) if placements else "R",
+                                            "zero" if inp.index in ctx.zero else None)
     return choices
 
 
@@ -123,7 +122,3 @@ def policy_name(config) -> str:
     if isinstance(policy, str):
         return policy
     return getattr(policy, "__qualname__", None) or type(policy).__name__
-
-
-def dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")

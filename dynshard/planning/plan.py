@@ -91,6 +91,14 @@ class TensorChoice:
     dp: str = "replicate"           # over the data-parallel units: "replicate", "zero" rows, "batch"
     stages: tuple[int, ...] | None = None   # pipelines: the stages that read it
 
+    @classmethod
+    def of(cls, inp: Any, tp: str | None = "R", dp: str | None = None,
+           stages: tuple[int, ...] | None = None) -> "TensorChoice":
+        """A graph input's (``runtime.graph_inputs.GraphInput``) choice; ``dp`` None: "batch" for a user
+        input, else "replicate"."""
+        dp = dp if dp is not None else "batch" if inp.kind == "input" else "replicate"
+        return cls(inp.kind, tuple(inp.shape), str(inp.dtype).replace("torch.", ""), tp, dp, stages)
+
 
 @dataclasses.dataclass(frozen=True)
 class ActivationChoice:
