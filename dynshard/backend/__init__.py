@@ -24,6 +24,7 @@ from ..runtime.ddp import watch as watch_ddp_wraps
 from ..runtime.sharding import is_sharded, present_global_shapes, restore_local_shards
 from ..runtime.unit_inputs import InputCheck
 from .agreement import ensure_ranks_agree
+from .autodist import autodist_plan
 from .capture import describe_inputs
 from .compile import compile_program
 from .pipeline import plan_pipeline
@@ -50,6 +51,8 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     inputs = describe_inputs(gm, example_inputs)
     made_for = fingerprint(gm.code, world_size(), modes_token())
     given = PLAN_FILES.given(config, made_for, inputs)      # load_plan_path: the plan runs, no policy
+    if given is None and config.policy == "autodist":       # chosen before the layout, then run as given
+        given = autodist_plan(gm, inputs, config, world_size(), made_for, device_type)
     if given is not None:
         config = config_for(given, config)
     config = config.resolve(world_size())

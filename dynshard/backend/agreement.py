@@ -158,9 +158,10 @@ def ensure_ranks_agree(key: str, code: str, inputs: Sequence[GraphInput], config
     _AGREEMENT.check(key, lambda: describe_plan(key, code, inputs, config, layout))
 
 
-def from_rank0(read: Callable[[], str]) -> str:
-    """What ``read()`` returns on rank 0, on every rank (a file only rank 0 may see). When rank 0's ``read``
-    raises, every rank raises: rank 0 its error, the others a :class:`PlanFileError` with its message."""
+def from_rank0(read: Callable[[], str], raises: type[Exception] = PlanFileError, what: str = "read a plan file") -> str:
+    """What ``read()`` returns on rank 0, on every rank (a file only rank 0 may see, a search only rank 0
+    runs). When rank 0's ``read`` raises, every rank raises: rank 0 its error, the others ``raises`` with its
+    message."""
     if not _checks_agreement():
         return read()
     _AGREEMENT.ensure_group()
@@ -175,10 +176,10 @@ def from_rank0(read: Callable[[], str]) -> str:
     try:
         message = _AGREEMENT.broadcast(None, TIMEOUT)
     except RuntimeError as error:
-        raise PlanMismatchError(f"dynshard: rank {dist.get_rank()} waited for rank 0 to read a plan file and it did "
+        raise PlanMismatchError(f"dynshard: rank {dist.get_rank()} waited for rank 0 to {what} and it did "
                                 f"not send it (gloo: {_first_line(error)}). {_FIX}") from error
     if message[:1] == b"E":
-        raise PlanFileError(f"{message[1:].decode()} (read by rank 0)")
+        raise raises(f"{message[1:].decode()} (rank 0)")
     return message[1:].decode()
 
 

@@ -17,18 +17,13 @@ import torch.fx as fx
 
 from .. import compat
 from ..config import Config
-from ..policies import place
-from ..passes import PASSES, PassContext, propagate_sharding, run_passes
-from ..passes.assign_placements import record_plan
 from ..planning import Plan
-from ..planning.costs import with_forward_collectives
 from ..planning.plan import fingerprint
 from ..runtime import mesh
-from ..runtime.pipeline.schedules import build_schedule
 from .capture import describe_inputs
-from .pipeline import PIPELINE_PASSES, pipeline_plan
-from .plan_and_compile import copy_graph
 from .plan_cache import modes_token
+from .autodist import search
+from .plan_graph import plan_graph
 
 
 def plan(model: torch.nn.Module, args: Sequence[Any], config: Config | Mapping[str, Any] | None = None,
@@ -66,21 +61,11 @@ def _plan_graph(gm: fx.GraphModule, example_inputs, config: Config, plans: list[
     config = config.resolve(world)
     inputs = describe_inputs(gm, example_inputs)
     layout = mesh.layout_for(config.plan_ngpus, "cpu", config.pipeline_ranks)
-    ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
-                      made_for=fingerprint(gm.code, world, modes_token()), policy=place)
-    graph = copy_graph(gm)
-    if config.is_pipeline:
-        options = config.pipeline
-        schedule = build_schedule(options.pipeline_scheduler, options.nsegments(config), options.pipeline_nmicros,
-                                  layout.pp_size, options.all_device_first)
-        run_passes(graph, ctx, PIPELINE_PASSES)
-        plans.append(pipeline_plan(ctx, schedule))
-    elif layout.mesh is None:
-        ctx.placements = {i.index: () for i in inputs}
-        plans.append(record_plan(graph, ctx))
+    made_for = fingerprint(gm.code, world, modes_token())
+    if config.policy == "autodist":
+        plans.append(search(gm, inputs, config, world, made_for, "cpu"))
     else:
-        run_passes(graph, ctx, PASSES[:PASSES.index(propagate_sharding) + 1])
-        plans.append(with_forward_collectives(ctx.plan, ctx.propagation, ctx.node_keys))
+        plans.append(plan_graph(gm, inputs, config, layout, made_for)[0])
     return gm.forward
 
 

@@ -435,3 +435,33 @@ def abstract_device_mesh(device_type: str, size: int, dim_name: str):
 
     return DeviceMesh(device_type, torch.arange(size), mesh_dim_names=(dim_name,), _init_backend=False, _rank=0)
 
+
+def planning_device_mesh(device_type: str, size: int, dim_name: str):
+    """:func:`abstract_device_mesh` whose dimension has a process group DTensor's redistributions on
+    FakeTensors can name: a fake one (it never communicates), registered as ``<dim_name>_<size>`` alone,
+    beside whatever default process group exists (none, fake or real). Sharding propagation plans on it
+    in any process, e.g. rank 0 of a real job planning for other layouts. Private c10d API
+    (``ProcessGroup`` with a registered ``FakeProcessGroup`` backend, ``_register_process_group``), the
+    way ``init_process_group("fake")`` builds its group."""
+    from torch._C._distributed_c10d import (FakeProcessGroup, ProcessGroup, _register_process_group,
+                                             _resolve_process_group)
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    name = f"{dim_name}_{size}"
+    if name not in _PLANNING_GROUPS:
+        group = ProcessGroup(FakeStore(), 0, size)
+        group._register_backend(torch.device(device_type), ProcessGroup.BackendType.CUSTOM,
+                                FakeProcessGroup._create_internal(0, size, FakeProcessGroup.Options()))
+        group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+        group._set_group_name(name)
+        _PLANNING_GROUPS[name] = group
+    try:
+        _resolve_process_group(name)
+    except RuntimeError:            # (destroy_process_group unregisters every group, this one too)
+        _register_process_group(name, _PLANNING_GROUPS[name])
+    mesh = abstract_device_mesh(device_type, size, dim_name)
+    mesh._dim_group_names = [name]
+    return mesh
+
+
+_PLANNING_GROUPS: dict = {}

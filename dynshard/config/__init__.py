@@ -17,10 +17,11 @@ from typing import Any, Callable, Mapping, Union
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from .autodist import AutodistOptions
 from .errors import ConfigError
 from .pipeline import PipelineOptions
 
-POLICIES = ("dp", "data", "tp", "pp", "hybrid")
+POLICIES = ("dp", "data", "tp", "pp", "hybrid", "autodist")
 PIPELINE_POLICIES = ("pp", "hybrid")
 COMPILERS = ("inductor", "aot_eager")
 COMPILE_SCOPES = ("program", "blocks")
@@ -39,8 +40,10 @@ class Config:
         unit, and units are data-parallel replicas of each other.
     runtime_ngpus: ranks at run time (defaults to the world size); a multiple of plan_ngpus.
     policy: "dp", "data", "tp", "pp" (pipeline stages inside a unit, see :mod:`dynshard.runtime.pipeline`),
-        "hybrid" (pipeline stages, each split Megatron's way over plan_ngpus / stages ranks), or a callable ``policy(plan, config)`` that places parameters through
-        :class:`dynshard.policies.PlanBuilder`.
+        "hybrid" (pipeline stages, each split Megatron's way over plan_ngpus / stages ranks), "autodist"
+        (the plan a cost model predicts fastest under ``pas_config["mem_constraint"]``, see
+        :mod:`dynshard.backend.autodist`), or a callable ``policy(plan, config)`` that places parameters
+        through :class:`dynshard.policies.PlanBuilder`.
     pas_config: options for the policy (read by the policy itself).
     user_config: anything that changes the traced program; part of the plan-cache key.
     inference_only: programs run without autograd (no gradients, no gradient collectives).
@@ -195,6 +198,7 @@ class Config:
                 "inference_only=True")
         self._check_memory_fields()
         self._check_pipeline_fields()
+        self._check_autodist_fields()
         object.__setattr__(self, "param_init_fn", _param_init_fn(self.param_init_fn))
 
     def _check_memory_fields(self) -> None:
@@ -237,6 +241,20 @@ class Config:
             return
         options = PipelineOptions.from_pas_config(self.pas_config)
         options.check(self)
+
+    def _check_autodist_fields(self) -> None:
+        if self.policy != "autodist":
+            return
+        options = AutodistOptions.from_pas_config(self.pas_config)
+        options.check(self)
+        for name in ("load_plan_path", "save_plan_path"):     # nnScaler's keys for the plan files
+            if getattr(options, name) is not None:
+                object.__setattr__(self, name, os.fspath(getattr(options, name)))
+
+    @property
+    def autodist(self) -> AutodistOptions:
+        """``policy="autodist"``'s typed ``pas_config`` (:class:`dynshard.config.autodist.AutodistOptions`)."""
+        return AutodistOptions.from_pas_config(self.pas_config)
 
     @property
     def is_pipeline(self) -> bool:

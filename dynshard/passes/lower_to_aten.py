@@ -16,6 +16,11 @@ def lower_to_aten(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ATen ops, so ``recompute_modules`` lowers here too."""
     if ctx.layout.tp_mesh is None and not ctx.config.recompute_names:
         return gm
+    return lower(gm, ctx)
+
+
+def lower(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    """The ATen graph of ``gm`` on FakeTensors of its inputs' global shapes."""
     device_of = (lambda inp: inp.device) if ctx.config.trace_strategy == "fake" else (lambda inp: torch.device("meta"))
     with ctx.fake_mode:
         fakes = []

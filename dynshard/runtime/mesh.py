@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from .. import compat
+
 MESH_DIMS = ("dp", "pp", "tp")
 
 
@@ -145,6 +147,36 @@ def _layout(plan_ngpus: int, device_type: str, pp_size: int, world: int) -> Layo
         mesh = init_device_mesh(device_type, tuple(sizes[n] for n in names), mesh_dim_names=names)
     return Layout(world_size=world, rank=rank, plan_ngpus=plan_ngpus, device_type=device_type, mesh=mesh,
                   pp_size=pp_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanningLayout(Layout):
+    """A layout to plan for, with no process group behind it: rank 0 of a ``world_size``-rank job whose
+    tp mesh is an abstract one (:func:`dynshard.compat.abstract_device_mesh`). Sharding propagation runs on
+    it; nothing communicates. An automatic policy plans candidate layouts this way on one rank of a job,
+    whatever the job's own process group is."""
+
+    @functools.cached_property
+    def dim_names(self) -> tuple[str, ...]:
+        return tuple(name for name in MESH_DIMS if self.size(name) > 1)
+
+    @functools.cached_property
+    def tp_mesh(self) -> DeviceMesh | None:
+        return compat.planning_device_mesh(self.device_type, self.tp_size, "dynshard_planning_tp") \
+            if self.tp_size > 1 else None
+
+    @property
+    def dp_group(self) -> None:
+        return None
+
+    @property
+    def pp_group(self) -> None:
+        return None
+
+
+def planning_layout(world: int, plan_ngpus: int, device_type: str, pp_size: int = 1) -> PlanningLayout:
+    return PlanningLayout(world_size=world, rank=0, plan_ngpus=plan_ngpus, device_type=device_type, mesh=None,
+                          pp_size=pp_size)
 
 
 def forget_layouts() -> None:

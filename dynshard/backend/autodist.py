@@ -1,0 +1,131 @@
+"""``policy="autodist"``: the plan the cost model predicts fastest that fits ``mem_constraint``, chosen before
+the layout is built, and then executed as a given plan (a loaded plan file takes the same path).
+
+The search, on rank 0 (the others receive its plan, or its error), for one captured graph:
+1. each placement of :func:`policies.autodist.space.placements` is planned by its policy on a layout with no
+   process group behind it (``runtime.mesh.PlanningLayout``), at ZeRO level 1 when there are several
+   units (which tensors take ZeRO rows), and costed per micro-batch on one rank
+   (:mod:`policies.autodist.graph_costs`);
+2. every ZeRO level and recompute choice of it is priced (:func:`planning.cost_model.predict`);
+3. the fastest candidate whose peak fits wins (ties: the smaller peak, then the name). The space is
+   enumerated whole, so the choice is optimal in it under the cost model (``gap`` 0); the plan records
+   every candidate's prediction, as ``explain`` shows them.
+When no candidate fits, every rank raises :class:`AutodistError` naming ``mem_constraint``, the smallest
+peak a candidate reaches and what dominates it, before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+
+import torch.fx as fx
+
+from .. import compat
+from ..config import Config
+from ..passes import run_passes
+from ..passes.cast_to_compute_dtype import cast_to_compute_dtype
+from ..passes.lower_to_aten import lower
+from ..planning import Plan
+from ..planning.cost_model import DEFAULT_PROFILES, DeviceProfile, predict
+from ..policies.autodist.graph_costs import graph_costs, op_costs
+from ..policies.autodist.space import Candidate, placements, recompute_choices, with_choices, zero_levels
+from ..runtime.mesh import planning_layout
+from .agreement import from_rank0
+from .plan_and_compile import copy_graph
+from .plan_graph import plan_graph
+
+log = logging.getLogger("dynshard")
+GB = 1024 ** 3
+
+
+class AutodistError(ValueError):
+    """No plan autodist can build fits the memory budget, or its inputs are wrong."""
+
+
+def autodist_plan(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str) -> Plan:
+    """The plan autodist chooses for ``gm`` in a job of ``world`` ranks, the same on every rank."""
+    text = from_rank0(lambda: search(gm, inputs, config, world, made_for, device_type).to_json(), AutodistError,
+                      "search a plan (autodist)")
+    return Plan.from_json(text, "the plan autodist chose on rank 0")
+
+
+def device_profile(config: Config, device_type: str) -> DeviceProfile:
+    path = config.autodist.device_profile
+    if path is None:
+        return DEFAULT_PROFILES["cuda" if device_type == "cuda" else "cpu"]
+    if path in DEFAULT_PROFILES:             # a built-in by name: planning offline for GPUs on a CPU machine
+        return DEFAULT_PROFILES[path]
+    try:
+        with open(os.fspath(path)) as f:
+            return DeviceProfile.from_json(f.read())
+    except (OSError, ValueError, KeyError) as error:
+        raise AutodistError(f"dynshard: autodist cannot read the device profile {os.fspath(path)!r} "
+                            f"(pas_config['device_profile']): {error}. Write one with python -m dynshard.calibrate") from error
+
+
+def search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str) -> Plan:
+    start = time.perf_counter()
+    options = config.autodist
+    profile = device_profile(config, device_type)
+    rows = candidates(gm, inputs, config, world, made_for, device_type, profile)
+    budget = options.mem_constraint_bytes
+    fitting = [row for row in rows if budget is None or row[2]["bytes_per_rank"]["peak"] <= budget]
+    if not fitting:
+        raise _nothing_fits(rows, options.mem_constraint)
+    chosen = min(fitting, key=lambda row: (row[2]["step_seconds"], row[2]["bytes_per_rank"]["peak"], row[0].name))
+    seconds = time.perf_counter() - start
+    record = {
+        "chosen": chosen[0].name, "solver": "enumeration", "status": "optimal", "gap": 0.0,
+        "objective_seconds": chosen[2]["step_seconds"],
+        "mem_constraint_gb": options.mem_constraint, "update_freq": options.update_freq,
+        "device_profile": {"name": profile.name, "digest": profile.digest()},
+        "task_name": options.task_name,
+        "candidates": [{"plan": c.name, "step_seconds": p["step_seconds"], "peak_bytes": p["bytes_per_rank"]["peak"],
+                        "fits": budget is None or p["bytes_per_rank"]["peak"] <= budget}
+                       for c, _, p in sorted(rows, key=lambda row: (row[2]["step_seconds"], row[0].name))],
+    }
+    level = logging.INFO if options.verbose else logging.DEBUG    # (the search's time is logged, not kept: a plan
+                                                                   # is the same bytes for the same inputs)
+    log.log(level, "autodist: %d candidates in %.2fs, chose %s (%.4gs a step, %.3g GB peak)", len(rows), seconds,
+            chosen[0].name, chosen[2]["step_seconds"], chosen[2]["bytes_per_rank"]["peak"] / GB)
+    predicted = {**(chosen[1].predicted or {}), **chosen[2], "autodist": record}
+    return dataclasses.replace(chosen[1], policy="autodist", predicted=predicted)
+
+
+def candidates(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str,
+               profile: DeviceProfile) -> list[tuple[Candidate, Plan, dict]]:
+    """Every plan of the space, each with its prediction (the plans as their policies make them)."""
+    options = config.autodist
+    config = config.resolve(world)
+    dp = world // config.plan_ngpus
+    layout = planning_layout(world, config.plan_ngpus, device_type)
+    rows: list[tuple[Candidate, Plan, dict]] = []
+    for placement in placements(config):
+        forced = options.recompute_modules or ""
+        base, ctx, graph = plan_graph(gm, inputs, placement.config(config, 1 if dp > 1 else 0, forced), layout,
+                                      made_for)
+        if layout.tp_mesh is None and not forced:        # (a unit of one rank is not lowered to plan it)
+            graph = lower(run_passes(copy_graph(gm), ctx, [cast_to_compute_dtype]), ctx)
+        unit, repeated = graph_costs(graph, inputs, op_costs(graph, inputs, compat.new_fake_mode()),
+                                     layout.tp_size, ctx.propagation)
+        for zero in zero_levels(dp):
+            for recompute in recompute_choices(config, repeated):
+                candidate = Candidate(placement, zero, recompute)
+                plan = with_choices(base, zero, recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
+                rows.append((candidate, plan, predict(plan, unit, options.update_freq, profile,
+                                                      options.transient_mem_coef)))
+    return rows
+
+
+def _nothing_fits(rows, mem_constraint: float) -> AutodistError:
+    candidate, _, predicted = min(rows, key=lambda row: (row[2]["bytes_per_rank"]["peak"], row[0].name))
+    parts = {k: v for k, v in predicted["bytes_per_rank"].items() if k != "peak"}
+    largest = max(sorted(parts), key=lambda k: parts[k])
+    return AutodistError(
+        f"dynshard: no plan autodist can build fits pas_config['mem_constraint']={mem_constraint} GB per device: the "
+        f"smallest peak is {predicted['bytes_per_rank']['peak'] / GB:.3g} GB ({candidate.name}), most of it "
+        f"{largest} ({parts[largest] / GB:.3g} GB). Raise mem_constraint, use more ranks per unit (plan_ngpus) or "
+        "units (ZeRO splits over them), or a smaller micro-batch")

@@ -1,0 +1,38 @@
+"""The Plan a configuration gives one captured graph on a layout, made as the backend makes it on the
+planning rank, without compiling anything: offline planning (:mod:`.offline`) and the candidates of an
+automatic policy (:mod:`.autodist`)."""
+
+from __future__ import annotations
+
+import torch.fx as fx
+
+from .. import compat
+from ..config import Config
+from ..passes import PASSES, PassContext, propagate_sharding, run_passes
+from ..passes.assign_placements import record_plan
+from ..planning import Plan
+from ..planning.costs import with_forward_collectives
+from ..policies import place
+from ..runtime.mesh import Layout
+from ..runtime.pipeline.schedules import build_schedule
+from .pipeline import PIPELINE_PASSES, pipeline_plan
+from .plan_and_compile import copy_graph
+
+
+def plan_graph(gm: fx.GraphModule, inputs, config: Config, layout: Layout, made_for) -> tuple[Plan, PassContext, fx.GraphModule]:
+    """``config``'s Plan for ``gm`` (described by ``inputs``), the context the passes filled, and the graph
+    they left (the propagated ATen graph of a planned unit)."""
+    ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
+                      made_for=made_for, policy=place)
+    graph = copy_graph(gm)
+    if config.is_pipeline:
+        options = config.pipeline
+        schedule = build_schedule(options.pipeline_scheduler, options.nsegments(config), options.pipeline_nmicros,
+                                  layout.pp_size, options.all_device_first)
+        graph = run_passes(graph, ctx, PIPELINE_PASSES)
+        return pipeline_plan(ctx, schedule), ctx, graph
+    if not layout.dim_names:        # a single process: nothing to place
+        ctx.placements = {i.index: () for i in inputs}
+        return record_plan(graph, ctx), ctx, graph
+    graph = run_passes(graph, ctx, PASSES[:PASSES.index(propagate_sharding) + 1])
+    return with_forward_collectives(ctx.plan, ctx.propagation, ctx.node_keys), ctx, graph

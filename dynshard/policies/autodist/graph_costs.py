@@ -1,0 +1,217 @@
+"""What one rank of a plan unit computes, keeps and sends for one micro-batch of a graph, read from its ATen
+graph and, when the unit is split, from the sharding propagation of a candidate plan.
+
+Per op (one node of the forward ATen graph, run once on FakeTensors of the global shapes):
+- forward FLOPs by torch's ``flop_counter`` formulas, bytes read and written;
+- the bytes autograd saves for the backward from the op's output (saved-tensors hooks; parameters and
+  graph inputs excluded: they are held anyway), attributed to the op that produced the tensor.
+On a rank of a candidate: an op whose output is split (or partial, or a partial reduced at once) does
+1/tp of the work and writes 1/tp of the bytes; a replicated op does all of it (every rank repeats it).
+
+Module instances (from ``nn_module_stack``) group the ops for recompute: the repeated module class that
+covers the most ops is the recompute choice a search offers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import Counter, defaultdict
+
+import torch
+import torch.fx as fx
+from torch.distributed.tensor.placement_types import Partial, Shard
+from torch.utils.flop_counter import flop_registry
+
+from ...compat import pytree
+from ...planning.cost_model import UnitCosts
+from ...planning.node_keys import module_paths
+
+_ROOT_CLASS = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCost:
+    name: str
+    flops: int               # forward, global
+    bytes: int               # read and written, global
+    out_bytes: int           # written, global
+    saved_bytes: int         # of its output, kept for the backward, global
+    modules: tuple[str, ...]  # module paths around it, outermost first
+
+
+def op_costs(gm: fx.GraphModule, inputs, fake_mode) -> list[OpCost]:
+    """Each op of the ATen graph ``gm`` (placeholders in the order of ``inputs``) with its global costs."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    held = {n.name for n in placeholders}
+    producer: dict[int, str] = {}
+    saved: dict[str, dict[int, int]] = defaultdict(dict)
+    current: list[str] = [""]
+    outputs: list = []          # every output stays alive, so that no tensor's id is reused by another
+
+    def pack(tensor):
+        base = tensor._base if tensor._base is not None else tensor
+        name = producer.get(id(base), producer.get(id(tensor), current[0]))
+        if name not in held:
+            saved[name][id(base)] = base.numel() * base.element_size()
+        return tensor
+
+    class Run(fx.Interpreter):
+        def run_node(self, n):
+            current[0] = n.name
+            out = super().run_node(n)
+            for leaf in pytree.tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    producer.setdefault(id(leaf), n.name)
+                    outputs.append(leaf)
+            return out
+
+    with fake_mode:
+        fakes = [torch.empty_strided(i.shape, i.stride, dtype=i.dtype, device="cpu" if i.device.type == "meta"
+                                     else i.device).requires_grad_(i.requires_grad) for i in inputs]
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            Run(gm).run(*fakes)
+    costs = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        out = [t for t in pytree.tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
+        args = [t for t in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(t, fx.Node)]
+        read = sum(_nbytes(a.meta.get("val")) for a in args)
+        written = sum(_nbytes(t) for t in out)
+        costs.append(OpCost(node.name, _flops(node), read + written, written, sum(saved[node.name].values()),
+                            tuple(module_paths(node))))
+    return costs
+
+
+def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int,
+                propagation=None) -> tuple[UnitCosts, str | None]:
+    """``ops`` (of ``gm``, whose placeholders are ``inputs``) on one rank of a unit of ``tp`` ranks placed
+    as ``propagation`` found, and the repeated module class a search may recompute."""
+    split = {op.name: _split(op.name, tp, propagation) for op in ops}
+    written = {op.name: _written(op.name, tp, propagation) for op in ops}
+    flops = sum(op.flops * split[op.name] for op in ops)
+    moved = sum(op.bytes * split[op.name] for op in ops)
+    saved = sum(op.saved_bytes * written[op.name] for op in ops)
+    largest = max((op.out_bytes * written[op.name] for op in ops), default=0)
+    recompute = _recompute_class(gm)
+    r_saved, r_flops, r_bytes, instances = saved, 0.0, 0.0, {}
+    if recompute is not None:
+        instances = _instances(gm, recompute)
+        inside: dict[str, str] = {n: path for path, names in instances.items() for n in names}
+        per_instance: dict[str, float] = defaultdict(float)
+        outside = 0.0
+        for op in ops:
+            bytes_ = op.saved_bytes * written[op.name]
+            if op.name in inside:
+                per_instance[inside[op.name]] += bytes_
+                r_flops += op.flops * split[op.name]
+                r_bytes += op.bytes * split[op.name]
+            else:
+                outside += bytes_
+        entries = sum(_entry_bytes(gm, names, tp, propagation) for names in instances.values())
+        r_saved = outside + entries + max(per_instance.values(), default=0.0)
+    return UnitCosts(flops, moved, saved, largest, r_saved, r_flops, r_bytes,
+                     _replicated_grad_bytes(gm, inputs, tp, propagation), max(len(instances), 1)), recompute
+
+
+def _flops(node: fx.Node) -> int:
+    formula = flop_registry.get(getattr(node.target, "overloadpacket", None))
+    if formula is None:
+        return 0
+    args, kwargs = pytree.tree_map_only(fx.Node, lambda a: a.meta.get("val"), (node.args, node.kwargs))
+    try:
+        return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
+    except Exception:       # (a formula that does not take these arguments counts nothing)
+        return 0
+
+
+def _nbytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+def _placements(name: str, propagation) -> tuple:
+    return () if propagation is None else propagation.placements.get(name, ())
+
+
+def _split(name: str, tp: int, propagation) -> float:
+    """The share of an op's work one rank does."""
+    placements = _placements(name, propagation)
+    if any(isinstance(p, (Shard, Partial)) for p in placements) or (
+            propagation is not None and name in propagation.reduced_partials):
+        return 1 / tp
+    return 1.0
+
+
+def _written(name: str, tp: int, propagation) -> float:
+    """The share of an op's output one rank holds."""
+    return 1 / tp if any(isinstance(p, Shard) for p in _placements(name, propagation)) else 1.0
+
+
+def _recompute_class(gm: fx.GraphModule) -> str | None:
+    """The module class with two or more instances that covers the most ops (a model's repeated block)."""
+    covered: Counter = Counter()
+    paths: dict[str, set[str]] = defaultdict(set)
+    for node in gm.graph.nodes:
+        for path, cls in _stack(node):
+            covered[cls] += 1
+            paths[cls].add(path)
+    repeated = [cls for cls in covered if len(paths[cls]) > 1 and cls != _ROOT_CLASS]
+    return max(sorted(repeated), key=lambda cls: covered[cls], default=None)
+
+
+def _instances(gm: fx.GraphModule, cls: str) -> dict[str, list[str]]:
+    found: dict[str, list[str]] = defaultdict(list)
+    for node in gm.graph.nodes:
+        for path, name in _stack(node):
+            if name == cls:
+                found[path].append(node.name)
+                break
+    return found
+
+
+def _stack(node: fx.Node) -> list[tuple[str, str]]:
+    classes = [c if isinstance(c, str) else getattr(c, "__name__", str(c))
+               for _, c in node.meta.get("nn_module_stack", {}).values()]
+    return [(path, cls.rsplit(".", 1)[-1]) for path, cls in zip(module_paths(node), classes)]
+
+
+def _entry_bytes(gm: fx.GraphModule, names: list[str], tp: int, propagation) -> float:
+    """The activations a module instance reads from outside it: what a recompute keeps."""
+    inside = set(names)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    entries = set()
+    for name in names:
+        for arg in nodes[name].all_input_nodes:
+            if arg.name not in inside and arg.op != "placeholder" and arg.op != "get_attr":
+                entries.add(arg)
+    return sum(_nbytes(a.meta.get("val")) * _written(a.name, tp, propagation) for a in entries)
+
+
+def _replicated_grad_bytes(gm: fx.GraphModule, inputs, tp: int, propagation) -> float:
+    """Gradients of tp-replicated parameters whose readers split the work: partial sums over tp."""
+    if propagation is None or tp == 1:
+        return 0.0
+    total = 0.0
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, inp in zip(placeholders, inputs):
+        if inp.kind != "parameter" or not inp.requires_grad:
+            continue
+        if any(isinstance(p, (Shard, Partial)) for p in _placements(node.name, propagation)):
+            continue
+        if any(_reads_split(user, propagation) for user in node.users):
+            total += math.prod(inp.shape) * inp.dtype.itemsize
+    return total
+
+
+def _reads_split(node: fx.Node, propagation, depth: int = 0) -> bool:
+    """Whether ``node`` (following single-input views and casts of a parameter) splits its work by a
+    sharded activation."""
+    if any(isinstance(p, Shard) for p in _placements(node.name, propagation)):
+        return True
+    if depth < 4 and len(node.all_input_nodes) == 1:
+        return any(_reads_split(user, propagation, depth + 1) for user in node.users)
+    return False
+
+
+__all__ = ["OpCost", "graph_costs", "op_costs"]
