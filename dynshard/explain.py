@@ -117,6 +117,8 @@ class Explanation:
                 lines.append(f"  replicated fallback: {fallback}")
         for pipeline in self.pipelines:
             lines += ["", str(pipeline)]
+        for plan in self.plans:
+            lines += _autodist_lines(plan)
         return "\n".join(lines)
 
 
@@ -190,8 +192,27 @@ class PlanExplanation:
                 else ["    none"]
             if plan.pipeline is not None:
                 lines += _pipeline_lines(plan)
+            lines += _autodist_lines(plan)
             lines.append("")
         return "\n".join(lines).rstrip()
+
+
+def _autodist_lines(plan: Plan) -> list[str]:
+    """An automatic policy's choice: its predicted step and peak beside every candidate it priced."""
+    record = (plan.predicted or {}).get("autodist")
+    if record is None:
+        return []
+    p = plan.predicted
+    budget = record["mem_constraint_gb"]
+    lines = [f"  autodist chose {record['chosen']}: predicted {p['step_seconds']:.4g} s a step (compute "
+             f"{p['compute_seconds']:.4g}, communication {p['communication_seconds']:.4g}), peak "
+             f"{p['bytes_per_rank']['peak']} bytes per rank" + (f" of {budget} GB" if budget is not None else "")
+             + f"; {record['solver']} of {len(record['candidates'])} candidates, {record['status']}, gap "
+             f"{record['gap']}; device profile {record['device_profile']['name']}"]
+    lines += _table([("candidate", "step seconds", "peak bytes", "fits")] + [
+        (c["plan"], f"{c['step_seconds']:.4g}", str(c["peak_bytes"]), "yes" if c["fits"] else "no")
+        for c in record["candidates"]])
+    return lines
 
 
 def _pipeline_lines(plan: Plan) -> list[str]:

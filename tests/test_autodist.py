@@ -1,0 +1,89 @@
+"""policy="autodist": its typed pas_config, a space that holds the hand policies' own plans, a memory budget
+that moves the choice and is kept, the same plan for the same inputs, and a job that trains like one
+process on the plan it chose."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import dynshard
+from dynshard.config import ConfigError
+from distributed import run_ranks
+from parity import assert_trains_like_one_process
+from workers_autodist import (candidate_plans_beside_hand_plans, nothing_fits, offline_autodist,
+                              train_with_autodist)
+
+
+@pytest.mark.parametrize("pas_config, message", [
+    ({"mem_constraint": 70, "bogus": 1}, "no option 'bogus'"),
+    ({"mem_constraint": -1}, "GB per device, a positive number"),
+    ({"update_freq": 0}, "'update_freq'] must be a positive integer"),
+    ({"use_bf16": True}, "set mixed_precision"),
+    ({"use_fp16": True, "use_bf16": True}, "choose one"),
+    ({"explore_pipeline": True}, "does not search pipelines"),
+    ({"transient_mem_coef": "2"}, "transient_mem_coef"),
+])
+def test_bad_pas_config_values_are_errors_that_say_what_to_change(pas_config, message):
+    with pytest.raises(ConfigError, match=message):
+        dynshard.Config(policy="autodist", plan_ngpus=2, pas_config=pas_config)
+
+
+def test_nnscalers_plan_file_keys_map_onto_the_configs():
+    config = dynshard.Config(policy="autodist", pas_config={"save_plan_path": "a.json", "mem_constraint": 70})
+    assert config.save_plan_path == "a.json" and config.autodist.mem_constraint_bytes == 70 * 1024 ** 3
+    with pytest.raises(ConfigError, match="differ; set one"):
+        dynshard.Config(policy="autodist", save_plan_path="b.json", pas_config={"save_plan_path": "a.json"})
+
+
+def test_every_candidate_is_the_plan_its_hand_policy_makes():
+    """tp, tp + sequence parallel and data, at every ZeRO level over 2 units, with and without recompute:
+    each candidate is byte for byte the plan that policy and config make (autodist's space holds them)."""
+    rows = run_ranks(candidate_plans_beside_hand_plans, 1, 4, timeout=300)[0]
+    names = [name for name, _, _ in rows]
+    assert len(names) == 3 * 4 * 2 and {"tp", "tp + sequence parallel + ZeRO-3", "data + ZeRO-1 + recompute Block"} <= set(names)
+    for name, candidate, hand in rows:
+        assert candidate == hand, name
+
+
+def test_a_tighter_memory_budget_moves_the_choice_toward_saving_memory_and_the_plan_fits_it():
+    free = json.loads(run_ranks(offline_autodist, 1, 4, {}, timeout=300)[0])
+    peaks = sorted({c["peak_bytes"] for c in free["predicted"]["autodist"]["candidates"]}, reverse=True)
+    chosen = [free]
+    for peak in peaks[1::3] + [peaks[-1]]:
+        budget = peak / 1024 ** 3
+        plan = json.loads(run_ranks(offline_autodist, 1, 4, {"mem_constraint": budget}, timeout=300)[0])
+        assert plan["predicted"]["bytes_per_rank"]["peak"] <= peak
+        assert plan["predicted"]["step_seconds"] >= chosen[-1]["predicted"]["step_seconds"]
+        chosen.append(plan)
+    assert chosen[-1]["predicted"]["bytes_per_rank"]["peak"] == peaks[-1] < free["predicted"]["bytes_per_rank"]["peak"]
+    assert len({p["predicted"]["autodist"]["chosen"] for p in chosen}) >= 3
+    error = run_ranks(offline_autodist, 1, 4, {"mem_constraint": peaks[-1] / 1024 ** 3 * 0.99}, timeout=300)[0]
+    assert error.startswith("AutodistError") and "mem_constraint" in error and "smallest peak" in error, error
+
+
+def test_the_same_inputs_give_a_byte_identical_plan():
+    first, second = (run_ranks(offline_autodist, 1, 4, {"update_freq": 2}, timeout=300)[0] for _ in range(2))
+    assert first == second
+    plan = json.loads(first)
+    assert plan["policy"] == "autodist" and plan["predicted"]["autodist"]["status"] == "optimal"
+    assert plan["predicted"]["autodist"]["chosen"] == min(plan["predicted"]["autodist"]["candidates"],
+                                                          key=lambda c: c["step_seconds"])["plan"]
+
+
+def test_a_two_rank_job_trains_like_one_process_on_the_plan_autodist_chose_and_saves_it(tmp_path):
+    results = run_ranks(train_with_autodist, 2, str(tmp_path / "plan.json"), timeout=600)
+    for rank, result in enumerate(results):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert result["plans"] == [result["saved"]]       # explain(model).plans: the plan it ran, saved
+    plan = json.loads(results[0]["saved"])
+    assert plan["policy"] == "autodist" and plan["mesh"]["tp"] == 2
+    assert plan["predicted"]["autodist"]["chosen"] in {c["plan"] for c in plan["predicted"]["autodist"]["candidates"]}
+    assert "autodist chose" in results[0]["explain"]
+
+
+def test_a_budget_nothing_fits_fails_on_every_rank_before_any_step():
+    errors = run_ranks(nothing_fits, 2, timeout=300)
+    for error in errors:
+        assert error.startswith("AutodistError") and "mem_constraint" in error and "smallest peak" in error, error

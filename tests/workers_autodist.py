@@ -1,0 +1,83 @@
+"""What each process runs in the autodist tests (module level, so spawned processes can import it)."""
+
+from __future__ import annotations
+
+
+import torch
+import torch.distributed as dist
+
+import dynshard
+from dynshard.backend import autodist, offline
+from dynshard.backend.autodist import AutodistError, candidates, device_profile
+from models import GPT, GPTConfig, gpt_batch
+from workers import train_parity
+
+
+def candidate_plans_beside_hand_plans(rank: int, world: int, world_size: int) -> list[tuple[str, str, str]]:
+    """In a plain process: each candidate's plan JSON (as ``dynshard.plan`` with autodist searches them) and
+    the plan its hand policy makes (``dynshard.plan`` with that policy)."""
+    assert not dist.is_initialized()
+    torch.manual_seed(0)
+    model, batch = GPT(GPTConfig()), gpt_batch(GPTConfig(), 4, 0)
+    config = dynshard.Config(policy="autodist", plan_ngpus=2, compiler="aot_eager")
+    rows = []
+
+    def search(gm, inputs, config, world, made_for, device_type):
+        rows.extend(candidates(gm, inputs, config, world, made_for, device_type, device_profile(config, device_type)))
+        return autodist.search(gm, inputs, config, world, made_for, device_type)
+
+    offline.search = search
+    try:
+        dynshard.plan(model, batch, config, world_size=world_size)
+    finally:
+        offline.search = autodist.search
+    out = []
+    for candidate, plan, _ in rows:
+        hand = candidate.placement.config(config, candidate.zero, ",".join(candidate.recompute))
+        made, = dynshard.plan(model, batch, hand, world_size=world_size)
+        out.append((candidate.name, plan.to_json(), made.to_json()))
+    return out
+
+
+def offline_autodist(rank: int, world: int, world_size: int, pas_config: dict) -> str:
+    """``dynshard.plan`` with autodist: the plan's JSON, or the error's type and message."""
+    torch.manual_seed(0)
+    model, batch = GPT(GPTConfig()), gpt_batch(GPTConfig(), 4, 0)
+    try:
+        plan, = dynshard.plan(model, batch, dynshard.Config(policy="autodist", plan_ngpus=2, pas_config=pas_config),
+                              world_size=world_size)
+    except Exception as error:
+        return _autodist_error(error)
+    return plan.to_json()
+
+
+def _autodist_error(error: BaseException) -> str:
+    """The AutodistError inside what Dynamo raised (it wraps a backend's error), as text."""
+    cause = error
+    while not isinstance(cause, AutodistError) and (cause.__cause__ or getattr(cause, "inner_exception", None)):
+        cause = cause.__cause__ or cause.inner_exception
+    if not isinstance(cause, AutodistError):
+        raise error
+    return f"AutodistError: {cause}"
+
+
+def train_with_autodist(rank: int, world: int, path: str) -> dict:
+    result = train_parity(rank, world, "gpt", "autodist", 2, "aot_eager", 3, options={"save_plan_path": path})
+    dist.barrier()
+    with open(path) as f:
+        result["saved"] = f.read()
+    return result
+
+
+def nothing_fits(rank: int, world: int) -> str:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy="autodist", plan_ngpus=2, compiler="aot_eager", pas_config={"mem_constraint": 1e-5}))
+    try:
+        compiled(*gpt_batch(GPTConfig(), 4, 0))
+    except Exception as error:
+        return _autodist_error(error)
+    return "no error"
+
+
