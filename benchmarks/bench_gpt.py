@@ -105,7 +105,7 @@ def load_average() -> list[float]:
 
 
 def run_job(system: str, ranks: int, args, results_dir: str, job: str = "gpt_job.py",
-            extra: tuple[str, ...] = ()) -> dict:
+            extra: tuple[str, ...] = (), environ: dict[str, str] | None = None) -> dict:
     """Run ``job`` (a script beside this one) for ``system`` under a fresh torchrun with empty Inductor and
     Triton caches, with the model flags of ``args`` and ``extra``; its JSON, with the job's wall time and
     the load average added."""
@@ -120,6 +120,7 @@ def run_job(system: str, ranks: int, args, results_dir: str, job: str = "gpt_job
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(cache, "inductor")
     env["TRITON_CACHE_DIR"] = os.path.join(cache, "triton")
     env["OMP_NUM_THREADS"] = "1"
+    env.update(environ or {})
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
            os.path.join(HERE, job), "--system", system, "--out", out, *extra]
     for name in MODEL_ARGS:

@@ -47,6 +47,15 @@ DYNSHARD = {
     "dynshard:tpsp": dict(policy="tp", plan_ngpus=2, pas_config={"sequence_parallel": True}),
     "dynshard:tpzero1": dict(policy="tp", plan_ngpus=2, use_zero=1),
     "dynshard:tpzero3": dict(policy="tp", plan_ngpus=2, use_zero=3),
+    "dynshard:data": dict(policy="data", plan_ngpus=2),
+    "dynshard:dp-recompute": dict(policy="dp", recompute_modules="Block"),
+    "dynshard:zero3-recompute": dict(policy="dp", use_zero=3, recompute_modules="Block"),
+    "dynshard:tp-recompute": dict(policy="tp", plan_ngpus=2, recompute_modules="Block"),
+    "dynshard:tpsp-recompute": dict(policy="tp", plan_ngpus=2, pas_config={"sequence_parallel": True},
+                                    recompute_modules="Block"),
+    # autodist: its pas_config (the device profile) comes from DYNSHARD_PAS_CONFIG (bench_autodist.py sets it)
+    "dynshard:autodist": dict(policy="autodist", plan_ngpus=2),
+    "dynshard:autodist-dp": dict(policy="autodist"),
 }
 # the same with Inductor code for the outlined blocks only (FSDP2 + torch.compile's scope)
 DYNSHARD.update({f"{name}-blocks": dict(fields, compile_scope="blocks") for name, fields in list(DYNSHARD.items())})

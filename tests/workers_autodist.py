@@ -8,8 +8,8 @@ import torch.distributed as dist
 
 import dynshard
 from dynshard.backend import autodist, offline
-from dynshard.backend.autodist import AutodistError, candidates, device_profile
-from models import GPT, GPTConfig, gpt_batch
+from dynshard.backend.autodist import AutodistError, device_profile
+from models import GPT, MLP, GPTConfig, gpt_batch, mlp_batch
 from workers import train_parity
 
 
@@ -23,7 +23,8 @@ def candidate_plans_beside_hand_plans(rank: int, world: int, world_size: int) ->
     rows = []
 
     def search(gm, inputs, config, world, made_for, device_type):
-        rows.extend(candidates(gm, inputs, config, world, made_for, device_type, device_profile(config, device_type)))
+        units = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
+        rows.extend(autodist.hand_plans(units, config, world, device_profile(config, device_type)))
         return autodist.search(gm, inputs, config, world, made_for, device_type)
 
     offline.search = search
@@ -81,3 +82,26 @@ def nothing_fits(rank: int, world: int) -> str:
     return "no error"
 
 
+
+
+def planned_units_of(rank: int, world: int, model_name: str, world_size: int, plan_ngpus: int) -> list:
+    """In a plain process: what autodist's search starts from for ``model_name`` (each placement's plan and
+    per-rank costs), as ``dynshard.plan`` captures the graph."""
+    torch.manual_seed(0)
+    if model_name == "mlp":
+        model, batch = MLP(layers=2), mlp_batch(4, 0)
+    else:
+        model, batch = GPT(GPTConfig()), gpt_batch(GPTConfig(), 4, 0)
+    config = dynshard.Config(policy="autodist", plan_ngpus=plan_ngpus)
+    found = []
+
+    def search(gm, inputs, config, world, made_for, device_type):
+        found.extend(autodist.planned_units(gm, inputs, config, world, made_for, device_type))
+        return autodist.search(gm, inputs, config, world, made_for, device_type)
+
+    offline.search = search
+    try:
+        dynshard.plan(model, batch, config, world_size=world_size)
+    finally:
+        offline.search = autodist.search
+    return [(placement, plan.to_json(), unit) for placement, plan, unit in found]     # (a Plan holds mapping proxies)

@@ -29,9 +29,10 @@ from ..passes import run_passes
 from ..passes.cast_to_compute_dtype import cast_to_compute_dtype
 from ..passes.lower_to_aten import lower
 from ..planning import Plan
-from ..planning.cost_model import DEFAULT_PROFILES, DeviceProfile, predict
+from ..planning.cost_model import DEFAULT_PROFILES, DeviceProfile, UnitCosts, predict
+from ..policies.autodist.choices import choose
 from ..policies.autodist.graph_costs import graph_costs, op_costs
-from ..policies.autodist.space import Candidate, placements, recompute_choices, with_choices, zero_levels
+from ..policies.autodist.space import Candidate, Placement, placements, recompute_choices, with_choices, zero_levels
 from ..runtime.mesh import planning_layout
 from .agreement import from_rank0
 from .plan_and_compile import copy_graph
@@ -70,54 +71,86 @@ def search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, dev
     start = time.perf_counter()
     options = config.autodist
     profile = device_profile(config, device_type)
-    rows = candidates(gm, inputs, config, world, made_for, device_type, profile)
     budget = options.mem_constraint_bytes
-    fitting = [row for row in rows if budget is None or row[2]["bytes_per_rank"]["peak"] <= budget]
-    if not fitting:
-        raise _nothing_fits(rows, options.mem_constraint)
-    chosen = min(fitting, key=lambda row: (row[2]["step_seconds"], row[2]["bytes_per_rank"]["peak"], row[0].name))
+    units = planned_units(gm, inputs, config, world, made_for, device_type)
+    hand = hand_plans(units, config, world, profile)
+    fine = []
+    for placement, base, unit in units:
+        for zero in zero_levels(world // config.plan_ngpus):
+            start_plan = with_choices(base, zero, base.recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
+            choice = choose(start_plan, unit, options.update_freq, profile, options.transient_mem_coef, budget,
+                            search_recompute=options.recompute_modules is None)
+            if choice.solution.x:
+                predicted = predict(choice.plan, unit, options.update_freq, profile, options.transient_mem_coef)
+                fine.append((_describe(placement.name, choice.plan, unit), choice, predicted))
+    if not fine:
+        raise _nothing_fits(hand, options.mem_constraint)
+    name, choice, predicted = min(fine, key=lambda row: (row[2]["step_seconds"], row[2]["bytes_per_rank"]["peak"]))
     seconds = time.perf_counter() - start
+    statuses = {row[1].solution.status for row in fine}
     record = {
-        "chosen": chosen[0].name, "solver": "enumeration", "status": "optimal", "gap": 0.0,
-        "objective_seconds": chosen[2]["step_seconds"],
+        "chosen": name, **choice.solution.record(), "status": "optimal" if statuses == {"optimal"} else "time limit",
+        "ilps": len(fine), "objective_seconds": predicted["step_seconds"],
         "mem_constraint_gb": options.mem_constraint, "update_freq": options.update_freq,
         "device_profile": {"name": profile.name, "digest": profile.digest()},
         "task_name": options.task_name,
         "candidates": [{"plan": c.name, "step_seconds": p["step_seconds"], "peak_bytes": p["bytes_per_rank"]["peak"],
                         "fits": budget is None or p["bytes_per_rank"]["peak"] <= budget}
-                       for c, _, p in sorted(rows, key=lambda row: (row[2]["step_seconds"], row[0].name))],
+                       for c, _, p in sorted(hand, key=lambda row: (row[2]["step_seconds"], row[0].name))],
     }
     level = logging.INFO if options.verbose else logging.DEBUG    # (the search's time is logged, not kept: a plan
                                                                    # is the same bytes for the same inputs)
-    log.log(level, "autodist: %d candidates in %.2fs, chose %s (%.4gs a step, %.3g GB peak)", len(rows), seconds,
-            chosen[0].name, chosen[2]["step_seconds"], chosen[2]["bytes_per_rank"]["peak"] / GB)
-    predicted = {**(chosen[1].predicted or {}), **chosen[2], "autodist": record}
-    return dataclasses.replace(chosen[1], policy="autodist", predicted=predicted)
+    log.log(level, "autodist: %d hand plans and %d ILPs in %.2fs, chose %s (%.4gs a step, %.3g GB peak)", len(hand),
+            len(fine), seconds, name, predicted["step_seconds"], predicted["bytes_per_rank"]["peak"] / GB)
+    return dataclasses.replace(choice.plan, policy="autodist",
+                               predicted={**(choice.plan.predicted or {}), **predicted, "autodist": record})
 
 
-def candidates(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str,
-               profile: DeviceProfile) -> list[tuple[Candidate, Plan, dict]]:
-    """Every plan of the space, each with its prediction (the plans as their policies make them)."""
+def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_for,
+                  device_type: str) -> list[tuple[Placement, Plan, UnitCosts]]:
+    """Each placement's plan (its eligible parameters in ZeRO rows when there are several units) and what one
+    rank of its unit computes, keeps and sends per micro-batch."""
     options = config.autodist
     config = config.resolve(world)
     dp = world // config.plan_ngpus
     layout = planning_layout(world, config.plan_ngpus, device_type)
-    rows: list[tuple[Candidate, Plan, dict]] = []
+    units = []
     for placement in placements(config):
         forced = options.recompute_modules or ""
         base, ctx, graph = plan_graph(gm, inputs, placement.config(config, 1 if dp > 1 else 0, forced), layout,
                                       made_for)
         if layout.tp_mesh is None and not forced:        # (a unit of one rank is not lowered to plan it)
             graph = lower(run_passes(copy_graph(gm), ctx, [cast_to_compute_dtype]), ctx)
-        unit, repeated = graph_costs(graph, inputs, op_costs(graph, inputs, compat.new_fake_mode()),
-                                     layout.tp_size, ctx.propagation)
-        for zero in zero_levels(dp):
-            for recompute in recompute_choices(config, repeated):
+        units.append((placement, base, graph_costs(graph, inputs, op_costs(graph, inputs, compat.new_fake_mode()),
+                                                    layout.tp_size, ctx.propagation)))
+    return units
+
+
+def hand_plans(units, config: Config, world: int, profile: DeviceProfile) -> list[tuple[Candidate, Plan, dict]]:
+    """The plans the hand policies make in the same space (uniform choices), each with its prediction."""
+    options = config.autodist
+    rows = []
+    for placement, base, unit in units:
+        for zero in zero_levels(world // config.plan_ngpus):
+            for recompute in recompute_choices(config, unit.recompute_class):
                 candidate = Candidate(placement, zero, recompute)
                 plan = with_choices(base, zero, recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
                 rows.append((candidate, plan, predict(plan, unit, options.update_freq, profile,
                                                       options.transient_mem_coef)))
     return rows
+
+
+def _describe(placement: str, plan: Plan, unit: UnitCosts) -> str:
+    parts = [placement]
+    if plan.zero.level:
+        params = [t for t in plan.tensors.values() if t.kind == "parameter"]
+        rows = sum(1 for t in params if t.dp == "zero")
+        parts.append(f"ZeRO-{plan.zero.level}" + ("" if rows == len(params) else f" ({rows} of {len(params)} parameters)"))
+    recomputed = unit.recomputed(plan.recompute)
+    if recomputed:
+        parts.append(f"recompute {unit.recompute_class}" + (
+            "" if len(recomputed) == len(unit.instances) else f" ({len(recomputed)} of {len(unit.instances)})"))
+    return " + ".join(parts)
 
 
 def _nothing_fits(rows, mem_constraint: float) -> AutodistError:

@@ -11,8 +11,8 @@ this is an upper bound):
 - tp communication, per micro-batch: the forward collectives of the plan, each mirrored in the backward by
   one of the same bytes (Megatron's f/g pairs; sequence parallel's all-gather/reduce-scatter pairs), and the
   all-reduce of every replicated parameter's gradient that split ops leave partial;
-- dp communication, per step: the gradient and ZeRO collectives of ``costs.step_collectives``, in buckets
-  of ``BUCKET_BYTES`` as Inductor's bucketing sends them.
+- dp communication, per step: each parameter's gradient and ZeRO collectives (``costs.tensor_collectives``),
+  their latency once per kind and once per ``BUCKET_BYTES`` (Inductor's buckets).
 A collective of ``kind`` over ``p`` ranks moving ``n`` bytes (the whole buffer) costs
 ``alpha + ring(kind, p) * n / bandwidth``: ring = 2(p-1)/p for an all-reduce, (p-1)/p otherwise.
 
@@ -21,6 +21,11 @@ Adam's state at rest; ZeRO levels 1-2 add the gathered parameters (kept through 
 block's; accumulating under ZeRO adds whole replicas and their gradients; activations saved for the backward
 (with recompute: each block's inputs and one block's own); transient: ``transient_mem_coef`` times the
 largest tensor one op writes.
+
+Recompute is per instance of the model's repeated module (``Plan.recompute`` names instances by path or
+the class for all of them) and ZeRO rows per parameter (``TensorChoice.dp``): every term is linear in those
+choices except the largest recomputed instance (one instance's activations exist again during the
+backward), which the ILP of :mod:`dynshard.policies.autodist.choices` bounds with one variable.
 """
 
 from __future__ import annotations
@@ -28,9 +33,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 
-from .costs import itemsize, local_numel, memory_at_rest, step_collectives
+from .costs import ADAM_STATE_BYTES, itemsize, local_numel, memory_at_rest, tensor_collectives
 from .plan import Plan
 
 BUCKET_BYTES = 25 * 1024 ** 2
@@ -79,60 +83,53 @@ DEFAULT_PROFILES = {
 
 
 @dataclasses.dataclass(frozen=True)
+class InstanceCosts:
+    """One instance of the repeated module class on one rank, per micro-batch."""
+    path: str
+    saved_bytes: float          # what its forward keeps for the backward
+    entry_bytes: float          # what it reads from outside itself: what a recompute keeps instead
+    flops: float                # its forward, run again when recomputed
+    bytes: float
+
+
+@dataclasses.dataclass(frozen=True)
 class UnitCosts:
-    """One micro-batch on one rank of a unit (``policies.autodist.graph_costs.GraphCosts`` fills it)."""
+    """One micro-batch on one rank of a unit (``policies.autodist.graph_costs`` measures it)."""
     forward_flops: float
     forward_bytes: float
     saved_bytes: float
     largest_output: float
-    recompute_saved: float
-    recompute_flops: float
-    recompute_bytes: float
-    replicated_grad_bytes: float
-    blocks: int = 1
+    replicated_grad_bytes: float    # gradients of replicated parameters that split ops leave partial over tp
+    recompute_class: str | None = None
+    instances: tuple[InstanceCosts, ...] = ()
+
+    def recomputed(self, recompute: tuple[str, ...]) -> list[InstanceCosts]:
+        return [i for i in self.instances if i.path in recompute or self.recompute_class in recompute]
+
+    @property
+    def blocks(self) -> int:
+        return max(len(self.instances), 1)
 
 
 def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, transient_mem_coef: float) -> dict:
     """``plan``'s step seconds and peak bytes per rank (the dict ``Plan.predicted`` keeps)."""
-    recompute = bool(plan.recompute)
+    recomputed = unit.recomputed(plan.recompute)
     forward = unit.forward_flops / profile.flops_per_s + unit.forward_bytes / profile.bytes_per_s
-    again = (unit.recompute_flops / profile.flops_per_s + unit.recompute_bytes / profile.bytes_per_s) if recompute else 0.0
-    compute = nmicros * (3 * forward + again)
-    tp = plan.mesh.tp
-    tp_comm = sum(2 * profile.collective_seconds(c["kind"], c["bytes"], tp)
-                  for c in (plan.predicted or {}).get("forward_collectives", ()))
-    tp_comm += profile.collective_seconds("all_reduce", unit.replicated_grad_bytes, tp)
-    dp_comm = 0.0
-    for c in step_collectives(plan):
-        if c.dim == "tp":
-            continue
-        if "across ZeRO groups" in c.what:
-            group = plan.zero.ngroups
-        elif c.what == "gradients":         # a replicated parameter's all-reduce over every unit
-            group = plan.mesh.dp
-        else:                               # ZeRO rows: within a ZeRO group
-            group = plan.mesh.dp // plan.zero.ngroups
-        whole = c.bytes * group if c.kind == "all_gather" else c.bytes
-        dp_comm += profile.collective_seconds(c.kind, whole, group, max(1, math.ceil(whole / BUCKET_BYTES)))
-    communication = nmicros * tp_comm + dp_comm
+    compute = nmicros * (3 * forward + sum(instance_seconds(i, profile) for i in recomputed))
+    tp_comm = tp_seconds(plan, unit, profile)
+    parameters = [t for t in plan.tensors.values() if t.kind == "parameter"]
+    dp_comm = sum(parameter_seconds(plan, t, profile) for t in parameters) + sum(
+        profile.alpha_s[kind] for kind, what in {(k, w) for t in parameters for k, _, _, w in tensor_collectives(plan, t)})
     rest = memory_at_rest(plan)[0]
-    zero_whole = sum(local_numel(dataclasses.replace(plan, zero=dataclasses.replace(plan.zero, level=0)),
-                                 dataclasses.replace(t, dp="replicate"))[0] * itemsize(t.dtype)
-                     for t in plan.tensors.values() if t.kind == "parameter" and t.dp == "zero")
-    gathered = 0.0
-    if plan.zero.level in (1, 2):
-        gathered = zero_whole
-    elif plan.zero.level == 3:
-        gathered = zero_whole / max(unit.blocks, 1)
-    if plan.zero.level and nmicros > 1:
-        gathered += 2 * zero_whole            # whole replicas and their gradients while accumulating
-    activations = unit.recompute_saved if recompute else unit.saved_bytes
+    gathered = sum(gathered_bytes(plan, t, nmicros, unit.blocks) for t in parameters)
+    activations = unit.saved_bytes - sum(i.saved_bytes - i.entry_bytes for i in recomputed) + max(
+        (i.saved_bytes for i in recomputed), default=0.0)
     transient = transient_mem_coef * unit.largest_output
     peak = rest.total + gathered + activations + transient
     return {
-        "step_seconds": _round(compute + communication),
+        "step_seconds": _round(compute + nmicros * tp_comm + dp_comm),
         "compute_seconds": _round(compute),
-        "communication_seconds": _round(communication),
+        "communication_seconds": _round(nmicros * tp_comm + dp_comm),
         "tp_communication_seconds": _round(nmicros * tp_comm),
         "dp_communication_seconds": _round(dp_comm),
         "bubble_seconds": 0.0,
@@ -140,6 +137,54 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
                            "optimizer": rest.optimizer, "gathered": int(gathered), "activations": int(activations),
                            "transient": int(transient), "peak": int(peak)},
     }
+
+
+def instance_seconds(instance: InstanceCosts, profile: DeviceProfile) -> float:
+    return instance.flops / profile.flops_per_s + instance.bytes / profile.bytes_per_s
+
+
+def tp_seconds(plan: Plan, unit: UnitCosts, profile: DeviceProfile) -> float:
+    """tp communication of one micro-batch: the forward's collectives, each mirrored in the backward."""
+    tp = plan.mesh.tp
+    seconds = sum(2 * profile.collective_seconds(c["kind"], c["bytes"], tp)
+                  for c in (plan.predicted or {}).get("forward_collectives", ()))
+    return seconds + profile.collective_seconds("all_reduce", unit.replicated_grad_bytes, tp)
+
+
+def parameter_seconds(plan: Plan, tensor, profile: DeviceProfile) -> float:
+    """The bandwidth part of a parameter's data-parallel collectives per step (their latency is paid once
+    per bucket: ``alpha`` per ``BUCKET_BYTES``, and once per kind in :func:`predict`)."""
+    seconds = 0.0
+    for kind, _, size, what in tensor_collectives(plan, tensor):
+        group = _group(plan, what)
+        whole = size * group if kind == "all_gather" else size
+        ring = 2 * (group - 1) / group if kind == "all_reduce" else (group - 1) / group
+        seconds += whole * (ring / profile.bandwidth[kind] + profile.alpha_s[kind] / BUCKET_BYTES)
+    return seconds
+
+
+def _group(plan: Plan, what: str) -> int:
+    if "across ZeRO groups" in what:
+        return plan.zero.ngroups
+    if what == "gradients":             # a replicated parameter's all-reduce over every unit
+        return plan.mesh.dp
+    return plan.mesh.dp // plan.zero.ngroups
+
+
+def gathered_bytes(plan: Plan, tensor, nmicros: int, blocks: int) -> float:
+    """Bytes a ZeRO parameter is whole for during a step: kept through it (levels 1-2), one block's worth
+    (level 3), and as a replica with its gradient while accumulating."""
+    if tensor.dp != "zero" or not plan.zero.level:
+        return 0.0
+    whole = local_numel(plan, dataclasses.replace(tensor, dp="replicate"))[0] * itemsize(tensor.dtype)
+    gathered = whole if plan.zero.level in (1, 2) else whole / blocks
+    return gathered + (2 * whole if nmicros > 1 else 0.0)
+
+
+def rest_bytes(plan: Plan, tensor) -> int:
+    """A parameter's bytes at rest: itself, its gradient and Adam's two fp32 moments."""
+    numel, _ = local_numel(plan, tensor)
+    return numel * (2 * itemsize(tensor.dtype) + ADAM_STATE_BYTES)
 
 
 def _round(seconds: float) -> float:

@@ -102,28 +102,31 @@ def step_collectives(plan: Plan) -> list[StepCollective]:
     found: dict[tuple[str, str, str], list[int]] = defaultdict(list)
     for c in (plan.predicted or {}).get("forward_collectives", ()):
         found[(c["kind"], c["dim"], "forward activations (tp)")].append(c["bytes"])
-    if plan.mesh.dp > 1:
-        for tensor in plan.tensors.values():
-            if tensor.kind != "parameter":
-                continue
-            numel, _ = local_numel(plan, tensor)
-            size = numel * itemsize(tensor.dtype)
-            if tensor.dp == "replicate":
-                found[("all_reduce", "dp", "gradients")].append(size)
-                continue
-            if tensor.dp != "zero":
-                continue
-            found[("all_gather", "dp", "parameters (ZeRO rows)")].append(size)
-            if plan.zero.level == 3:
-                found[("all_gather", "dp", "parameters again in the backward (ZeRO-3)")].append(size)
-            whole = size * (plan.mesh.dp // plan.zero.ngroups)
-            if plan.zero.level == 1 and not plan.zero.reduce_scatter:
-                found[("all_reduce", "dp", "gradients, then sliced (ZeRO-1)")].append(whole)
-            else:
-                found[("reduce_scatter", "dp", "gradients (ZeRO)")].append(whole)
-            if plan.zero.ngroups > 1:
-                found[("all_reduce", "dp", "gradient rows across ZeRO groups")].append(size)
+    for tensor in plan.tensors.values():
+        for kind, dim, size, what in tensor_collectives(plan, tensor):
+            found[(kind, dim, what)].append(size)
     return [StepCollective(kind, dim, sum(sizes), len(sizes), what) for (kind, dim, what), sizes in found.items()]
+
+
+def tensor_collectives(plan: Plan, tensor: TensorChoice) -> list[tuple[str, str, int, str]]:
+    """(kind, dimension, payload bytes, what) of the data-parallel collectives one step spends on ``tensor``."""
+    if plan.mesh.dp == 1 or tensor.kind != "parameter" or tensor.dp not in ("replicate", "zero"):
+        return []
+    numel, _ = local_numel(plan, tensor)
+    size = numel * itemsize(tensor.dtype)
+    if tensor.dp == "replicate":
+        return [("all_reduce", "dp", size, "gradients")]
+    found = [("all_gather", "dp", size, "parameters (ZeRO rows)")]
+    if plan.zero.level == 3:
+        found.append(("all_gather", "dp", size, "parameters again in the backward (ZeRO-3)"))
+    whole = size * (plan.mesh.dp // plan.zero.ngroups)
+    if plan.zero.level == 1 and not plan.zero.reduce_scatter:
+        found.append(("all_reduce", "dp", whole, "gradients, then sliced (ZeRO-1)"))
+    else:
+        found.append(("reduce_scatter", "dp", whole, "gradients (ZeRO)"))
+    if plan.zero.ngroups > 1:
+        found.append(("all_reduce", "dp", size, "gradient rows across ZeRO groups"))
+    return found
 
 
 def with_forward_collectives(plan: Plan, propagation, node_keys: dict[str, str]) -> Plan:

@@ -24,7 +24,7 @@ from torch.distributed.tensor.placement_types import Partial, Shard
 from torch.utils.flop_counter import flop_registry
 
 from ...compat import pytree
-from ...planning.cost_model import UnitCosts
+from ...planning.cost_model import InstanceCosts, UnitCosts
 from ...planning.node_keys import module_paths
 
 _ROOT_CLASS = ""
@@ -67,8 +67,8 @@ def op_costs(gm: fx.GraphModule, inputs, fake_mode) -> list[OpCost]:
             return out
 
     with fake_mode:
-        fakes = [torch.empty_strided(i.shape, i.stride, dtype=i.dtype, device="cpu" if i.device.type == "meta"
-                                     else i.device).requires_grad_(i.requires_grad) for i in inputs]
+        fakes = [torch.empty_strided(i.shape, i.stride, dtype=i.dtype, device=i.device).requires_grad_(i.requires_grad)
+                 for i in inputs]
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             Run(gm).run(*fakes)
     costs = []
@@ -84,10 +84,9 @@ def op_costs(gm: fx.GraphModule, inputs, fake_mode) -> list[OpCost]:
     return costs
 
 
-def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int,
-                propagation=None) -> tuple[UnitCosts, str | None]:
+def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int, propagation=None) -> UnitCosts:
     """``ops`` (of ``gm``, whose placeholders are ``inputs``) on one rank of a unit of ``tp`` ranks placed
-    as ``propagation`` found, and the repeated module class a search may recompute."""
+    as ``propagation`` found, with the instances of the repeated module class a search may recompute."""
     split = {op.name: _split(op.name, tp, propagation) for op in ops}
     written = {op.name: _written(op.name, tp, propagation) for op in ops}
     flops = sum(op.flops * split[op.name] for op in ops)
@@ -95,24 +94,17 @@ def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int,
     saved = sum(op.saved_bytes * written[op.name] for op in ops)
     largest = max((op.out_bytes * written[op.name] for op in ops), default=0)
     recompute = _recompute_class(gm)
-    r_saved, r_flops, r_bytes, instances = saved, 0.0, 0.0, {}
+    instances = []
     if recompute is not None:
-        instances = _instances(gm, recompute)
-        inside: dict[str, str] = {n: path for path, names in instances.items() for n in names}
-        per_instance: dict[str, float] = defaultdict(float)
-        outside = 0.0
-        for op in ops:
-            bytes_ = op.saved_bytes * written[op.name]
-            if op.name in inside:
-                per_instance[inside[op.name]] += bytes_
-                r_flops += op.flops * split[op.name]
-                r_bytes += op.bytes * split[op.name]
-            else:
-                outside += bytes_
-        entries = sum(_entry_bytes(gm, names, tp, propagation) for names in instances.values())
-        r_saved = outside + entries + max(per_instance.values(), default=0.0)
-    return UnitCosts(flops, moved, saved, largest, r_saved, r_flops, r_bytes,
-                     _replicated_grad_bytes(gm, inputs, tp, propagation), max(len(instances), 1)), recompute
+        by_op = {op.name: op for op in ops}
+        for path, names in _instances(gm, recompute).items():
+            inside = [by_op[n] for n in names if n in by_op]
+            instances.append(InstanceCosts(
+                path, sum(op.saved_bytes * written[op.name] for op in inside),
+                _entry_bytes(gm, names, tp, propagation), sum(op.flops * split[op.name] for op in inside),
+                sum(op.bytes * split[op.name] for op in inside)))
+    return UnitCosts(flops, moved, saved, largest, _replicated_grad_bytes(gm, inputs, tp, propagation),
+                     recompute, tuple(instances))
 
 
 def _flops(node: fx.Node) -> int:

@@ -1,0 +1,159 @@
+"""autodist against the hand plans on the benchmark GPT, 2 ranks: each plan's measured steady step (its own
+torchrun job, as bench_gpt.py runs them) beside the step autodist's cost model predicts for it, with the
+machine's calibrated device profile; then how well the predictions rank the plans, and how autodist's own
+choice (plan_ngpus 2, and plan_ngpus 1) measures against the fastest hand plan.
+
+    python benchmarks/bench_autodist.py --out benchmarks/results/autodist_cpu.json
+    python benchmarks/bench_autodist.py --search-only      # the search-time table alone
+
+Also: the search's time (offline, ``dynshard.plan`` on the meta device) by layers and ranks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+from bench_gpt import run_job, torchrun_env  # noqa: E402
+from gpt_job import add_run_arguments  # noqa: E402
+
+# hand plan -> (system of gpt_job.py, plan_ngpus, autodist's name for the same plan)
+HAND = {
+    "dp": ("dynshard:dp", 1, "dp"),
+    "ZeRO-1": ("dynshard:zero1", 1, "dp + ZeRO-1"),
+    "ZeRO-2": ("dynshard:zero2", 1, "dp + ZeRO-2"),
+    "ZeRO-3": ("dynshard:zero3", 1, "dp + ZeRO-3"),
+    "dp + recompute": ("dynshard:dp-recompute", 1, "dp + recompute Block"),
+    "ZeRO-3 + recompute": ("dynshard:zero3-recompute", 1, "dp + ZeRO-3 + recompute Block"),
+    "tp": ("dynshard:tp", 2, "tp"),
+    "tp + sp": ("dynshard:tpsp", 2, "tp + sequence parallel"),
+    "data": ("dynshard:data", 2, "data"),
+    "tp + recompute": ("dynshard:tp-recompute", 2, "tp + recompute Block"),
+    "tp + sp + recompute": ("dynshard:tpsp-recompute", 2, "tp + sequence parallel + recompute Block"),
+}
+AUTODIST = {"autodist (plan_ngpus 2)": ("dynshard:autodist", 2), "autodist (plan_ngpus 1)": ("dynshard:autodist-dp", 1)}
+
+
+def calibrate(path: str) -> None:
+    env = torchrun_env()
+    env["OMP_NUM_THREADS"] = "1"
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                    "dynshard.calibrate", "--out", path], env=env, check=True, capture_output=True)
+
+
+def predictions(args, profile: str) -> dict[int, dict]:
+    """autodist's offline search for 2 ranks at plan_ngpus 1 and 2: its plans (candidates by name)."""
+    import torch
+
+    import dynshard
+    from models import GPT, GPTConfig, gpt_batch
+
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, heads=args.heads, layers=args.layers)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    out = {}
+    for n in (1, 2):
+        plan, = dynshard.plan(model, gpt_batch(cfg, args.batch * n // 2, 0), dynshard.Config(
+            policy="autodist", plan_ngpus=n, pas_config={"device_profile": profile}), world_size=2)
+        out[n] = plan.predicted
+    return out
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values):
+        order = sorted(range(len(values)), key=lambda i: values[i])
+        r = [0.0] * len(values)
+        for position, i in enumerate(order):
+            r[i] = position
+        return r
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
+
+
+def search_times(layer_counts=(8, 32), worlds=(8, 64, 512)) -> list[dict]:
+    """Offline autodist on the meta device: a d 1024, seq 1024, vocab 50k GPT, plan_ngpus 8."""
+    import torch
+
+    import dynshard
+    from models import GPT, GPTConfig, gpt_batch
+
+    rows = []
+    for layers in layer_counts:
+        cfg = GPTConfig(vocab=50304, seq=1024, d_model=1024, heads=16, layers=layers)
+        with torch.device("meta"):
+            model = GPT(cfg)
+        for world in worlds:
+            start = time.perf_counter()
+            plan, = dynshard.plan(model, gpt_batch(cfg, 8, 0), dynshard.Config(policy="autodist", plan_ngpus=8,
+                                  pas_config={"device_profile": "cuda", "mem_constraint": 70}), world_size=world)
+            rows.append(dict(layers=layers, world=world, seconds=round(time.perf_counter() - start, 2),
+                             candidates=len(plan.predicted["autodist"]["candidates"]),
+                             chosen=plan.predicted["autodist"]["chosen"]))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def table(rows: list[tuple]) -> str:
+    widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "autodist_cpu.json"))
+    parser.add_argument("--job-timeout", type=int, default=900)
+    parser.add_argument("--search-only", action="store_true")
+    args = parser.parse_args()
+    if args.search_only:
+        print(table([("layers", "ranks", "seconds", "candidates", "chosen")] + [
+            (r["layers"], r["world"], r["seconds"], r["candidates"], r["chosen"]) for r in search_times()]))
+        return
+    results_dir = tempfile.mkdtemp(prefix="bench_autodist_")
+    profile = os.path.join(results_dir, "profile.json")
+    calibrate(profile)
+    predicted = predictions(args, profile)
+    environ = {"DYNSHARD_PAS_CONFIG": json.dumps({"device_profile": profile})}
+    rows = []
+    for name, (system, n, candidate) in HAND.items():
+        job = run_job(system, 2, args, results_dir)
+        row = next(c for c in predicted[n]["autodist"]["candidates"] if c["plan"] == candidate)
+        rows.append(dict(plan=name, measured_s=job.get("step_s"), predicted_s=row["step_seconds"],
+                         predicted_peak=row["peak_bytes"], state_bytes=job.get("memory", {})))
+    for name, (system, n) in AUTODIST.items():
+        job = run_job(system, 2, args, results_dir, environ=environ)
+        rows.append(dict(plan=name, chose=predicted[n]["autodist"]["chosen"], measured_s=job.get("step_s"),
+                         predicted_s=predicted[n]["step_seconds"], predicted_peak=predicted[n]["bytes_per_rank"]["peak"]))
+    hand = [r for r in rows if r["plan"] in HAND and r["measured_s"] is not None]
+    rho = spearman([r["predicted_s"] for r in hand], [r["measured_s"] for r in hand])
+    wrong = [(a["plan"], b["plan"]) for a in hand for b in hand
+             if a["measured_s"] > 1.2 * b["measured_s"] and a["predicted_s"] <= b["predicted_s"]]
+    fastest = min(r["measured_s"] for r in hand)
+    lines = [table([("plan", "measured s", "predicted s", "predicted/measured", "predicted peak MB", "chose")] + [
+        (r["plan"], f"{r['measured_s']:.3f}" if r["measured_s"] else "failed", f"{r['predicted_s']:.3f}",
+         f"{r['predicted_s'] / r['measured_s']:.2f}" if r["measured_s"] else "-",
+         f"{r['predicted_peak'] / 2 ** 20:.1f}", r.get("chose", "")) for r in rows]),
+        f"Spearman (predicted vs measured step, {len(hand)} hand plans): {rho:.2f}",
+        f"pairs more than 20% apart ordered wrong: {wrong or 'none'}"]
+    for name in AUTODIST:
+        mine = next(r for r in rows if r["plan"] == name)
+        if mine["measured_s"]:
+            lines.append(f"{name} / fastest hand plan ({fastest:.3f}s): {mine['measured_s'] / fastest:.2f}x")
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(config=vars(args), rows=rows, spearman=rho, wrong_pairs=wrong, table=text), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

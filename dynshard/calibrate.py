@@ -1,0 +1,142 @@
+"""``python -m dynshard.calibrate --out profile.json``: the device profile autodist's cost model reads
+(``pas_config={"device_profile": "profile.json"}``), measured on this machine.
+
+Launch it as the job is launched (``torchrun --nproc-per-node N -m dynshard.calibrate --out ...``): every rank
+measures at once, so compute is timed under the contention the job runs in (ranks sharing a CPU's cores,
+or one GPU each), and the collectives over the job's backend (gloo on CPU, NCCL on CUDA):
+- ``flops_per_s``: fp32 square matmuls (and bf16 on CUDA is not used: the model's dtype decides, so the
+  profile is fp32's; run it under the dtype the job computes in with ``--dtype``);
+- ``bytes_per_s``: copies of a 64 MB tensor (read + write);
+- per collective kind, ``alpha_s`` and ``bandwidth`` fitted to ``t = alpha + ring * bytes / bandwidth`` by
+  relative least squares over sizes 4 KB - 16 MB (ring: 2(p-1)/p for an all-reduce, (p-1)/p otherwise), medians of
+  timed calls after warm-up.
+One process alone measures compute only and keeps the built-in collective constants. Takes well under 60 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from .planning.cost_model import DEFAULT_PROFILES, KINDS, DeviceProfile
+
+SIZES = [4096 * 4 ** k for k in range(7)]        # 4 KB ... 16 MB per rank's payload, x p for gathers
+REPEATS, WARMUP = 7, 3
+
+
+def _timed(fn, device: torch.device, repeats: int = REPEATS, warmup: int = WARMUP) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if dist.is_initialized():
+            dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def compute_rates(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    rates = []
+    for n in (512, 1024):
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+        rates.append(2 * n ** 3 / _timed(lambda: torch.mm(a, b), device))
+    x = torch.empty(16 * 1024 ** 2, device=device)       # 64 MB of fp32
+    y = torch.empty_like(x)
+    bandwidth = 2 * x.numel() * x.element_size() / _timed(lambda: y.copy_(x), device)
+    return max(rates), bandwidth
+
+
+def _collective(kind: str, nbytes: int, world: int, device: torch.device):
+    numel = max(nbytes // 4, world)
+    numel -= numel % world
+    x = torch.ones(numel, device=device)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(x), numel * 4
+    if kind == "all_gather":
+        out = torch.empty(numel * world, device=device)
+        return lambda: dist.all_gather_into_tensor(out, x), numel * 4 * world
+    if kind == "reduce_scatter":
+        out = torch.empty(numel // world, device=device)
+        return lambda: dist.reduce_scatter_tensor(out, x), numel * 4
+    out = torch.empty_like(x)
+    return lambda: dist.all_to_all_single(out, x), numel * 4
+
+
+def collective_fit(kind: str, device: torch.device) -> tuple[float, float, float]:
+    """(alpha seconds, bandwidth bytes/s, largest relative error of the fit) for ``kind`` over the world."""
+    world = dist.get_world_size()
+    ring = 2 * (world - 1) / world if kind == "all_reduce" else (world - 1) / world
+    xs, ts = [], []
+    for size in SIZES:
+        fn, whole = _collective(kind, size, world, device)
+        ts.append(_timed(fn, device))
+        xs.append(ring * whole)
+    # relative least squares: minimise sum(((alpha + slope * x - t) / t) ** 2), small and large sizes alike
+    w = [1 / t ** 2 for t in ts]
+    s0, s1, s2 = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * x * x for wi, x in zip(w, xs))
+    b0, b1 = sum(wi * t for wi, t in zip(w, ts)), sum(wi * x * t for wi, x, t in zip(w, xs, ts))
+    det = s0 * s2 - s1 * s1
+    alpha, slope = (b0 * s2 - s1 * b1) / det, (s0 * b1 - s1 * b0) / det
+    slope = max(slope, 1e-13)             # (no slower than 10 TB/s: a fit that found none)
+    alpha = max(alpha, 1e-6)
+    error = max(abs(alpha + slope * x - t) / t for x, t in zip(xs, ts))
+    return alpha, 1 / slope, error
+
+
+__all__ = ["calibrate", "main"]
+
+
+def calibrate(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[DeviceProfile, dict]:
+    """This machine's profile, and the fit errors per collective kind."""
+    flops, bandwidth = compute_rates(device, dtype)
+    base = DEFAULT_PROFILES["cuda" if device.type == "cuda" else "cpu"]
+    alpha, links, errors = dict(base.alpha_s), dict(base.bandwidth), {}
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        for kind in KINDS:
+            alpha[kind], links[kind], errors[kind] = collective_fit(kind, device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    backend = dist.get_backend() if dist.is_initialized() else "none"
+    name = f"calibrated {device.type}/{backend}, {world} rank(s), {str(dtype).replace('torch.', '')}"
+    return dataclasses.replace(base, name=name, flops_per_s=float(f"{flops:.4g}"),
+                               bytes_per_s=float(f"{bandwidth:.4g}"),
+                               alpha_s={k: float(f"{v:.4g}") for k, v in alpha.items()},
+                               bandwidth={k: float(f"{v:.4g}") for k, v in links.items()}), errors
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dynshard.calibrate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", required=True, help="the profile file to write (JSON)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if "WORLD_SIZE" in os.environ and not dist.is_initialized():
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    start = time.perf_counter()
+    profile, errors = calibrate(device, getattr(torch, args.dtype))
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        with open(args.out, "w") as f:
+            f.write(profile.to_json() + "\n")
+        fits = ", ".join(f"{k} {v:.0%}" for k, v in errors.items()) or "none (one process)"
+        print(f"dynshard.calibrate: wrote {args.out} in {time.perf_counter() - start:.1f}s; largest fit error per "
+              f"collective: {fits}\n{profile.to_json()}")
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
