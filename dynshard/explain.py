@@ -34,6 +34,8 @@ class ProgramReport:
     saved_bytes: int = 0     # activations kept from the forward for the backward, on this rank
     saved_count: int = 0
     compiled_once: tuple[tuple[str, int], ...] = ()   # repeated blocks compiled once: (class, calls)
+    seconds_between_calls: float | None = None        # median, latest training calls (a step, when once a step)
+    plan: Plan | None = None                          # the dynshard.Plan it executes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,8 +119,9 @@ class Explanation:
                 lines.append(f"  replicated fallback: {fallback}")
         for pipeline in self.pipelines:
             lines += ["", str(pipeline)]
-        for plan in self.plans:
-            lines += _autodist_lines(plan)
+        for program in self.programs:
+            if program.plan is not None and (program.plan.predicted or {}).get("autodist"):
+                lines += [""] + _autodist_lines(program.plan) + _measured_lines(program.plan, program)
         return "\n".join(lines)
 
 
@@ -207,12 +210,33 @@ def _autodist_lines(plan: Plan) -> list[str]:
     lines = [f"  autodist chose {record['chosen']}: predicted {p['step_seconds']:.4g} s a step (compute "
              f"{p['compute_seconds']:.4g}, communication {p['communication_seconds']:.4g}), peak "
              f"{p['bytes_per_rank']['peak']} bytes per rank" + (f" of {budget} GB" if budget is not None else "")
-             + f"; {record['solver']} of {len(record['candidates'])} candidates, {record['status']}, gap "
-             f"{record['gap']}; device profile {record['device_profile']['name']}"]
-    lines += _table([("candidate", "step seconds", "peak bytes", "fits")] + [
+             + f"; {record['solver']}, {record['ilps']} ILPs, {record['status']} (bound {record['bound']}, gap "
+             f"{record['gap']}); device profile {record['device_profile']['name']}",
+             "  the hand plans under the same cost model:"]
+    lines += _table([("hand plan", "step seconds", "peak bytes", "fits")] + [
         (c["plan"], f"{c['step_seconds']:.4g}", str(c["peak_bytes"]), "yes" if c["fits"] else "no")
         for c in record["candidates"]])
     return lines
+
+
+def _measured_lines(plan: Plan, program: ProgramReport) -> list[str]:
+    """A plan's predictions beside what its program traced and measured on this rank."""
+    p, m = plan.predicted, plan.predicted["autodist"]["update_freq"]
+    between = program.seconds_between_calls
+    tp_predicted = p["tp_collectives_per_micro_batch"]
+    tp_traced = [c for c in program.collectives if c.group == "tp"]
+    dp_traced = [c for c in program.collectives if c.group not in ("tp",)]
+    dp_predicted = [c for c in step_collectives(plan) if c.dim != "tp"]
+    rows = [("per step, per rank", "predicted", "measured"),
+            ("step seconds", f"{p['step_seconds']:.4g}",
+             f"{between * m:.4g} ({m} call(s) a step)" if between is not None else "(after 3 calls)"),
+            ("tp collectives (forward + backward)", f"{tp_predicted['count'] * m}, {tp_predicted['bytes'] * m} bytes",
+             f"{len(tp_traced) * m}, {sum(c.bytes for c in tp_traced) * m} bytes (as traced)"),
+            ("dp collectives", f"{sum(c.count for c in dp_predicted)}, {sum(c.bytes for c in dp_predicted)} bytes",
+             f"{len(dp_traced)}, {sum(c.bytes for c in dp_traced)} bytes (as traced, before bucketing)"),
+            ("activations saved for the backward", f"{p['bytes_per_rank']['activations']} bytes",
+             f"{program.saved_bytes} bytes")]
+    return ["  predicted against measured (this rank):"] + _table(rows)
 
 
 def _pipeline_lines(plan: Plan) -> list[str]:
@@ -260,7 +284,8 @@ def explain(model: torch.nn.Module | Plan | Sequence[Plan]) -> Explanation | Pla
         key=plan.key, inputs=len(plan.inputs), collectives=tuple(plan.program.collectives),
         fallbacks=tuple(plan.propagation.fallbacks.values()) if plan.propagation else (),
         compile_seconds=plan.program.seconds, cache_hits=plan.hits, saved_bytes=plan.program.saved_bytes,
-        saved_count=plan.program.saved_count, compiled_once=tuple(plan.program.outlined)) for plan in plans)
+        saved_count=plan.program.saved_count, compiled_once=tuple(plan.program.outlined),
+        seconds_between_calls=plan.seconds_between_calls(), plan=plan.plan) for plan in plans)
     return Explanation(tuple(parameters), programs, pipelines, values)
 
 

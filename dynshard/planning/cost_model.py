@@ -10,7 +10,7 @@ this is an upper bound):
   twice the forward (two matmuls per matmul); a recomputed module's forward once more;
 - tp communication, per micro-batch: the forward collectives of the plan, each mirrored in the backward by
   one of the same bytes (Megatron's f/g pairs; sequence parallel's all-gather/reduce-scatter pairs), and the
-  all-reduce of every replicated parameter's gradient that split ops leave partial;
+  all-reduce of every replicated parameter's gradient that split ops leave partial (in buckets);
 - dp communication, per step: each parameter's gradient and ZeRO collectives (``costs.tensor_collectives``),
   their latency once per kind and once per ``BUCKET_BYTES`` (Inductor's buckets).
 A collective of ``kind`` over ``p`` ranks moving ``n`` bytes (the whole buffer) costs
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import json
 
 from .costs import ADAM_STATE_BYTES, itemsize, local_numel, memory_at_rest, tensor_collectives
@@ -74,10 +75,13 @@ def _uniform(name: str, flops: float, bandwidth: float, alpha: float, link: floa
     return DeviceProfile(name, flops, bandwidth, {k: alpha for k in KINDS}, {k: link for k in KINDS})
 
 
-# Built-in constants when no calibration file is given: a CPU core per rank with gloo over loopback, and
-# an H100 with NCCL over NVLink (achieved, not peak: ~60% of dense bf16 / HBM, NCCL's bus bandwidth).
+# Built-in constants when no calibration file is given: a CPU core per rank with gloo over loopback (what
+# ``dynshard.calibrate`` measured on this project's 2-core x86 machine, 2 ranks, rounded), and an H100 with
+# NCCL over NVLink (achieved, not peak: ~60% of dense bf16 / HBM, NCCL's bus bandwidth).
 DEFAULT_PROFILES = {
-    "cpu": _uniform("cpu-gloo (built-in)", 3e10, 4e9, 1.5e-4, 1.5e9),
+    "cpu": DeviceProfile("cpu-gloo (built-in)", 1e11, 5e10,
+                         {"all_reduce": 2.5e-4, "all_gather": 2e-4, "reduce_scatter": 3.5e-4, "all_to_all": 1.5e-4},
+                         {"all_reduce": 2e9, "all_gather": 1.5e9, "reduce_scatter": 5e8, "all_to_all": 1.5e9}),
     "cuda": _uniform("cuda-nccl (built-in)", 4e14, 2e12, 2e-5, 1.5e11),
 }
 
@@ -102,6 +106,7 @@ class UnitCosts:
     replicated_grad_bytes: float    # gradients of replicated parameters that split ops leave partial over tp
     recompute_class: str | None = None
     instances: tuple[InstanceCosts, ...] = ()
+    replicated_grads: int = 0       # how many such gradients (one all-reduce each, per micro-batch)
 
     def recomputed(self, recompute: tuple[str, ...]) -> list[InstanceCosts]:
         return [i for i in self.instances if i.path in recompute or self.recompute_class in recompute]
@@ -133,6 +138,10 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
         "tp_communication_seconds": _round(nmicros * tp_comm),
         "dp_communication_seconds": _round(dp_comm),
         "bubble_seconds": 0.0,
+        "tp_collectives_per_micro_batch": {
+            "count": 2 * len((plan.predicted or {}).get("forward_collectives", ())) + unit.replicated_grads,
+            "bytes": int(2 * sum(c["bytes"] for c in (plan.predicted or {}).get("forward_collectives", ()))
+                         + unit.replicated_grad_bytes)},
         "bytes_per_rank": {"parameters": rest.parameters, "buffers": rest.buffers, "gradients": rest.gradients,
                            "optimizer": rest.optimizer, "gathered": int(gathered), "activations": int(activations),
                            "transient": int(transient), "peak": int(peak)},
@@ -148,7 +157,8 @@ def tp_seconds(plan: Plan, unit: UnitCosts, profile: DeviceProfile) -> float:
     tp = plan.mesh.tp
     seconds = sum(2 * profile.collective_seconds(c["kind"], c["bytes"], tp)
                   for c in (plan.predicted or {}).get("forward_collectives", ()))
-    return seconds + profile.collective_seconds("all_reduce", unit.replicated_grad_bytes, tp)
+    buckets = math.ceil(unit.replicated_grad_bytes / BUCKET_BYTES)     # (Inductor merges these all-reduces)
+    return seconds + profile.collective_seconds("all_reduce", unit.replicated_grad_bytes, tp, buckets)
 
 
 def parameter_seconds(plan: Plan, tensor, profile: DeviceProfile) -> float:

@@ -6,7 +6,10 @@ The plan's inputs and program are the backend's (``backend.capture.GraphInput``,
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import statistics
+import time
 from typing import Any, Callable
 
 import torch
@@ -49,7 +52,16 @@ class CompiledPlan:
     input_check: InputCheck | None = None       # the unit's ranks were fed the same batch
     buffer_sync: BufferSync | None = None       # written buffers stay equal over the data-parallel units
     plan: Any = None                            # planning.Plan: the decisions this program executes
+    calls: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=16))
     _no_sync: Any = None
+
+    def seconds_between_calls(self) -> float | None:
+        """The median time between this program's latest training calls: its step, when a step calls it once
+        (measured for explain's predicted-against-measured; None before three calls)."""
+        times = list(self.calls)
+        if len(times) < 3:
+            return None
+        return statistics.median(b - a for a, b in zip(times, times[1:]))
 
     def no_sync_program(self) -> Any:
         if self._no_sync is None:
@@ -85,6 +97,8 @@ class ShardedProgram:
         if not self._prepared or (self._state and get_tag(args[self._state[0]]) is None):
             self.prepare(args)     # (or another model of the class: Dynamo serves it this compiled frame)
         plan = self.plan
+        if torch.is_grad_enabled() and not plan.inference_only:
+            plan.calls.append(time.perf_counter())
         if plan.input_check is not None:
             plan.input_check(args)
         if self._split_inputs:     # the program runs on their local tensors

@@ -101,6 +101,13 @@ def choose(base: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, tr
                      upper, integer, time_limit)
     if solution.x == ():
         return Choice(base, solution)
+    # in step seconds: the objective is the step with nothing recomputed and every parameter replicated
+    # (whose all-reduce latency the y_rep term carries) plus the chosen changes
+    offset = predict(replicated, unit, nmicros, profile, transient_mem_coef)["step_seconds"] - (
+        cost[size - 2] if zero_vars else 0.0) - MEMORY_TIE * floor
+    objective, bound = solution.objective + offset, solution.bound + offset
+    solution = dataclasses.replace(solution, objective=objective, bound=bound,
+                                   gap=max(objective - bound, 0.0) / max(abs(objective), 1e-12))
     x = np.round(np.array(solution.x))
     chosen = [instances[k] for k in range(n_r) if x[k] == 1]
     recompute = base.recompute if not search_recompute else (

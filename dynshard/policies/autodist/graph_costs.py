@@ -103,8 +103,8 @@ def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int, propagat
                 path, sum(op.saved_bytes * written[op.name] for op in inside),
                 _entry_bytes(gm, names, tp, propagation), sum(op.flops * split[op.name] for op in inside),
                 sum(op.bytes * split[op.name] for op in inside)))
-    return UnitCosts(flops, moved, saved, largest, _replicated_grad_bytes(gm, inputs, tp, propagation),
-                     recompute, tuple(instances))
+    grads = _replicated_grads(gm, inputs, tp, propagation)
+    return UnitCosts(flops, moved, saved, largest, sum(grads), recompute, tuple(instances), len(grads))
 
 
 def _flops(node: fx.Node) -> int:
@@ -180,11 +180,12 @@ def _entry_bytes(gm: fx.GraphModule, names: list[str], tp: int, propagation) -> 
     return sum(_nbytes(a.meta.get("val")) * _written(a.name, tp, propagation) for a in entries)
 
 
-def _replicated_grad_bytes(gm: fx.GraphModule, inputs, tp: int, propagation) -> float:
-    """Gradients of tp-replicated parameters whose readers split the work: partial sums over tp."""
+def _replicated_grads(gm: fx.GraphModule, inputs, tp: int, propagation) -> list[int]:
+    """The bytes of each gradient of a tp-replicated parameter whose readers split the work: partial sums
+    over tp, all-reduced."""
     if propagation is None or tp == 1:
-        return 0.0
-    total = 0.0
+        return []
+    found = []
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for node, inp in zip(placeholders, inputs):
         if inp.kind != "parameter" or not inp.requires_grad:
@@ -192,8 +193,8 @@ def _replicated_grad_bytes(gm: fx.GraphModule, inputs, tp: int, propagation) -> 
         if any(isinstance(p, (Shard, Partial)) for p in _placements(node.name, propagation)):
             continue
         if any(_reads_split(user, propagation) for user in node.users):
-            total += math.prod(inp.shape) * inp.dtype.itemsize
-    return total
+            found.append(math.prod(inp.shape) * inp.dtype.itemsize)
+    return found
 
 
 def _reads_split(node: fx.Node, propagation, depth: int = 0) -> bool:
