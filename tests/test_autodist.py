@@ -117,16 +117,15 @@ def test_the_ilp_finds_what_trying_every_recompute_and_zero_choice_finds(level):
     (placement, base, unit), = run_ranks(planned_units_of, 1, "mlp", 2, 1, timeout=300)[0]
     base = with_choices(Plan.from_json(base), level, (), False, 1)
     profile = DEFAULT_PROFILES["cpu"]
-    every = _every_choice(base, unit, 2, profile)
+    every = _every_choice(base, unit, 1, profile)
     low, high = min(peak for _, peak in every), max(peak for _, peak in every)
-    partial = []
+    chosen = set()
     for budget in [low + (high - low) * k / 16 for k in range(17)]:
-        choice = choose(base, unit, 2, profile, 2.0, budget, search_recompute=True)
+        choice = choose(base, unit, 1, profile, 2.0, budget, search_recompute=True)
         expected = min(step for step, peak in every if peak <= budget)
         assert choice.solution.status == "optimal" and choice.solution.gap == 0.0
-        got = predict(choice.plan, unit, 2, profile, 2.0)
+        got = predict(choice.plan, unit, 1, profile, 2.0)
         assert got["bytes_per_rank"]["peak"] <= budget
         assert got["step_seconds"] == pytest.approx(expected, rel=1e-9), budget
-        partial.append(0 < len(unit.recomputed(choice.plan.recompute)) < len(unit.instances) or 0 < sum(
-            t.dp == "zero" for t in choice.plan.tensors.values()) < sum(t.kind == "parameter" for t in base.tensors.values()))
-    assert any(partial)         # (the budgets reach choices no uniform plan makes)
+        chosen.add((choice.plan.recompute, tuple(t.dp for t in choice.plan.tensors.values())))
+    assert len(chosen) >= 2         # (the budgets move the choice)

@@ -23,7 +23,6 @@ import time
 
 import torch.fx as fx
 
-from .. import compat
 from ..config import Config
 from ..passes import run_passes
 from ..passes.cast_to_compute_dtype import cast_to_compute_dtype
@@ -36,7 +35,7 @@ from ..policies.autodist.space import Candidate, Placement, placements, recomput
 from ..runtime.mesh import planning_layout
 from .agreement import from_rank0
 from .plan_and_compile import copy_graph
-from .plan_graph import plan_graph
+from .plan_graph import lower_graph, place_graph, plan_graph
 
 log = logging.getLogger("dynshard")
 GB = 1024 ** 3
@@ -115,14 +114,20 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
     dp = world // config.plan_ngpus
     layout = planning_layout(world, config.plan_ngpus, device_type)
     units = []
-    for placement in placements(config):
-        forced = options.recompute_modules or ""
-        base, ctx, graph = plan_graph(gm, inputs, placement.config(config, 1 if dp > 1 else 0, forced), layout,
-                                      made_for)
-        if layout.tp_mesh is None and not forced:        # (a unit of one rank is not lowered to plan it)
-            graph = lower(run_passes(copy_graph(gm), ctx, [cast_to_compute_dtype]), ctx)
-        units.append((placement, base, graph_costs(graph, inputs, op_costs(graph, inputs, compat.new_fake_mode()),
-                                                    layout.tp_size, ctx.propagation)))
+    forced = options.recompute_modules or ""
+    choices = placements(config)
+    if layout.tp_mesh is None:          # a unit of one rank: one placement, lowered here only to be costed
+        (placement,) = choices
+        base, ctx, _ = plan_graph(gm, inputs, placement.config(config, 1 if dp > 1 else 0, forced), layout, made_for)
+        graph = lower(run_passes(copy_graph(gm), ctx, [cast_to_compute_dtype]), ctx)
+        units.append((placement, base, graph_costs(graph, inputs, op_costs(graph, inputs, ctx.fake_mode), 1, None)))
+        return units
+    lowered, lowered_ctx = lower_graph(gm, inputs, choices[0].config(config, 1 if dp > 1 else 0, forced), layout,
+                                       made_for)
+    ops = op_costs(lowered, inputs, lowered_ctx.fake_mode)       # (placement-free: once for every placement)
+    for placement in choices:
+        base, ctx, graph = place_graph(lowered, lowered_ctx, placement.config(config, 1 if dp > 1 else 0, forced))
+        units.append((placement, base, graph_costs(graph, inputs, ops, layout.tp_size, ctx.propagation)))
     return units
 
 

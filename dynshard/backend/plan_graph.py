@@ -8,7 +8,7 @@ import torch.fx as fx
 
 from .. import compat
 from ..config import Config
-from ..passes import PASSES, PassContext, propagate_sharding, run_passes
+from ..passes import PASSES, PassContext, assign_placements, propagate_sharding, run_passes
 from ..passes.assign_placements import record_plan
 from ..planning import Plan
 from ..planning.costs import with_forward_collectives
@@ -34,5 +34,23 @@ def plan_graph(gm: fx.GraphModule, inputs, config: Config, layout: Layout, made_
     if not layout.dim_names:        # a single process: nothing to place
         ctx.placements = {i.index: () for i in inputs}
         return record_plan(graph, ctx), ctx, graph
-    graph = run_passes(graph, ctx, PASSES[:PASSES.index(propagate_sharding) + 1])
+    return place_graph(*lower_graph(gm, inputs, config, layout, made_for), config)
+
+
+def lower_graph(gm: fx.GraphModule, inputs, config: Config, layout: Layout, made_for) -> tuple[fx.GraphModule, PassContext]:
+    """The passes before the policy (lowering to ATen and what splits fused ops): they do not depend on the
+    policy, so one lowered graph serves every policy planned on ``layout``."""
+    ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
+                      made_for=made_for, policy=place)
+    return run_passes(copy_graph(gm), ctx, PASSES[:PASSES.index(assign_placements)]), ctx
+
+
+def place_graph(lowered: fx.GraphModule, lowered_ctx: PassContext,
+                config: Config) -> tuple[Plan, PassContext, fx.GraphModule]:
+    """``config``'s policy on a copy of a lowered graph, and the propagation of its placements."""
+    ctx = PassContext(config=config, layout=lowered_ctx.layout, inputs=lowered_ctx.inputs,
+                      fake_mode=lowered_ctx.fake_mode, made_for=lowered_ctx.made_for, policy=place,
+                      blocked=dict(lowered_ctx.blocked))
+    graph = run_passes(copy_graph(lowered), ctx, PASSES[PASSES.index(assign_placements):
+                                                       PASSES.index(propagate_sharding) + 1])
     return with_forward_collectives(ctx.plan, ctx.propagation, ctx.node_keys), ctx, graph

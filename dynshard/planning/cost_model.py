@@ -91,16 +91,17 @@ class InstanceCosts:
     """One instance of the repeated module class on one rank, per micro-batch."""
     path: str
     saved_bytes: float          # what its forward keeps for the backward
-    entry_bytes: float          # what it reads from outside itself: what a recompute keeps instead
-    flops: float                # its forward, run again when recomputed
-    bytes: float
+    entry_bytes: float          # what a recompute keeps instead: its inputs from outside, and the outputs of
+                                # the compute-intensive ops the partitioner does not recompute
+    flops: float                # FLOPs run again when recomputed (0: matmuls are not recomputed)
+    bytes: float                # bytes the memory-bound ops move again
 
 
 @dataclasses.dataclass(frozen=True)
 class UnitCosts:
     """One micro-batch on one rank of a unit (``policies.autodist.graph_costs`` measures it)."""
     forward_flops: float
-    forward_bytes: float
+    forward_bytes: float            # moved by the ops that compute nothing (memory bound)
     saved_bytes: float
     largest_output: float
     replicated_grad_bytes: float    # gradients of replicated parameters that split ops leave partial over tp

@@ -8,6 +8,10 @@ Per op (one node of the forward ATen graph, run once on FakeTensors of the globa
 On a rank of a candidate: an op whose output is split (or partial, or a partial reduced at once) does
 1/tp of the work and writes 1/tp of the bytes; a replicated op does all of it (every rank repeats it).
 
+An op's time is its FLOPs at the device's rate when it has any (a matmul, attention: compute bound), else
+the bytes it moves at the device's bandwidth (a pointwise op, a copy: memory bound); an op is one or the
+other, not the sum (a roofline per op).
+
 Module instances (from ``nn_module_stack``) group the ops for recompute: the repeated module class that
 covers the most ops is the recompute choice a search offers.
 """
@@ -90,7 +94,7 @@ def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int, propagat
     split = {op.name: _split(op.name, tp, propagation) for op in ops}
     written = {op.name: _written(op.name, tp, propagation) for op in ops}
     flops = sum(op.flops * split[op.name] for op in ops)
-    moved = sum(op.bytes * split[op.name] for op in ops)
+    moved = sum(op.bytes * split[op.name] for op in ops if not op.flops)     # (see _memory_bound)
     saved = sum(op.saved_bytes * written[op.name] for op in ops)
     largest = max((op.out_bytes * written[op.name] for op in ops), default=0)
     recompute = _recompute_class(gm)
@@ -99,10 +103,13 @@ def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int, propagat
         by_op = {op.name: op for op in ops}
         for path, names in _instances(gm, recompute).items():
             inside = [by_op[n] for n in names if n in by_op]
+            # recompute tags ask the partitioner to recompute, and it never recomputes a compute-intensive
+            # op (matmuls, attention): their outputs stay saved, and only the memory-bound ops run again
+            kept = sum(op.out_bytes * written[op.name] for op in inside if op.flops)
             instances.append(InstanceCosts(
                 path, sum(op.saved_bytes * written[op.name] for op in inside),
-                _entry_bytes(gm, names, tp, propagation), sum(op.flops * split[op.name] for op in inside),
-                sum(op.bytes * split[op.name] for op in inside)))
+                _entry_bytes(gm, names, tp, propagation) + kept, 0.0,
+                sum(op.bytes * split[op.name] for op in inside if not op.flops)))
     grads = _replicated_grads(gm, inputs, tp, propagation)
     return UnitCosts(flops, moved, saved, largest, sum(grads), recompute, tuple(instances), len(grads))
 
@@ -141,15 +148,19 @@ def _written(name: str, tp: int, propagation) -> float:
 
 
 def _recompute_class(gm: fx.GraphModule) -> str | None:
-    """The module class with two or more instances that covers the most ops (a model's repeated block)."""
-    covered: Counter = Counter()
+    """The model's repeated block: the module class with two or more instances that covers the most ops,
+    each op counted for the outermost such class around it (a decoder layer, not the norms inside it)."""
     paths: dict[str, set[str]] = defaultdict(set)
     for node in gm.graph.nodes:
         for path, cls in _stack(node):
-            covered[cls] += 1
             paths[cls].add(path)
-    repeated = [cls for cls in covered if len(paths[cls]) > 1 and cls != _ROOT_CLASS]
-    return max(sorted(repeated), key=lambda cls: covered[cls], default=None)
+    repeated = {cls for cls in paths if len(paths[cls]) > 1 and cls != _ROOT_CLASS}
+    covered: Counter = Counter()
+    for node in gm.graph.nodes:
+        outermost = next((cls for _, cls in _stack(node) if cls in repeated), None)
+        if outermost is not None:
+            covered[outermost] += 1
+    return min(covered, key=lambda cls: (-covered[cls], cls), default=None)
 
 
 def _instances(gm: fx.GraphModule, cls: str) -> dict[str, list[str]]:
