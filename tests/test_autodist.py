@@ -17,6 +17,7 @@ from dynshard.policies.autodist.choices import choose
 from dynshard.policies.autodist.space import with_choices
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
+from workers_transformers import train_transformers
 from workers_autodist import (candidate_plans_beside_hand_plans, nothing_fits, offline_autodist,
                               planned_units_of, train_with_autodist)
 
@@ -129,3 +130,13 @@ def test_the_ilp_finds_what_trying_every_recompute_and_zero_choice_finds(level):
         assert got["step_seconds"] == pytest.approx(expected, rel=1e-9), budget
         chosen.add((choice.plan.recompute, tuple(t.dp for t in choice.plan.tensors.values())))
     assert len(chosen) >= 2         # (the budgets move the choice)
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_autodists_plan_of_a_transformers_llama_trains_like_one_process(world):
+    """SGD with momentum, strict parity; at 4 ranks the plan is split over tp and replicated (or ZeRO) over
+    2 data-parallel units."""
+    results = run_ranks(train_transformers, world, "llama", 2, False, 3, "autodist", timeout=600)
+    for rank, result in enumerate(results):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert "autodist chose" in result["explain"]

@@ -70,7 +70,7 @@ def _unit_rows(batch: dict[str, torch.Tensor], dp_rank: int, rows: int) -> dict[
 
 
 def train_transformers(rank: int, world: int, name: str, plan_ngpus: int = 2, sequence_parallel: bool = False,
-                       steps: int = STEPS) -> dict:
+                       steps: int = STEPS, policy: str = "tp") -> dict:
     """Train with dynshard (tp) and, on the same global batch, single-process eager; report both, with
     the placements, the collectives and the warnings of the first step. ``sequence_parallel`` also
     returns split outputs (the logits) as DTensors rather than gathering them."""
@@ -81,8 +81,9 @@ def train_transformers(rank: int, world: int, name: str, plan_ngpus: int = 2, se
     reference = copy.deepcopy(model)
     full_numel = {n: p.numel() for n, p in model.named_parameters()}
     compiled = torch.compile(model, backend="dynshard",
-                             options=dynshard.Config(policy="tp", plan_ngpus=plan_ngpus, compiler="aot_eager",
-                                                     pas_config={"sequence_parallel": sequence_parallel},
+                             options=dynshard.Config(policy=policy, plan_ngpus=plan_ngpus, compiler="aot_eager",
+                                                     pas_config={"sequence_parallel": sequence_parallel}
+                                                     if policy == "tp" else {},
                                                      gather_outputs=not sequence_parallel))
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
