@@ -17,9 +17,10 @@ from dynshard.policies.autodist.choices import choose
 from dynshard.policies.autodist.space import with_choices
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
+from workers_pipeline import pipeline_parity
 from workers_transformers import train_transformers
 from workers_autodist import (candidate_plans_beside_hand_plans, nothing_fits, offline_autodist,
-                              planned_units_of, train_with_autodist)
+                              planned_units_of, train_step_without_pipeline, train_with_autodist)
 
 
 @pytest.mark.parametrize("pas_config, message", [
@@ -28,7 +29,9 @@ from workers_autodist import (candidate_plans_beside_hand_plans, nothing_fits, o
     ({"update_freq": 0}, "'update_freq'] must be a positive integer"),
     ({"use_bf16": True}, "set mixed_precision"),
     ({"use_fp16": True, "use_bf16": True}, "choose one"),
-    ({"explore_pipeline": True}, "does not search pipelines"),
+    ({"explore_pipeline": True}, "needs use_end2end=True"),
+    ({"partition_constraints_path": "pins.json"}, "partition constraints"),
+    ({"pipeline_scheduler": "chimera_direct"}, "searches the pipeline schedules"),
     ({"transient_mem_coef": "2"}, "transient_mem_coef"),
 ])
 def test_bad_pas_config_values_are_errors_that_say_what_to_change(pas_config, message):
@@ -140,3 +143,22 @@ def test_autodists_plan_of_a_transformers_llama_trains_like_one_process(world):
     for rank, result in enumerate(results):
         assert_trains_like_one_process(result, f"rank {rank}")
         assert "autodist chose" in result["explain"]
+
+
+def test_exploring_pipelines_autodist_runs_the_pipeline_it_chose_through_train_step_like_one_process():
+    """The example GPT on 2 ranks, 4 micro-batches: the built-in CPU profile prices a 2-stage pipeline below
+    tp and data (whose collectives pay gloo's latency per micro-batch); train_step learns at the first call
+    that the plan is a pipeline, and runs its schedule."""
+    results = run_ranks(pipeline_parity, 2, "gpt", 2, {"explore_pipeline": True, "update_freq": 4}, "train_step", 2,
+                        8, "autodist", timeout=600)
+    for rank, result in enumerate(results):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert result["modules"] and len(result["modules"][0]) == 2        # it ran as 2 pipeline stages
+
+
+def test_a_plan_without_a_pipeline_still_trains_through_train_step_when_pipelines_are_explored():
+    """The same search with 2 units of one rank (no pipeline possible): train_step's first call runs the plain
+    program, and the others accumulate as without autodist."""
+    results = run_ranks(train_step_without_pipeline, 2, timeout=600)
+    for rank, result in enumerate(results):
+        assert_trains_like_one_process(result, f"rank {rank}")

@@ -23,7 +23,7 @@ def candidate_plans_beside_hand_plans(rank: int, world: int, world_size: int) ->
     rows = []
 
     def search(gm, inputs, config, world, made_for, device_type):
-        units = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
+        units, _ = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
         rows.extend(autodist.hand_plans(units, config, world, device_profile(config, device_type)))
         return autodist.search(gm, inputs, config, world, made_for, device_type)
 
@@ -96,7 +96,7 @@ def planned_units_of(rank: int, world: int, model_name: str, world_size: int, pl
     found = []
 
     def search(gm, inputs, config, world, made_for, device_type):
-        found.extend(autodist.planned_units(gm, inputs, config, world, made_for, device_type))
+        found.extend(autodist.planned_units(gm, inputs, config, world, made_for, device_type)[0])
         return autodist.search(gm, inputs, config, world, made_for, device_type)
 
     offline.search = search
@@ -105,3 +105,37 @@ def planned_units_of(rank: int, world: int, model_name: str, world_size: int, pl
     finally:
         offline.search = autodist.search
     return [(placement, plan.to_json(), unit) for placement, plan, unit in found]     # (a Plan holds mapping proxies)
+
+
+def train_step_without_pipeline(rank: int, world: int) -> dict:
+    """autodist exploring pipelines with plan_ngpus 1 (pure data parallelism: no pipeline to choose), trained
+    by train_step over 4 samples, beside one process summing the same micro-batches' gradients."""
+    import copy
+
+    from workers_pipeline import build
+
+    model, make = build("gpt")
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy="autodist", use_end2end=True, compiler="aot_eager",
+        pas_config={"explore_pipeline": True, "update_freq": 4}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    losses, ref_losses = [], []
+    for step in range(2):
+        samples = [make(2, 100 * step + 10 * unit + i) for unit in range(world) for i in range(4)]
+        mine = samples[4 * rank:4 * rank + 4]
+        losses.append([float(v) for v in dynshard.train_step(compiled, mine)])
+        ref_losses.append([])
+        for unit in range(world):
+            for i, sample in enumerate(samples[4 * unit:4 * unit + 4]):
+                loss = reference(sample)
+                (loss / world).backward()
+                if unit == rank:
+                    ref_losses[-1].append(float(loss))
+        opt.step()
+        opt.zero_grad()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
+            "ref_params": {k: v.detach() for k, v in reference.state_dict().items()}}

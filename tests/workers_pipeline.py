@@ -106,7 +106,7 @@ def pipeline_parity(rank: int, world: int, model_name: str, plan_ngpus: int, pas
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=0.9)
     dp_rank, dp_size = dynshard.data_parallel_rank(plan_ngpus)
-    m = pas_config["pipeline_nmicros"]
+    m = pas_config.get("pipeline_nmicros", pas_config.get("update_freq"))     # (autodist: update_freq)
     losses, ref_losses = [], []
     for step in range(steps):
         whole = make(batch * dp_size, step)
@@ -158,7 +158,7 @@ def pipeline_explain(rank: int, world: int, model_name: str, plan_ngpus: int, pa
     compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
         policy="pp", plan_ngpus=plan_ngpus, use_end2end=True, compiler="aot_eager", pas_config=pas_config,
         trace_dir=trace_dir))
-    m = pas_config["pipeline_nmicros"]
+    m = pas_config.get("pipeline_nmicros", pas_config.get("update_freq"))     # (autodist: update_freq)
     samples = [make(2, i) for i in range(m)]
     dummy = [False] * (m - 1) + [True]
     losses = dynshard.train_step(compiled, samples, is_dummy_batch=dummy, scale_fn=lambda loss: 3.0 * loss)

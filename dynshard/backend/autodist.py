@@ -30,6 +30,7 @@ from ..passes.lower_to_aten import lower
 from ..planning import Plan
 from ..planning.cost_model import DEFAULT_PROFILES, DeviceProfile, UnitCosts, predict
 from ..policies.autodist.choices import choose
+from ..policies.autodist.pipeline_costs import predict_pipeline
 from ..policies.autodist.graph_costs import graph_costs, op_costs
 from ..policies.autodist.space import Candidate, Placement, placements, recompute_choices, with_choices, zero_levels
 from ..runtime.mesh import planning_layout
@@ -71,7 +72,7 @@ def search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, dev
     options = config.autodist
     profile = device_profile(config, device_type)
     budget = options.mem_constraint_bytes
-    units = planned_units(gm, inputs, config, world, made_for, device_type)
+    units, whole = planned_units(gm, inputs, config, world, made_for, device_type)
     hand = hand_plans(units, config, world, profile)
     fine = []
     for placement, base, unit in units:
@@ -81,15 +82,25 @@ def search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, dev
                             search_recompute=options.recompute_modules is None)
             if choice.solution.x:
                 predicted = predict(choice.plan, unit, options.update_freq, profile, options.transient_mem_coef)
-                fine.append((_describe(placement.name, choice.plan, unit), choice, predicted))
+                fine.append((_describe(placement.name, choice.plan, unit), choice.plan, choice.solution, predicted))
+    if options.explore_pipeline and config.plan_ngpus > 1:
+        pipelines = pipeline_plans(gm, inputs, config, world, made_for, device_type, profile, whole)
+        hand += pipelines
+        fine += [(c.name, plan, None, p) for c, plan, p in pipelines
+                 if budget is None or p["bytes_per_rank"]["peak"] <= budget]
     if not fine:
         raise _nothing_fits(hand, options.mem_constraint)
-    name, choice, predicted = min(fine, key=lambda row: (row[2]["step_seconds"], row[2]["bytes_per_rank"]["peak"]))
+    name, plan, solution, predicted = min(fine, key=lambda row: (row[3]["step_seconds"],
+                                                                 row[3]["bytes_per_rank"]["peak"]))
     seconds = time.perf_counter() - start
-    statuses = {row[1].solution.status for row in fine}
+    solved = [row[2] for row in fine if row[2] is not None]
+    statuses = {s.status for s in solved}
     record = {
-        "chosen": name, **choice.solution.record(), "status": "optimal" if statuses == {"optimal"} else "time limit",
-        "ilps": len(fine), "objective_seconds": predicted["step_seconds"],
+        "chosen": name, **(solution.record() if solution is not None else {
+            "solver": "enumeration (pipelines: every schedule priced)", "objective": predicted["step_seconds"],
+            "bound": predicted["step_seconds"], "gap": 0.0, "lp_integral": None}),
+        "status": "optimal" if statuses <= {"optimal"} else "time limit",
+        "ilps": len(solved), "objective_seconds": predicted["step_seconds"],
         "mem_constraint_gb": options.mem_constraint, "update_freq": options.update_freq,
         "device_profile": {"name": profile.name, "digest": profile.digest()},
         "task_name": options.task_name,
@@ -100,15 +111,15 @@ def search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, dev
     level = logging.INFO if options.verbose else logging.DEBUG    # (the search's time is logged, not kept: a plan
                                                                    # is the same bytes for the same inputs)
     log.log(level, "autodist: %d hand plans and %d ILPs in %.2fs, chose %s (%.4gs a step, %.3g GB peak)", len(hand),
-            len(fine), seconds, name, predicted["step_seconds"], predicted["bytes_per_rank"]["peak"] / GB)
-    return dataclasses.replace(choice.plan, policy="autodist",
-                               predicted={**(choice.plan.predicted or {}), **predicted, "autodist": record})
+            len(solved), seconds, name, predicted["step_seconds"], predicted["bytes_per_rank"]["peak"] / GB)
+    return dataclasses.replace(plan, policy="autodist", predicted={**(plan.predicted or {}), **predicted,
+                                                                    "autodist": record})
 
 
 def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_for,
-                  device_type: str) -> list[tuple[Placement, Plan, UnitCosts]]:
+                  device_type: str) -> tuple[list[tuple[Placement, Plan, UnitCosts]], UnitCosts]:
     """Each placement's plan (its eligible parameters in ZeRO rows when there are several units) and what one
-    rank of its unit computes, keeps and sends per micro-batch."""
+    rank of its unit computes, keeps and sends per micro-batch; and what the whole graph costs one rank."""
     options = config.autodist
     config = config.resolve(world)
     dp = world // config.plan_ngpus
@@ -121,16 +132,23 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
         base, ctx, _ = plan_graph(gm, inputs, placement.config(config, 1 if dp > 1 else 0, forced), layout, made_for)
         graph = lower(run_passes(copy_graph(gm), ctx, [cast_to_compute_dtype]), ctx)
         units.append((placement, base, graph_costs(graph, inputs, op_costs(graph, inputs, ctx.fake_mode), 1, None)))
-        return units
+        return units, units[0][2]
     lowered, lowered_ctx = lower_graph(gm, inputs, choices[0].config(config, 1 if dp > 1 else 0, forced), layout,
                                        made_for)
     ops = op_costs(lowered, inputs, lowered_ctx.fake_mode)       # (placement-free: once for every placement)
+    skipped = {}
     for placement in choices:
-        base, ctx, graph = place_graph(lowered, lowered_ctx, placement.config(config, 1 if dp > 1 else 0, forced))
+        try:
+            base, ctx, graph = place_graph(lowered, lowered_ctx, placement.config(config, 1 if dp > 1 else 0, forced))
+        except Exception as error:      # noqa: BLE001 - a placement its policy cannot make is not a candidate
+            skipped[placement.name] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            log.info("autodist: no %s plan for this graph: %s", placement.name, skipped[placement.name])
+            continue
         units.append((placement, base, graph_costs(graph, inputs, ops, layout.tp_size, ctx.propagation)))
-    return units
-
-
+    if not units:
+        raise AutodistError("dynshard: autodist found no placement its policies can make for this graph: " + "; ".join(
+            f"{name}: {reason}" for name, reason in skipped.items()))
+    return units, graph_costs(lowered, inputs, ops, 1, None)
 def hand_plans(units, config: Config, world: int, profile: DeviceProfile) -> list[tuple[Candidate, Plan, dict]]:
     """The plans the hand policies make in the same space (uniform choices), each with its prediction."""
     options = config.autodist
@@ -142,6 +160,30 @@ def hand_plans(units, config: Config, world: int, profile: DeviceProfile) -> lis
                 plan = with_choices(base, zero, recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
                 rows.append((candidate, plan, predict(plan, unit, options.update_freq, profile,
                                                       options.transient_mem_coef)))
+    return rows
+
+
+def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str,
+                   profile: DeviceProfile, whole: UnitCosts) -> list[tuple[Candidate, Plan, dict]]:
+    """The pp policy's plans (every rank of a unit one stage) with each schedule, with and without recompute."""
+    options = config.autodist
+    config = config.resolve(world)
+    layout = planning_layout(world, config.plan_ngpus, device_type, pp_size=config.plan_ngpus)
+    rows = []
+    for schedule in options.schedules:
+        pas = {"pipeline_nmicros": options.update_freq, "pipeline_scheduler": schedule,
+               "pipeline_pivots": options.pipeline_pivots}
+        placement = Placement(f"pp {schedule}", "pp", tuple(pas.items()))
+        try:
+            plan, _, _ = plan_graph(gm, inputs, placement.config(config, 0, options.recompute_modules or ""), layout,
+                                    made_for)
+        except Exception as error:      # noqa: BLE001 - a pipeline this graph cannot be cut into is not a candidate
+            log.info("autodist: no %s plan for this graph: %s", placement.name, str(error).strip().splitlines()[0])
+            continue
+        for recompute in recompute_choices(config, whole.recompute_class):
+            candidate = Candidate(placement, 0, recompute)
+            staged = dataclasses.replace(plan, recompute=recompute)
+            rows.append((candidate, staged, predict_pipeline(staged, whole, profile, options.transient_mem_coef)))
     return rows
 
 

@@ -22,8 +22,11 @@ verbose: log every candidate's predicted cost (``TORCH_LOGS=+dynshard`` logs the
 task_name: a label carried into the plan's predictions.
 re_profile / parallel_profile: nnScaler re-times operators on the device; dynshard's profile is computed
     on FakeTensors each time (nothing is cached or timed), so both are accepted and change nothing.
-partition_constraints_path, explore_pipeline, pipeline_pivots, pipeline_scheduler: pipelines and pins
-    are not searched yet; setting them is an error.
+explore_pipeline: also price pipelines (policy "pp": every rank of a unit one stage) with the schedules
+    of ``pipeline_scheduler`` (default: 1f1b, gpipe and zb1p), ``update_freq`` micro-batches, stages cut
+    before ``pipeline_pivots`` (module classes; default: the repeated layers). Needs ``use_end2end=True``
+    and ``dynshard.train_step``. Not yet: pipelines with tp stages (hybrid), ZeRO under pipelines.
+partition_constraints_path: not honoured yet; setting it is an error.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import os
 from typing import Any, Mapping
 
 from .errors import ConfigError
+
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb1p")     # one stage per rank: what autodist prices
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +52,7 @@ class AutodistOptions:
     recompute_modules: str | None = None
     pipeline_pivots: str = ""
     explore_pipeline: bool = False
-    pipeline_scheduler: str = "1f1b"
+    pipeline_scheduler: str | None = None
     max_partition_degree: int | None = None
     transient_mem_coef: float = 2.0
     device_profile: str | None = None
@@ -96,17 +101,29 @@ class AutodistOptions:
             raise ConfigError(f"dynshard: pas_config['task_name'] must be a string, got {self.task_name!r}")
 
     def _check_not_built(self) -> None:
-        unsupported = [name for name, default in (("explore_pipeline", False), ("pipeline_pivots", ""),
-                                                   ("pipeline_scheduler", "1f1b"), ("partition_constraints_path", None))
-                       if getattr(self, name) != default]
-        if unsupported:
+        if self.partition_constraints_path is not None:
             raise ConfigError(
-                f"dynshard: policy 'autodist' does not search pipelines or honour partition constraints yet "
-                f"(pas_config {', '.join(map(repr, unsupported))}); plan a pipeline with policy 'pp' or 'hybrid', "
-                "or pin placements with a callable policy or tensor_parallel(plan)")
+                "dynshard: policy 'autodist' does not honour partition constraints yet "
+                "(pas_config['partition_constraints_path']); pin placements with a callable policy or "
+                "tensor_parallel(plan)")
+        if self.pipeline_scheduler is not None and self.pipeline_scheduler not in PIPELINE_SCHEDULES:
+            raise ConfigError(f"dynshard: autodist searches the pipeline schedules {', '.join(PIPELINE_SCHEDULES)}; "
+                              f"pas_config['pipeline_scheduler']={self.pipeline_scheduler!r} is not one of them")
+        if not isinstance(self.pipeline_pivots, str):
+            raise ConfigError("dynshard: pas_config['pipeline_pivots'] is a comma-separated string of module "
+                              f"class names, got {self.pipeline_pivots!r}")
+
+    @property
+    def schedules(self) -> tuple[str, ...]:
+        """The pipeline schedules the search tries (the one named, or every one it prices)."""
+        return (self.pipeline_scheduler,) if self.pipeline_scheduler is not None else PIPELINE_SCHEDULES
 
     def check(self, config) -> None:
-        """Against the rest of the configuration: precision and plan files."""
+        """Against the rest of the configuration: precision, plan files, pipelines."""
+        if self.explore_pipeline and not config.use_end2end:
+            raise ConfigError("dynshard: pas_config['explore_pipeline'] needs use_end2end=True (a pipeline runs an "
+                              "end-to-end module: forward takes the sample and returns the loss first), and the "
+                              "training loop calls dynshard.train_step(model, samples) with update_freq samples")
         mp = config.mixed_precision
         compute = None if mp is None else mp.param_dtype
         for flag, name in ((self.use_bf16, "bfloat16"), (self.use_fp16, "float16")):

@@ -95,6 +95,7 @@ class InstanceCosts:
                                 # the compute-intensive ops the partitioner does not recompute
     flops: float                # FLOPs run again when recomputed (0: matmuls are not recomputed)
     bytes: float                # bytes the memory-bound ops move again
+    input_bytes: float = 0.0    # its activations from outside it (what a pipeline stage boundary sends)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,11 +134,11 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
     transient = transient_mem_coef * unit.largest_output
     peak = rest.total + gathered + activations + transient
     return {
-        "step_seconds": _round(compute + nmicros * tp_comm + dp_comm),
-        "compute_seconds": _round(compute),
-        "communication_seconds": _round(nmicros * tp_comm + dp_comm),
-        "tp_communication_seconds": _round(nmicros * tp_comm),
-        "dp_communication_seconds": _round(dp_comm),
+        "step_seconds": round_seconds(compute + nmicros * tp_comm + dp_comm),
+        "compute_seconds": round_seconds(compute),
+        "communication_seconds": round_seconds(nmicros * tp_comm + dp_comm),
+        "tp_communication_seconds": round_seconds(nmicros * tp_comm),
+        "dp_communication_seconds": round_seconds(dp_comm),
         "bubble_seconds": 0.0,
         "tp_collectives_per_micro_batch": {
             "count": 2 * len((plan.predicted or {}).get("forward_collectives", ())) + unit.replicated_grads,
@@ -198,5 +199,5 @@ def rest_bytes(plan: Plan, tensor) -> int:
     return numel * (2 * itemsize(tensor.dtype) + ADAM_STATE_BYTES)
 
 
-def _round(seconds: float) -> float:
+def round_seconds(seconds: float) -> float:
     return float(f"{seconds:.6g}")

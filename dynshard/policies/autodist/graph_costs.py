@@ -106,10 +106,10 @@ def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int, propagat
             # recompute tags ask the partitioner to recompute, and it never recomputes a compute-intensive
             # op (matmuls, attention): their outputs stay saved, and only the memory-bound ops run again
             kept = sum(op.out_bytes * written[op.name] for op in inside if op.flops)
+            entry = _entry_bytes(gm, names, tp, propagation)
             instances.append(InstanceCosts(
-                path, sum(op.saved_bytes * written[op.name] for op in inside),
-                _entry_bytes(gm, names, tp, propagation) + kept, 0.0,
-                sum(op.bytes * split[op.name] for op in inside if not op.flops)))
+                path, sum(op.saved_bytes * written[op.name] for op in inside), entry + kept, 0.0,
+                sum(op.bytes * split[op.name] for op in inside if not op.flops), entry))
     grads = _replicated_grads(gm, inputs, tp, propagation)
     return UnitCosts(flops, moved, saved, largest, sum(grads), recompute, tuple(instances), len(grads))
 

@@ -91,9 +91,23 @@ def train_step(model: torch.nn.Module, samples: Sequence[Any], is_dummy_batch: S
         loss = scale_fn(loss) if scale_fn is not None else loss
         return loss * 0.0 if dummy[mb] else loss
 
+    first = None
+    if config is not None and _plan_decides(config):
+        # an automatic policy chooses a pipeline or not when the graph compiles, in this first call: a
+        # pipeline program only records it; any other runs it, as the loop below would have
+        with torch.enable_grad(), recording() as recorder, (
+                no_sync(model) if len(samples) > 1 else contextlib.nullcontext()):
+            first = model(samples[0])
+            if not recorder.calls:
+                scaled(_loss_of(first), 0).backward()
+        if recorder.calls:
+            with torch.enable_grad(), recording() as rest:
+                returned = [first] + [model(sample) for sample in samples[1:]]
+            recorder.calls.extend(rest.calls)
+            return _run_pipeline(recorder, returned, samples, scaled)
     if config is None or not config.is_pipeline:
-        outputs = []
-        for mb, sample in enumerate(samples):
+        outputs = [] if first is None else [_detach(first)]
+        for mb, sample in enumerate(samples[len(outputs):], start=len(outputs)):
             last = mb == len(samples) - 1
             with contextlib.nullcontext() if last else no_sync(model):
                 output = model(sample)
@@ -103,7 +117,19 @@ def train_step(model: torch.nn.Module, samples: Sequence[Any], is_dummy_batch: S
 
     with torch.enable_grad(), recording() as recorder:
         returned = [model(sample) for sample in samples]
+    return _run_pipeline(recorder, returned, samples, scaled)
+
+
+def _plan_decides(config: Config) -> bool:
+    """Whether the plan, made when the graph compiles, decides if the model runs as a pipeline."""
+    return config.policy == "autodist" and config.autodist.explore_pipeline
+
+
+def _run_pipeline(recorder, returned: list, samples: list, scaled) -> list[Any]:
     program = _recorded_program(recorder, samples)
+    if len(samples) != program.plan.nmicros:
+        raise ValueError(f"dynshard: train_step got {len(samples)} samples but the pipeline runs "
+                         f"{program.plan.nmicros} micro-batches per step; pass exactly that many")
     plan = program.plan
     loss_position = _loss_position(recorder.calls[0], returned[0])
 

@@ -1,0 +1,80 @@
+"""What a pipeline plan costs a step: the schedule simulated with each stage's time, and each pipeline
+rank's peak with the micro-batches it holds at once.
+
+A stage's share of the work is its share of the forward FLOPs the cut measured (``PipelineChoice.flops``);
+its forward takes that share of one micro-batch's forward on one rank (:mod:`dynshard.planning.cost_model`),
+its backward twice that (recompute adds its share of the recomputed blocks' time). The schedule is run by
+the executor's own simulator (:func:`dynshard.runtime.pipeline.simulate.simulate`) with the slowest stage's
+costs and the boundary's transfer time (``alpha + bytes / bandwidth`` of a point-to-point message, priced as
+an all-to-all of the block's input): its makespan is the step's compute and bubble. The data-parallel
+reduction follows the step (the busiest pipeline rank's parameters). Memory per pipeline rank: its stages'
+parameters, gradients and Adam's state, its stages' share of the activations times the most micro-batches
+it holds between a forward and its backward in the simulated timeline, and the transient term.
+"""
+
+from __future__ import annotations
+
+from ...planning import Plan
+from ...planning.cost_model import DeviceProfile, UnitCosts, instance_seconds, parameter_seconds, round_seconds
+from ...planning.costs import memory_at_rest, tensor_collectives
+from ...runtime.pipeline.schedules import build_schedule
+from ...runtime.pipeline.simulate import simulate
+
+
+def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transient_mem_coef: float) -> dict:
+    p = plan.pipeline
+    total = sum(p.flops) or 1
+    shares = [f / total for f in p.flops]
+    recomputed = unit.recomputed(plan.recompute)
+    forward = unit.forward_flops / profile.flops_per_s + unit.forward_bytes / profile.bytes_per_s
+    again = sum(instance_seconds(i, profile) for i in recomputed)
+    slowest = max(shares)
+    boundary = max((i.input_bytes for i in unit.instances), default=0.0)
+    transfer = profile.alpha_s["all_to_all"] + boundary / profile.bandwidth["all_to_all"] if len(shares) > 1 else 0.0
+    schedule = build_schedule(p.schedule, p.nstages, p.nmicros, plan.mesh.pp)
+    simulated = simulate(schedule, f=slowest * forward, b=slowest * (2 * forward + again), comm=transfer)
+    held = _held(simulated, plan.mesh.pp)
+    rest = memory_at_rest(plan)
+    saved = unit.saved_bytes - sum(i.saved_bytes - i.entry_bytes for i in recomputed)
+    largest_block = max((i.saved_bytes for i in recomputed), default=0.0)
+    ranks = []
+    for rank in range(plan.mesh.pp):
+        stages = [s for s, owners in enumerate(p.stage_ranks) if rank in owners]
+        activations = sum(shares[s] for s in stages) * saved * held[rank] + largest_block
+        ranks.append((rest[rank], activations))
+    transient = transient_mem_coef * unit.largest_output
+    busiest, activations = max(ranks, key=lambda r: r[0].total + r[1])
+    params = [t for t in plan.tensors.values() if t.kind == "parameter"]
+    dp_comm = max((sum(parameter_seconds(plan, t, profile) for t in params if t.stages and set(t.stages) & set(
+        s for s, owners in enumerate(p.stage_ranks) if rank in owners)) for rank in range(plan.mesh.pp)), default=0.0)
+    dp_comm += sum(profile.alpha_s[kind] for kind, what in {(k, w) for t in params for k, _, _, w in tensor_collectives(plan, t)})
+    busy = max(simulated.busy)
+    peak = busiest.total + activations + transient
+    return {
+        "step_seconds": round_seconds(simulated.makespan + dp_comm),
+        "compute_seconds": round_seconds(busy),
+        "communication_seconds": round_seconds(dp_comm),
+        "tp_communication_seconds": 0.0,
+        "dp_communication_seconds": round_seconds(dp_comm),
+        "bubble_seconds": round_seconds(simulated.makespan - busy),
+        "tp_collectives_per_micro_batch": {"count": 0, "bytes": 0},
+        "micro_batches_held": list(held),
+        "bytes_per_rank": {"parameters": busiest.parameters, "buffers": busiest.buffers, "gradients": busiest.gradients,
+                           "optimizer": busiest.optimizer, "gathered": 0, "activations": int(activations),
+                           "transient": int(transient), "peak": int(peak)},
+    }
+
+
+def _held(simulated, nranks: int) -> list[int]:
+    """The most micro-batches each rank holds between a forward and the backward that frees them."""
+    held = []
+    for rank in range(nranks):
+        live = most = 0
+        for _, _, action in simulated.timeline[rank]:
+            if action.kind == "F":
+                live += 1
+            elif action.kind in ("B", "I"):
+                live -= 1
+            most = max(most, live)
+        held.append(most)
+    return held
