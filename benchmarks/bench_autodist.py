@@ -80,21 +80,26 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def search_times(layer_counts=(8, 32), worlds=(8, 64, 512)) -> list[dict]:
-    """Offline autodist on the meta device: a d 1024, seq 1024, vocab 50k GPT, plan_ngpus 8."""
+    """Offline autodist on the meta device, pipelines explored: a d 1024, seq 1024, vocab 50k GPT (an end-to-end
+    module: a sample in, the loss out), plan_ngpus 8, 8 micro-batches a step, the built-in H100 constants."""
     import torch
 
     import dynshard
-    from models import GPT, GPTConfig, gpt_batch
+    from models import GPTConfig, gpt_batch
+    from workers_pipeline import EndToEndGPT
 
     rows = []
     for layers in layer_counts:
         cfg = GPTConfig(vocab=50304, seq=1024, d_model=1024, heads=16, layers=layers)
         with torch.device("meta"):
-            model = GPT(cfg)
+            model = EndToEndGPT(cfg)
+        sample = dict(zip(("idx", "tgt"), gpt_batch(cfg, 8, 0)))
         for world in worlds:
             start = time.perf_counter()
-            plan, = dynshard.plan(model, gpt_batch(cfg, 8, 0), dynshard.Config(policy="autodist", plan_ngpus=8,
-                                  pas_config={"device_profile": "cuda", "mem_constraint": 70}), world_size=world)
+            plan, = dynshard.plan(model, (sample,), dynshard.Config(
+                policy="autodist", plan_ngpus=8, use_end2end=True, pas_config={
+                    "device_profile": "cuda", "mem_constraint": 70, "explore_pipeline": True, "update_freq": 8}),
+                world_size=world)
             rows.append(dict(layers=layers, world=world, seconds=round(time.perf_counter() - start, 2),
                              candidates=len(plan.predicted["autodist"]["candidates"]),
                              chosen=plan.predicted["autodist"]["chosen"]))

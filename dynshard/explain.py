@@ -81,6 +81,11 @@ class Explanation:
     pipelines: tuple[PipelineReport, ...] = ()
     plans: tuple[Plan, ...] = ()       # each program's (and pipeline's) dynshard.Plan, in compile order
 
+    def why_not(self, plan: str) -> str:
+        """Why autodist did not choose ``plan`` (a hand plan's name in its table, e.g. "tp + sequence
+        parallel" or "pp 1f1b"): its predicted step and peak against the chosen plan's."""
+        return why_not(self.plans, plan)
+
     def collectives(self, kind: str | None = None, phase: str | None = None,
                     group: str | None = None) -> list[CollectiveRecord]:
         return [c for p in self.programs for c in p.collectives
@@ -168,6 +173,9 @@ class PlanExplanation:
     def collectives(self, index: int = 0) -> list[StepCollective]:
         return step_collectives(self.plans[index])
 
+    def why_not(self, plan: str) -> str:
+        return why_not(self.plans, plan)
+
     def __str__(self) -> str:
         lines: list[str] = []
         for index, plan in enumerate(self.plans):
@@ -217,6 +225,33 @@ def _autodist_lines(plan: Plan) -> list[str]:
         (c["plan"], f"{c['step_seconds']:.4g}", str(c["peak_bytes"]), "yes" if c["fits"] else "no")
         for c in record["candidates"]])
     return lines
+
+
+def why_not(plans: Sequence[Plan], name: str) -> str:
+    chosen = [p for p in plans if (p.predicted or {}).get("autodist")]
+    if not chosen:
+        raise ValueError("dynshard.explain(...).why_not: no plan here was chosen by autodist")
+    lines = []
+    for plan in chosen:
+        record, p = plan.predicted["autodist"], plan.predicted
+        rows = {c["plan"]: c for c in record["candidates"]}
+        if name not in rows:
+            raise ValueError(f"dynshard.explain(...).why_not: autodist priced no plan {name!r}; it priced "
+                             f"{', '.join(sorted(rows))}")
+        other, step, peak = rows[name], p["step_seconds"], p["bytes_per_rank"]["peak"]
+        budget = record["mem_constraint_gb"]
+        if not other["fits"]:
+            reason = (f"its peak, {other['peak_bytes']} bytes per rank, is over mem_constraint={budget} GB "
+                      f"({budget * 1024 ** 3:.0f} bytes)")
+        elif other["step_seconds"] > step:
+            reason = (f"it is predicted slower: {other['step_seconds']:.4g} s a step against {step:.4g} s "
+                      f"(+{other['step_seconds'] / step - 1:.0%})")
+        elif other["step_seconds"] == step and other["peak_bytes"] >= peak:
+            reason = f"it is as fast, and its peak ({other['peak_bytes']} bytes) is not smaller than {peak}"
+        else:
+            reason = "it is no slower; the chosen plan refines a candidate further (recompute or ZeRO rows per part)"
+        lines.append(f"not {name}: {reason}. Chosen: {record['chosen']}, {step:.4g} s a step, peak {peak} bytes.")
+    return "\n".join(lines)
 
 
 def _measured_lines(plan: Plan, program: ProgramReport) -> list[str]:

@@ -162,3 +162,15 @@ def test_a_plan_without_a_pipeline_still_trains_through_train_step_when_pipeline
     results = run_ranks(train_step_without_pipeline, 2, timeout=600)
     for rank, result in enumerate(results):
         assert_trains_like_one_process(result, f"rank {rank}")
+
+
+def test_why_not_says_what_rules_a_hand_plan_out():
+    plan = Plan.from_json(run_ranks(offline_autodist, 1, 4, {"mem_constraint": 0.0006}, timeout=300)[0])
+    rows = plan.predicted["autodist"]["candidates"]
+    too_big = next(c["plan"] for c in rows if not c["fits"])
+    slower = next(c["plan"] for c in rows if c["fits"] and c["step_seconds"] > plan.predicted["step_seconds"])
+    explained = dynshard.explain([plan])
+    assert "is over mem_constraint=0.0006 GB" in explained.why_not(too_big)
+    assert "predicted slower" in explained.why_not(slower)
+    with pytest.raises(ValueError, match="priced no plan"):
+        explained.why_not("pp 1f1b")

@@ -37,6 +37,7 @@ from ...planning.costs import tensor_collectives
 from ...planning.solver import Solution, solve
 
 MEMORY_TIE = 1e-15          # seconds per byte of peak: breaks ties toward less memory, never more than 1 us/GB
+NANOSECONDS = 1e9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,17 +98,19 @@ def choose(base: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, tr
             upper.append(-1.0)
     integer = np.ones(size, dtype=int)
     integer[t_var] = 0
-    solution = solve(cost + MEMORY_TIE * memory, np.array(constraints) if constraints else np.zeros((0, size)),
-                     upper, integer, time_limit)
+    # in nanoseconds: HiGHS stops within an absolute gap of 1e-6 of the objective's unit, which in seconds
+    # would call a choice a microsecond slower optimal
+    solution = solve(NANOSECONDS * (cost + MEMORY_TIE * memory),
+                     np.array(constraints) if constraints else np.zeros((0, size)), upper, integer, time_limit)
     if solution.x == ():
         return Choice(base, solution)
     # in step seconds: the objective is the step with nothing recomputed and every parameter replicated
     # (whose all-reduce latency the y_rep term carries) plus the chosen changes
     offset = predict(replicated, unit, nmicros, profile, transient_mem_coef)["step_seconds"] - (
         cost[size - 2] if zero_vars else 0.0) - MEMORY_TIE * floor
-    objective, bound = solution.objective + offset, solution.bound + offset
+    objective, bound = solution.objective / NANOSECONDS + offset, solution.bound / NANOSECONDS + offset
     solution = dataclasses.replace(solution, objective=objective, bound=bound,
-                                   gap=max(objective - bound, 0.0) / max(abs(objective), 1e-12))
+                                   gap=0.0 if solution.gap == 0 else max(objective - bound, 0.0) / max(abs(objective), 1e-12))
     x = np.round(np.array(solution.x))
     chosen = [instances[k] for k in range(n_r) if x[k] == 1]
     recompute = base.recompute if not search_recompute else (

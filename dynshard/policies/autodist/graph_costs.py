@@ -104,8 +104,9 @@ def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int, propagat
         for path, names in _instances(gm, recompute).items():
             inside = [by_op[n] for n in names if n in by_op]
             # recompute tags ask the partitioner to recompute, and it never recomputes a compute-intensive
-            # op (matmuls, attention): their outputs stay saved, and only the memory-bound ops run again
-            kept = sum(op.out_bytes * written[op.name] for op in inside if op.flops)
+            # op (matmuls, attention): what the backward reads of their outputs stays saved, and only the
+            # memory-bound ops run again
+            kept = sum(op.saved_bytes * written[op.name] for op in inside if op.flops)
             entry = _entry_bytes(gm, names, tp, propagation)
             instances.append(InstanceCosts(
                 path, sum(op.saved_bytes * written[op.name] for op in inside), entry + kept, 0.0,
