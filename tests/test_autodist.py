@@ -20,7 +20,8 @@ from parity import assert_trains_like_one_process
 from workers_pipeline import pipeline_parity
 from workers_transformers import train_transformers
 from workers_autodist import (candidate_plans_beside_hand_plans, nothing_fits, offline_autodist,
-                              planned_units_of, train_step_without_pipeline, train_with_autodist)
+                              pipeline_candidates_beside_hand_plans, planned_units_of, train_step_without_pipeline,
+                              train_with_autodist)
 
 
 @pytest.mark.parametrize("pas_config, message", [
@@ -174,3 +175,16 @@ def test_why_not_says_what_rules_a_hand_plan_out():
     assert "predicted slower" in explained.why_not(slower)
     with pytest.raises(ValueError, match="priced no plan"):
         explained.why_not("pp 1f1b")
+
+
+@pytest.mark.slow       # (24 pipeline plans made twice: about 30 s)
+def test_every_pipeline_candidate_is_the_plan_the_pp_policy_makes_and_zero_shrinks_its_peak():
+    """2 stages x 2 units: each schedule at ZeRO 0-3, with and without recompute, byte for byte the pp policy's
+    plan; ZeRO rows shrink the state at rest and add the step's whole replicas."""
+    rows = run_ranks(pipeline_candidates_beside_hand_plans, 1, 4, timeout=600)[0]
+    assert {name for name, *_ in rows} >= {"pp 1f1b", "pp gpipe + ZeRO-3", "pp zb1p + ZeRO-1 + recompute Block"}
+    for name, candidate, hand, _ in rows:
+        assert json.loads(candidate)["pipeline"] is not None and candidate == hand, name
+    memory = {name: bytes_ for name, _, _, bytes_ in rows}
+    assert memory["pp 1f1b + ZeRO-1"]["optimizer"] < memory["pp 1f1b"]["optimizer"]
+    assert memory["pp 1f1b + ZeRO-1"]["gathered"] > 0 == memory["pp 1f1b"]["gathered"]

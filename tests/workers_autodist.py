@@ -139,3 +139,33 @@ def train_step_without_pipeline(rank: int, world: int) -> dict:
         ref_opt.zero_grad()
     return {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
             "ref_params": {k: v.detach() for k, v in reference.state_dict().items()}}
+
+
+def pipeline_candidates_beside_hand_plans(rank: int, world: int, world_size: int) -> list[tuple[str, str, str]]:
+    """In a plain process: each pipeline candidate's plan JSON and the plan the pp policy makes with that
+    schedule, ZeRO level and recompute."""
+    from workers_pipeline import build
+
+    model, make = build("gpt")
+    sample = make(2, 0)
+    config = dynshard.Config(policy="autodist", plan_ngpus=2, use_end2end=True,
+                             pas_config={"explore_pipeline": True, "update_freq": 4})
+    rows = []
+
+    def search(gm, inputs, config, world, made_for, device_type):
+        _, whole = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
+        rows.extend(autodist.pipeline_plans(gm, inputs, config, world, made_for, device_type,
+                                            device_profile(config, device_type), whole))
+        return autodist.search(gm, inputs, config, world, made_for, device_type)
+
+    offline.search = search
+    try:
+        dynshard.plan(model, (sample,), config, world_size=world_size)
+    finally:
+        offline.search = autodist.search
+    out = []
+    for candidate, plan, predicted in rows:
+        hand = candidate.placement.config(config, candidate.zero, ",".join(candidate.recompute))
+        made, = dynshard.plan(model, (sample,), hand, world_size=world_size)
+        out.append((candidate.name, plan.to_json(), made.to_json(), predicted["bytes_per_rank"]))
+    return out

@@ -165,7 +165,8 @@ def hand_plans(units, config: Config, world: int, profile: DeviceProfile) -> lis
 
 def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str,
                    profile: DeviceProfile, whole: UnitCosts) -> list[tuple[Candidate, Plan, dict]]:
-    """The pp policy's plans (every rank of a unit one stage) with each schedule, with and without recompute."""
+    """The pp policy's plans (every rank of a unit one stage) with each schedule, at each ZeRO level across the
+    units, with and without recompute."""
     options = config.autodist
     config = config.resolve(world)
     layout = planning_layout(world, config.plan_ngpus, device_type, pp_size=config.plan_ngpus)
@@ -174,16 +175,18 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
         pas = {"pipeline_nmicros": options.update_freq, "pipeline_scheduler": schedule,
                "pipeline_pivots": options.pipeline_pivots}
         placement = Placement(f"pp {schedule}", "pp", tuple(pas.items()))
-        try:
-            plan, _, _ = plan_graph(gm, inputs, placement.config(config, 0, options.recompute_modules or ""), layout,
-                                    made_for)
+        dp = world // config.plan_ngpus
+        try:        # (at ZeRO level 1 when there are units: which tensors take rows)
+            plan, _, _ = plan_graph(gm, inputs, placement.config(config, 1 if dp > 1 else 0, options.recompute_modules
+                                                                 or ""), layout, made_for)
         except Exception as error:      # noqa: BLE001 - a pipeline this graph cannot be cut into is not a candidate
             log.info("autodist: no %s plan for this graph: %s", placement.name, str(error).strip().splitlines()[0])
             continue
-        for recompute in recompute_choices(config, whole.recompute_class):
-            candidate = Candidate(placement, 0, recompute)
-            staged = dataclasses.replace(plan, recompute=recompute)
-            rows.append((candidate, staged, predict_pipeline(staged, whole, profile, options.transient_mem_coef)))
+        for zero in zero_levels(dp):
+            for recompute in recompute_choices(config, whole.recompute_class):
+                candidate = Candidate(placement, zero, recompute)
+                staged = with_choices(plan, zero, recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
+                rows.append((candidate, staged, predict_pipeline(staged, whole, profile, options.transient_mem_coef)))
     return rows
 
 

@@ -8,15 +8,19 @@ the executor's own simulator (:func:`dynshard.runtime.pipeline.simulate.simulate
 costs and the boundary's transfer time (``alpha + bytes / bandwidth`` of a point-to-point message, priced as
 an all-to-all of the block's input): its makespan is the step's compute and bubble. The data-parallel
 reduction follows the step (the busiest pipeline rank's parameters). Memory per pipeline rank: its stages'
-parameters, gradients and Adam's state, its stages' share of the activations times the most micro-batches
-it holds between a forward and its backward in the simulated timeline, and the transient term.
+parameters, gradients and Adam's state (ZeRO rows at rest), under ZeRO their whole replicas and gradients
+during the step (gathered once a step, reduce-scattered at its end), its stages' share of the activations
+times the most micro-batches it holds between a forward and its backward in the simulated timeline, and
+the transient term.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from ...planning import Plan
 from ...planning.cost_model import DeviceProfile, UnitCosts, instance_seconds, parameter_seconds, round_seconds
-from ...planning.costs import memory_at_rest, tensor_collectives
+from ...planning.costs import itemsize, local_numel, memory_at_rest, tensor_collectives
 from ...runtime.pipeline.schedules import build_schedule
 from ...runtime.pipeline.simulate import simulate
 
@@ -39,17 +43,22 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
     largest_block = max((i.saved_bytes for i in recomputed), default=0.0)
     ranks = []
     for rank in range(plan.mesh.pp):
-        stages = [s for s, owners in enumerate(p.stage_ranks) if rank in owners]
+        stages = {s for s, owners in enumerate(p.stage_ranks) if rank in owners}
         activations = sum(shares[s] for s in stages) * saved * held[rank] + largest_block
-        ranks.append((rest[rank], activations))
+        # ZeRO under a pipeline: the stages' parameters gathered whole once per step, and their gradients
+        # accumulated whole over the micro-batches before the reduce-scatter at the step's end
+        replicas = 2 * sum(gathered_whole(plan, t) for t in plan.tensors.values()
+                           if t.kind == "parameter" and t.dp == "zero" and stages & set(t.stages or ()))
+        ranks.append((rest[rank], activations + replicas, replicas))
     transient = transient_mem_coef * unit.largest_output
-    busiest, activations = max(ranks, key=lambda r: r[0].total + r[1])
+    busiest, during, replicas = max(ranks, key=lambda r: r[0].total + r[1])
+    activations = during - replicas
     params = [t for t in plan.tensors.values() if t.kind == "parameter"]
     dp_comm = max((sum(parameter_seconds(plan, t, profile) for t in params if t.stages and set(t.stages) & set(
         s for s, owners in enumerate(p.stage_ranks) if rank in owners)) for rank in range(plan.mesh.pp)), default=0.0)
     dp_comm += sum(profile.alpha_s[kind] for kind, what in {(k, w) for t in params for k, _, _, w in tensor_collectives(plan, t)})
     busy = max(simulated.busy)
-    peak = busiest.total + activations + transient
+    peak = busiest.total + during + transient
     return {
         "step_seconds": round_seconds(simulated.makespan + dp_comm),
         "compute_seconds": round_seconds(busy),
@@ -60,9 +69,13 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
         "tp_collectives_per_micro_batch": {"count": 0, "bytes": 0},
         "micro_batches_held": list(held),
         "bytes_per_rank": {"parameters": busiest.parameters, "buffers": busiest.buffers, "gradients": busiest.gradients,
-                           "optimizer": busiest.optimizer, "gathered": 0, "activations": int(activations),
+                           "optimizer": busiest.optimizer, "gathered": int(replicas), "activations": int(activations),
                            "transient": int(transient), "peak": int(peak)},
     }
+
+
+def gathered_whole(plan: Plan, tensor) -> float:
+    return local_numel(plan, dataclasses.replace(tensor, dp="replicate"))[0] * itemsize(tensor.dtype)
 
 
 def _held(simulated, nranks: int) -> list[int]:
