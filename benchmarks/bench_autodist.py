@@ -5,6 +5,7 @@ choice (plan_ngpus 2, and plan_ngpus 1) measures against the fastest hand plan.
 
     python benchmarks/bench_autodist.py --out benchmarks/results/autodist_cpu.json
     python benchmarks/bench_autodist.py --search-only      # the search-time table alone
+    python benchmarks/bench_autodist.py --pipelines-only   # train_step: the pp schedules, tp, data, autodist
 
 Also: the search's time (offline, ``dynshard.plan`` on the meta device) by layers and ranks.
 """
@@ -107,6 +108,46 @@ def search_times(layer_counts=(8, 32), worlds=(8, 64, 512)) -> list[dict]:
     return rows
 
 
+PIPELINE_SYSTEMS = {"pp 1f1b": "pp:dynshard:1f1b", "pp gpipe": "pp:dynshard:gpipe", "pp zb1p": "pp:dynshard:zb1p",
+                    "tp": "pp:dynshard:tp", "data": "pp:dynshard:data"}
+
+
+def pipelines(args, results_dir: str, profile: str) -> str:
+    """The end-to-end GPT trained by train_step over 4 micro-batches on 2 ranks: the pp schedules, tp and data
+    measured beside their predictions, and autodist exploring pipelines."""
+    import torch
+
+    import dynshard
+    from models import GPTConfig, gpt_batch
+    from workers_pipeline import EndToEndGPT
+
+    m = 4
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, heads=args.heads, layers=args.layers)
+    with torch.device("meta"):
+        model = EndToEndGPT(cfg)
+    sample = dict(zip(("idx", "tgt"), gpt_batch(cfg, args.batch // m, 0)))
+    plan, = dynshard.plan(model, (sample,), dynshard.Config(policy="autodist", plan_ngpus=2, use_end2end=True, pas_config={
+        "explore_pipeline": True, "update_freq": m, "device_profile": profile}), world_size=2)
+    predicted = {c["plan"]: c["step_seconds"] for c in plan.predicted["autodist"]["candidates"]}
+    extra = ("--micro-batches", str(m), "--device-profile", profile)
+    rows = [("plan (train_step, 4 micro-batches)", "measured s", "predicted s", "chose")]
+    measured = {}
+    for name, system in PIPELINE_SYSTEMS.items():
+        job = run_job(system, 2, args, results_dir, job="pipeline_job.py", extra=extra)
+        measured[name] = job.get("step_s")
+        rows.append((name, f"{measured[name]:.3f}" if measured[name] else "failed", f"{predicted[name]:.3f}", ""))
+    job = run_job("pp:dynshard:autodist", 2, args, results_dir, job="pipeline_job.py", extra=extra)
+    rows.append(("autodist (explore_pipeline)", f"{job['step_s']:.3f}" if job.get("step_s") else "failed",
+                 f"{plan.predicted['step_seconds']:.3f}", plan.predicted["autodist"]["chosen"]))
+    names = [n for n in PIPELINE_SYSTEMS if measured[n]]
+    rho = spearman([predicted[n] for n in names], [measured[n] for n in names])
+    fastest = min(measured[n] for n in names)
+    lines = [table(rows), f"Spearman ({len(names)} plans): {rho:.2f}"]
+    if job.get("step_s"):
+        lines.append(f"autodist / fastest of these ({fastest:.3f}s): {job['step_s'] / fastest:.2f}x")
+    return "\n".join(lines)
+
+
 def table(rows: list[tuple]) -> str:
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in rows)
@@ -118,6 +159,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(HERE, "results", "autodist_cpu.json"))
     parser.add_argument("--job-timeout", type=int, default=900)
     parser.add_argument("--search-only", action="store_true")
+    parser.add_argument("--pipelines-only", action="store_true", help="the train_step table alone")
     args = parser.parse_args()
     if args.search_only:
         print(table([("layers", "ranks", "seconds", "candidates", "chosen")] + [
@@ -126,6 +168,9 @@ def main() -> None:
     results_dir = tempfile.mkdtemp(prefix="bench_autodist_")
     profile = os.path.join(results_dir, "profile.json")
     calibrate(profile)
+    if args.pipelines_only:
+        print(pipelines(args, results_dir, profile))
+        return
     predicted = predictions(args, profile)
     environ = {"DYNSHARD_PAS_CONFIG": json.dumps({"device_profile": profile})}
     rows = []

@@ -50,7 +50,9 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from gpt_job import add_run_arguments  # noqa: E402
 from models import GPT, GPTConfig, gpt_batch  # noqa: E402
 
-SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved")
+SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved", "zb1p")
+# not schedules: the same training step (train_step over --micro-batches samples) under another policy
+POLICIES = {"autodist": "autodist", "tp": "tp", "data": "data"}
 LR = 1e-4
 
 
@@ -58,6 +60,7 @@ def add_pipeline_arguments(parser: argparse.ArgumentParser) -> None:
     """The pipeline flags, shared with the driver (bench_pipeline.py)."""
     parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (pipeline_nmicros)")
     parser.add_argument("--chunks", type=int, default=2, help="stages per rank of 1f1b_interleaved")
+    parser.add_argument("--device-profile", default=None, help="pp:dynshard:autodist: the dynshard.calibrate file")
     parser.add_argument("--compiler", default="inductor", choices=("inductor", "aot_eager"),
                         help="dynshard's Config.compiler and the backend of torch's torch.compile")
 
@@ -66,9 +69,10 @@ def parse_system(system: str) -> tuple[str, str, bool]:
     """'pp:dynshard:1f1b:traced' -> ('dynshard', '1f1b', True)."""
     parts = system.split(":")
     if len(parts) not in (3, 4) or parts[0] != "pp" or parts[1] not in ("dynshard", "torch") \
-            or parts[2] not in SCHEDULES or (len(parts) == 4 and parts[3] != "traced") \
+            or parts[2] not in SCHEDULES + tuple(POLICIES) or (len(parts) == 4 and parts[3] != "traced") \
             or (parts[1] == "torch" and (parts[2] != "1f1b" or len(parts) == 4)):
-        raise SystemExit(f"unknown system {system!r}: pp:dynshard:<{'|'.join(SCHEDULES)}>[:traced] or pp:torch:1f1b")
+        raise SystemExit(f"unknown system {system!r}: pp:dynshard:<{'|'.join(SCHEDULES + tuple(POLICIES))}>[:traced] "
+                         "or pp:torch:1f1b")
     return parts[1], parts[2], len(parts) == 4
 
 
@@ -87,8 +91,15 @@ def build_dynshard(cfg: GPTConfig, schedule: str, args, world: int):
     pas = {"pipeline_nmicros": args.micro_batches, "pipeline_scheduler": schedule}
     if schedule == "1f1b_interleaved":
         pas["pipeline_nchunks"] = args.chunks
-    config = dynshard.Config(policy="pp", plan_ngpus=world, use_end2end=True, compiler=args.compiler,
-                             pas_config=pas, trace_dir=args.trace_dir)
+    policy = POLICIES.get(schedule, "pp")
+    if policy == "autodist":
+        pas = {"explore_pipeline": True, "update_freq": args.micro_batches}
+        if args.device_profile:
+            pas["device_profile"] = args.device_profile
+    elif policy != "pp":
+        pas = {}
+    config = dynshard.Config(policy=policy, plan_ngpus=world, use_end2end=True, compiler=args.compiler,
+                             pas_config=pas, trace_dir=args.trace_dir if policy == "pp" else None)
     compiled = torch.compile(model, backend="dynshard", options=config)
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
 
@@ -104,10 +115,15 @@ def build_dynshard(cfg: GPTConfig, schedule: str, args, world: int):
 def dynshard_report(compiled) -> dict:
     import dynshard
 
-    report = dynshard.explain(compiled).pipelines[0]
-    return dict(stage_modules=[list(s.modules) for s in report.stages], stage_ranks=[s.rank for s in report.stages],
+    explained = dynshard.explain(compiled)
+    chosen = [p.predicted["autodist"]["chosen"] for p in explained.plans if (p.predicted or {}).get("autodist")]
+    if not explained.pipelines:         # tp, data, or autodist's choice of either
+        return dict(chosen=chosen[0] if chosen else None, explain=str(explained))
+    report = explained.pipelines[0]
+    return dict(stage_modules=[list(s.modules) for s in report.stages], stage_ranks=[list(s.ranks) for s in report.stages],
                 stage_flops=[s.flops for s in report.stages], grid=report.grid, p2p_bytes=report.p2p_bytes,
-                sent_bytes=report.sent_bytes, compile_seconds=report.compile_seconds, explain=str(report))
+                sent_bytes=report.sent_bytes, compile_seconds=report.compile_seconds, explain=str(report),
+                chosen=chosen[0] if chosen else None)
 
 
 # -- torch.distributed.pipelining ------------------------------------------------------------------------
@@ -296,7 +312,8 @@ def main() -> None:
         if who == "dynshard":           # the latest step's idle fraction, outside the timed window
             import dynshard
 
-            idle.append(dynshard.explain(compiled).pipelines[0].idle_fraction)
+            pipelines = dynshard.explain(compiled).pipelines
+            idle.append(pipelines[0].idle_fraction if pipelines else None)
     # dynshard: where it cut; torch: the cut it was given, and STATIC when no eager shape inference ran
     extra = dynshard_report(compiled) if who == "dynshard" else dict(
         stage_modules=cut, metadata_mode=str(getattr(stage, "_inference_mode", None)))
