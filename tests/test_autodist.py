@@ -19,7 +19,7 @@ from distributed import run_ranks
 from parity import assert_trains_like_one_process
 from workers_pipeline import pipeline_parity
 from workers_transformers import train_transformers
-from workers_autodist import (candidate_plans_beside_hand_plans, nothing_fits, offline_autodist,
+from workers_autodist import (candidate_plans_beside_hand_plans, memory_budget_sweep, nothing_fits, offline_autodist,
                               pipeline_candidates_beside_hand_plans, planned_units_of, train_step_without_pipeline,
                               train_with_autodist)
 
@@ -58,18 +58,16 @@ def test_every_candidate_is_the_plan_its_hand_policy_makes():
 
 
 def test_a_tighter_memory_budget_moves_the_choice_toward_saving_memory_and_the_plan_fits_it():
-    free = json.loads(run_ranks(offline_autodist, 1, 4, {}, timeout=300)[0])
+    free, *tighter, error = run_ranks(memory_budget_sweep, 1, 4, timeout=300)[0]
+    free = json.loads(free)
     peaks = sorted({c["peak_bytes"] for c in free["predicted"]["autodist"]["candidates"]}, reverse=True)
     chosen = [free]
-    for peak in (peaks[len(peaks) // 3], peaks[2 * len(peaks) // 3], peaks[-1]):
-        budget = peak / 1024 ** 3
-        plan = json.loads(run_ranks(offline_autodist, 1, 4, {"mem_constraint": budget}, timeout=300)[0])
+    for peak, plan in zip((peaks[len(peaks) // 3], peaks[2 * len(peaks) // 3], peaks[-1]), map(json.loads, tighter)):
         assert plan["predicted"]["bytes_per_rank"]["peak"] <= peak
         assert plan["predicted"]["step_seconds"] >= chosen[-1]["predicted"]["step_seconds"]
         chosen.append(plan)
     assert chosen[-1]["predicted"]["bytes_per_rank"]["peak"] <= peaks[-1] < free["predicted"]["bytes_per_rank"]["peak"]
     assert len({p["predicted"]["autodist"]["chosen"] for p in chosen}) >= 3
-    error = run_ranks(offline_autodist, 1, 4, {"mem_constraint": peaks[-1] / 1024 ** 3 * 0.99}, timeout=300)[0]
     assert error.startswith("AutodistError") and "mem_constraint" in error and "smallest peak" in error, error
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 
 import torch
 import torch.distributed as dist
@@ -50,6 +51,15 @@ def offline_autodist(rank: int, world: int, world_size: int, pas_config: dict) -
     except Exception as error:
         return _autodist_error(error)
     return plan.to_json()
+
+
+def memory_budget_sweep(rank: int, world: int, world_size: int) -> list[str]:
+    """autodist with no budget, then with budgets at a third, two thirds and all of the way down its candidates'
+    peaks, then just under the smallest: each plan's JSON (or the error), in one process."""
+    free = offline_autodist(rank, world, world_size, {})
+    peaks = sorted({c["peak_bytes"] for c in json.loads(free)["predicted"]["autodist"]["candidates"]}, reverse=True)
+    budgets = [peaks[len(peaks) // 3], peaks[2 * len(peaks) // 3], peaks[-1], peaks[-1] * 0.99]
+    return [free] + [offline_autodist(rank, world, world_size, {"mem_constraint": b / 1024 ** 3}) for b in budgets]
 
 
 def _autodist_error(error: BaseException) -> str:
