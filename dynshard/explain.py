@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 
@@ -10,7 +11,7 @@ from typing import Sequence
 
 from .backend.compile import CollectiveRecord
 from .planning import Plan
-from .planning.costs import RankBytes, StepCollective, memory_at_rest, step_collectives
+from .planning.costs import RankBytes, StepCollective, itemsize, memory_at_rest, step_collectives
 from .runtime.sharding import describe_placements, get_tag
 from .runtime.state_dict import unwrap_compiled
 
@@ -60,6 +61,8 @@ class PipelineReport:
     idle_fraction: float      # of this rank's latest step
     compile_seconds: float
     cache_hits: int
+    plan: Plan | None = None              # the dynshard.Plan it executes
+    trace_dir: str | None = None          # where its ranks write their traces (Config.trace_dir)
 
     def __str__(self) -> str:
         lines = [f"pipeline {self.key}: {len(self.stages)} stages, schedule {self.schedule}, "
@@ -98,6 +101,43 @@ class Explanation:
     def saved_bytes(self) -> int:
         """Bytes of activations all programs keep for their backward, on this rank."""
         return sum(p.saved_bytes for p in self.programs)
+
+    def save_html(self, path: str, limit_bytes: int | None = None, trace_dir: str | None = None) -> str:
+        """Write the page of these plans (``dynshard.pictures``), with what this rank measured beside the
+        predictions; ``limit_bytes``: the memory limit drawn (default: autodist's ``mem_constraint``, else the
+        CUDA device's memory); ``trace_dir``: pipeline traces to draw (default: the job's ``Config.trace_dir``).
+        Returns ``path``."""
+        return _write(path, self.to_html(limit_bytes, trace_dir))
+
+    def to_html(self, limit_bytes: int | None = None, trace_dir: str | None = None) -> str:
+        from .pictures import Measured, Section, Traced, render
+
+        sizes = {p.name: p.local_shape for p in self.parameters}
+        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        if limit_bytes is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+            limit_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        def held(plan: Plan, kind: str) -> int:
+            return sum(math.prod(sizes[name]) * itemsize(t.dtype) for name, t in plan.tensors.items()
+                       if t.kind == kind and name in sizes)
+
+        sections = []
+        for program in self.programs:
+            if program.plan is None:
+                continue
+            found: dict[tuple[str, str], list[int]] = {}
+            for c in program.collectives:
+                found.setdefault((c.kind, c.group), []).append(c.bytes)
+            measured = Measured(held(program.plan, "parameter"), held(program.plan, "buffer"), program.saved_bytes, peak)
+            sections.append(Section(program.plan, measured,
+                                    Traced(tuple((k, g, len(b), sum(b)) for (k, g), b in found.items()))))
+        for pipeline in self.pipelines:
+            if pipeline.plan is not None:
+                measured = Measured(held(pipeline.plan, "parameter"), held(pipeline.plan, "buffer"),
+                                    sum(s.saved_bytes for s in pipeline.stages), peak, "micro-batch")
+                sections.append(Section(pipeline.plan, measured, Traced(p2p_minimum=pipeline.p2p_bytes,
+                                                                        p2p_sent=pipeline.sent_bytes),
+                                        trace_dir=trace_dir or pipeline.trace_dir))
+        return render(sections, "dynshard: the plans of a compiled model", limit_bytes, str(self))
 
     def __str__(self) -> str:
         lines = ["parameters"]
@@ -176,6 +216,18 @@ class PlanExplanation:
     def why_not(self, plan: str) -> str:
         return why_not(self.plans, plan)
 
+    def save_html(self, path: str, limit_bytes: int | None = None, trace_dir: str | None = None) -> str:
+        """Write the page of these plans (``dynshard.pictures``): placements, memory per rank against
+        ``limit_bytes`` (default: autodist's ``mem_constraint``), communication, the pipeline schedule (and
+        the traces in ``trace_dir``), autodist's choice. Returns ``path``."""
+        return _write(path, self.to_html(limit_bytes, trace_dir))
+
+    def to_html(self, limit_bytes: int | None = None, trace_dir: str | None = None) -> str:
+        from .pictures import Section, render
+
+        return render([Section(plan, trace_dir=trace_dir) for plan in self.plans], "dynshard: plans",
+                      limit_bytes, str(self))
+
     def __str__(self) -> str:
         lines: list[str] = []
         for index, plan in enumerate(self.plans):
@@ -206,6 +258,12 @@ class PlanExplanation:
             lines += _autodist_lines(plan)
             lines.append("")
         return "\n".join(lines).rstrip()
+
+
+def _write(path: str, page: str) -> str:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(page)
+    return path
 
 
 def _autodist_lines(plan: Plan) -> list[str]:
@@ -333,4 +391,5 @@ def _pipeline_report(plan) -> PipelineReport:
     return PipelineReport(
         key=plan.key, schedule=plan.schedule.name, nmicros=plan.nmicros, stages=stages,
         grid=plan.schedule.format(comms=False), p2p_bytes=plan.p2p_bytes(), sent_bytes=plan.last_step.get("sent_bytes", 0),
-        idle_fraction=plan.last_step.get("idle_fraction", 0.0), compile_seconds=plan.seconds, cache_hits=plan.hits)
+        idle_fraction=plan.last_step.get("idle_fraction", 0.0), compile_seconds=plan.seconds, cache_hits=plan.hits,
+        plan=getattr(plan, "plan", None), trace_dir=plan.config.trace_dir)

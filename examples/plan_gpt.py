@@ -2,6 +2,7 @@
 
     python examples/plan_gpt.py                                   # tp over 2 ranks, as examples/train_gpt.py
     python examples/plan_gpt.py --world 64 --policy hybrid --plan 16 --zero 1 --out gpt64.plan.json
+    python examples/plan_gpt.py --world 8 --policy hybrid --plan 4 --layers 8 --html gpt.html   # the page
 
 The model is built on the meta device: nothing is allocated, whatever its size. Run the file it writes with
 ``dynshard.Config(load_plan_path=...)`` (examples/train_gpt.py --load-plan).
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--micros", type=int, default=4, help="pp / hybrid: micro-batches per step")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--out", default=None, help="write the plan(s) here")
+    parser.add_argument("--html", default=None, help="write the plans' page here (open it in any browser)")
     args = parser.parse_args()
 
     cfg = GPTConfig(vocab=512, seq=64, d_model=128, heads=4, layers=args.layers)
@@ -52,6 +54,8 @@ def main() -> None:
         options.update(use_end2end=True, pas_config={"pipeline_nmicros": args.micros, "pipeline_nstages": args.stages})
     plans = dynshard.plan(model, (sample,) if pipeline else sample, dynshard.Config(**options), world_size=args.world)
     print(dynshard.explain(plans))
+    if args.html:
+        print(f"\nwrote the page to {dynshard.explain(plans).save_html(args.html)}")
     if args.out:
         from dynshard.planning.files import write_plan_file
 

@@ -104,7 +104,9 @@ def search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, dev
         "mem_constraint_gb": options.mem_constraint, "update_freq": options.update_freq,
         "device_profile": {"name": profile.name, "digest": profile.digest()},
         "task_name": options.task_name,
-        "candidates": [{"plan": c.name, "step_seconds": p["step_seconds"], "peak_bytes": p["bytes_per_rank"]["peak"],
+        "candidates": [{"plan": c.name, "step_seconds": p["step_seconds"], "compute_seconds": p["compute_seconds"],
+                        "communication_seconds": p["communication_seconds"], "bubble_seconds": p["bubble_seconds"],
+                        "peak_bytes": p["bytes_per_rank"]["peak"],
                         "fits": budget is None or p["bytes_per_rank"]["peak"] <= budget}
                        for c, _, p in sorted(hand, key=lambda row: (row[2]["step_seconds"], row[0].name))],
     }

@@ -35,7 +35,7 @@ import hashlib
 import math
 import json
 
-from .costs import ADAM_STATE_BYTES, itemsize, local_numel, memory_at_rest, tensor_collectives
+from .costs import ADAM_STATE_BYTES, itemsize, local_numel, memory_at_rest, tensor_collectives, whole_bytes
 from .plan import Plan
 
 BUCKET_BYTES = 25 * 1024 ** 2
@@ -188,7 +188,7 @@ def gathered_bytes(plan: Plan, tensor, nmicros: int, blocks: int) -> float:
     (level 3), and as a replica with its gradient while accumulating."""
     if tensor.dp != "zero" or not plan.zero.level:
         return 0.0
-    whole = local_numel(plan, dataclasses.replace(tensor, dp="replicate"))[0] * itemsize(tensor.dtype)
+    whole = whole_bytes(plan, tensor)
     gathered = whole if plan.zero.level in (1, 2) else whole / blocks
     return gathered + (2 * whole if nmicros > 1 else 0.0)
 

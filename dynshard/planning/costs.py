@@ -6,7 +6,8 @@ the optimizer state is Adam's two fp32 moments per element the rank updates (nnS
 A tied tensor read by two pipeline stages is held by both stages' ranks. Parameters count as trainable.
 
 Collectives per step, per rank, as payload bytes (what each rank puts in; a ring all-reduce moves about
-twice that): the forward collectives the propagation predicted (``Plan.predicted["forward_collectives"]``),
+twice that): the forward collectives the propagation predicted (``Plan.predicted["forward_collectives"]``;
+a pipeline's, once per micro-batch),
 and the data-parallel ones each parameter costs: an all-reduce of its gradient ("replicate"), or for ZeRO
 rows an all-gather of the parameter (level 3: two, forward and backward) and a reduce-scatter of the
 gradient (level 1 without ``reduce_scatter``: an all-reduce of the whole gradient instead).
@@ -67,6 +68,11 @@ def local_numel(plan: Plan, tensor: TensorChoice) -> tuple[int, bool]:
     return math.prod(shape), exact
 
 
+def whole_bytes(plan: Plan, tensor: TensorChoice) -> int:
+    """Bytes of this rank's tp shard of ``tensor`` before ZeRO splits it into rows (a gathered replica)."""
+    return local_numel(plan, dataclasses.replace(tensor, dp="replicate"))[0] * itemsize(tensor.dtype)
+
+
 def memory_at_rest(plan: Plan) -> list[RankBytes]:
     """Bytes per rank at rest: one row for a plan unit's ranks alike, one per pipeline rank otherwise."""
     if plan.pipeline is None:
@@ -100,8 +106,9 @@ def _bytes_of(plan: Plan, tensors: list[TensorChoice], ranks: str) -> RankBytes:
 def step_collectives(plan: Plan) -> list[StepCollective]:
     """The collectives of one training step on a rank, grouped by kind, dimension and what they move."""
     found: dict[tuple[str, str, str], list[int]] = defaultdict(list)
+    micro_batches = plan.pipeline.nmicros if plan.pipeline is not None else 1   # a pipeline's programs run per micro-batch
     for c in (plan.predicted or {}).get("forward_collectives", ()):
-        found[(c["kind"], c["dim"], "forward activations (tp)")].append(c["bytes"])
+        found[(c["kind"], c["dim"], "forward activations (tp)")] += [c["bytes"]] * micro_batches
     for tensor in plan.tensors.values():
         for kind, dim, size, what in tensor_collectives(plan, tensor):
             found[(kind, dim, what)].append(size)

@@ -16,11 +16,9 @@ the transient term.
 
 from __future__ import annotations
 
-import dataclasses
-
 from ...planning import Plan
 from ...planning.cost_model import DeviceProfile, UnitCosts, instance_seconds, parameter_seconds, round_seconds
-from ...planning.costs import itemsize, local_numel, memory_at_rest, tensor_collectives
+from ...planning.costs import memory_at_rest, tensor_collectives, whole_bytes
 from ...runtime.pipeline.schedules import build_schedule
 from ...runtime.pipeline.simulate import simulate
 
@@ -47,7 +45,7 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
         activations = sum(shares[s] for s in stages) * saved * held[rank] + largest_block
         # ZeRO under a pipeline: the stages' parameters gathered whole once per step, and their gradients
         # accumulated whole over the micro-batches before the reduce-scatter at the step's end
-        replicas = 2 * sum(gathered_whole(plan, t) for t in plan.tensors.values()
+        replicas = 2 * sum(whole_bytes(plan, t) for t in plan.tensors.values()
                            if t.kind == "parameter" and t.dp == "zero" and stages & set(t.stages or ()))
         ranks.append((rest[rank], activations + replicas, replicas))
     transient = transient_mem_coef * unit.largest_output
@@ -72,10 +70,6 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
                            "optimizer": busiest.optimizer, "gathered": int(replicas), "activations": int(activations),
                            "transient": int(transient), "peak": int(peak)},
     }
-
-
-def gathered_whole(plan: Plan, tensor) -> float:
-    return local_numel(plan, dataclasses.replace(tensor, dp="replicate"))[0] * itemsize(tensor.dtype)
 
 
 def _held(simulated, nranks: int) -> list[int]:
