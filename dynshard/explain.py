@@ -127,7 +127,10 @@ class Explanation:
             found: dict[tuple[str, str], list[int]] = {}
             for c in program.collectives:
                 found.setdefault((c.kind, c.group), []).append(c.bytes)
-            measured = Measured(held(program.plan, "parameter"), held(program.plan, "buffer"), program.saved_bytes, peak)
+            calls = (program.plan.predicted or {}).get("autodist", {}).get("update_freq", 1)
+            step = None if program.seconds_between_calls is None else program.seconds_between_calls * calls
+            measured = Measured(held(program.plan, "parameter"), held(program.plan, "buffer"), program.saved_bytes,
+                                peak, step_seconds=step)
             sections.append(Section(program.plan, measured,
                                     Traced(tuple((k, g, len(b), sum(b)) for (k, g), b in found.items()))))
         for pipeline in self.pipelines:

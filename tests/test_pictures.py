@@ -17,6 +17,7 @@ import dynshard
 from distributed import run_ranks
 from dynshard.planning import Plan
 from dynshard.planning.costs import memory_at_rest, step_collectives
+from dynshard.pictures import Measured, Section, render
 from dynshard.pictures.schedule import simulated
 from workers_pictures import offline_plans, pages_of_a_job
 from workers_plan_files import plan_64_ranks
@@ -104,6 +105,10 @@ def test_autodists_choice_is_drawn_against_every_hand_plan_it_priced(offline):
     assert {k: drawn.get(k, 0) for k in ("activations", "transient")} == {
         k: plan.predicted["bytes_per_rank"][k] for k in ("activations", "transient")}
     assert f"limit {record['mem_constraint_gb'] * 1024 ** 3 / 1024:.3g} KiB" in "".join(page.text)
+    # from a running job, the chosen plan's measured step is drawn under its prediction
+    section = Section(plan, Measured(step_seconds=0.125))
+    measured, = Page(render([section], "job")).having("rect", "measured")
+    assert float(measured["data-seconds"]) == 0.125
 
 
 @pytest.mark.slow

@@ -22,13 +22,17 @@ def rows_of(plan: Plan) -> list[dict]:
     return [chosen] + list(record["candidates"])
 
 
-def render(plan: Plan) -> str:
+def render(plan: Plan, measured_step: float | None = None) -> str:
+    """``measured_step``: the chosen plan's step as a running job measured it, drawn under its prediction."""
     record = plan.predicted["autodist"]
     rows = rows_of(plan)
+    if measured_step is not None:
+        rows.insert(1, {"plan": f"measured: {record['chosen']}", "step_seconds": measured_step,
+                        "measured_seconds": measured_step, "peak_bytes": None, "fits": True})
     budget = record["mem_constraint_gb"]
     limit = None if budget is None else budget * 1024 ** 3
     slowest = max(r["step_seconds"] for r in rows) * 1.1 or 1
-    largest = max([r["peak_bytes"] for r in rows] + [limit or 0]) * 1.1 or 1
+    largest = max([r["peak_bytes"] or 0 for r in rows] + [limit or 0]) * 1.1 or 1
     body, y = [text(LABEL, 10, "predicted step", size=10), text(LABEL + WIDTH + 90, 10, "predicted peak per rank", size=10)], 16
     right = LABEL + WIDTH + 90
     for row in rows:
@@ -36,6 +40,10 @@ def render(plan: Plan) -> str:
         body.append(text(LABEL - 8, y + BAR - 4, name if len(name) < 52 else name[:50] + "..", anchor="end", size=10,
                          cls="chosen" if row is rows[0] else None))
         x = LABEL
+        if "measured_seconds" in row:
+            body.append(rect(x, y, row["measured_seconds"] / slowest * WIDTH, BAR, "#333",
+                             f"{name}\nmeasured: {row['measured_seconds']:.6g} s a step (median of the latest calls)",
+                             cls="measured", data_seconds=f"{row['measured_seconds']:.6g}"))
         for part in PARTS:
             seconds = row.get(f"{part}_seconds")
             if seconds is None:     # a plan recorded before the split was kept
@@ -45,6 +53,9 @@ def render(plan: Plan) -> str:
             x += seconds / slowest * WIDTH
         body.append(text(LABEL + row["step_seconds"] / slowest * WIDTH + 4, y + BAR - 4,
                          human_seconds(row["step_seconds"]), size=10))
+        if row["peak_bytes"] is None:      # measured: no peak on this page's CPU
+            y += BAR + GAP
+            continue
         colour = MEMORY_COLOURS["parameters"] if row["fits"] else "#bbb"
         body.append(rect(right, y, row["peak_bytes"] / largest * 200, BAR, colour,
                          f"{name}\npeak {row['peak_bytes']} bytes per rank", cls="peak", data_plan=row["plan"],
@@ -60,4 +71,4 @@ def render(plan: Plan) -> str:
             f'gap <b data-gap="{gap}">{gap:.2%}</b>); device profile {esc(record["device_profile"]["name"])}'
             + (f"; mem_constraint {budget} GB" if budget is not None else "") + ". The hand plans are priced by the "
             "same cost model; hover a bar for its figure.</p>")
-    return head + legend(TIME_COLOURS) + svg(right + 300, y + 6, body, "autodist: the chosen plan against the hand plans")
+    return head + legend({**TIME_COLOURS, "measured": "#333"}) + svg(right + 300, y + 6, body, "autodist: the chosen plan against the hand plans")

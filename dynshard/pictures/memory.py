@@ -25,6 +25,7 @@ class Measured:
     activations: int | None = None      # saved for the backward by the compiled programs, as traced
     peak: int | None = None             # the device allocator's peak (CUDA only)
     activations_per: str = "step"       # what the activations figure is of: "step", or "micro-batch" (pipelines)
+    step_seconds: float | None = None   # a training step's wall time (the median of the latest calls)
 
 
 def bars_of(plan: Plan) -> list[tuple[str, dict[str, int]]]:

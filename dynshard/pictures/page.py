@@ -95,5 +95,6 @@ def _section(index: int, section: Section, limit: int | None) -> str:
         if section.trace_dir:
             parts.append(schedule.render_measured(section.trace_dir))
     if record:
-        parts += ["<h3>autodist: why this plan</h3>", choice.render(plan)]
+        step = section.measured.step_seconds if section.measured is not None else None
+        parts += ["<h3>autodist: why this plan</h3>", choice.render(plan, step)]
     return "".join(parts) + "</section>"
