@@ -12,6 +12,10 @@ EXPECTED = {   # scenario: what the message must name
     "model": "rank 1 differs from rank 0: input 'blocks.0.0.weight' has shape (32, 16) float32 on rank 0, "
              "(64, 16) float32 on rank 1",
     "batch": "rank 1 differs from rank 0: input 'x' has shape (4, 16) float32 on rank 0, (2, 16) float32 on rank 1",
+    "load_plan_path": "the ranks take their plan from different sources: rank 0 from the policy; rank 1 from "
+                      "the plan file load_plan_path (DYNSHARD_LOAD_PLAN_PATH)",
+    "autodist": "the ranks take their plan from different sources: rank 0 from autodist's search "
+                "(policy='autodist'); rank 1 from the policy",
 }
 
 

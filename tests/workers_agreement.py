@@ -23,6 +23,8 @@ def disagreements(rank: int, world: int) -> dict[str, dict]:
         "config": _train_step({"plan_ngpus": 2, "policy": "tp" if rank == 0 else "data"}),
         "model": _train_step(TP, hidden=32 if rank == 0 else 64),
         "batch": _train_step(TP, batch=4 if rank == 0 else 2),
+        "load_plan_path": _train_step({**TP, "load_plan_path": "/plans/mlp.json"} if rank == 1 else TP),
+        "autodist": _train_step({**TP, "policy": "autodist"} if rank == 0 else TP),
         "agreeing": _train_step(TP),
     }
     agreement.TIMEOUT = datetime.timedelta(seconds=3)

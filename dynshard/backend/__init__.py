@@ -23,7 +23,7 @@ from ..runtime.buffer_sync import BufferSync
 from ..runtime.ddp import watch as watch_ddp_wraps
 from ..runtime.sharding import is_sharded, present_global_shapes, restore_local_shards
 from ..runtime.unit_inputs import InputCheck
-from .agreement import ensure_ranks_agree
+from .agreement import ensure_ranks_agree, ensure_ranks_agree_on_source
 from .autodist import autodist_plan
 from .capture import describe_inputs
 from .compile import compile_program
@@ -50,6 +50,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     ensure_process_group(device_type)
     inputs = describe_inputs(gm, example_inputs)
     made_for = fingerprint(gm.code, world_size(), modes_token())
+    ensure_ranks_agree_on_source(config)                    # rank 0 sends a file's plan or a search's
     given = PLAN_FILES.given(config, made_for, inputs)      # load_plan_path: the plan runs, no policy
     if given is None and config.policy == "autodist":       # chosen before the layout, then run as given
         given = autodist_plan(gm, inputs, config, world_size(), made_for, device_type)

@@ -158,6 +158,26 @@ def ensure_ranks_agree(key: str, code: str, inputs: Sequence[GraphInput], config
     _AGREEMENT.check(key, lambda: describe_plan(key, code, inputs, config, layout))
 
 
+def ensure_ranks_agree_on_source(config: Config) -> None:
+    """Raise PlanMismatchError on every rank unless all ranks take their plan from the same source: a plan
+    file (``load_plan_path``), autodist's search, or the policy. The first two are sent by rank 0 before the
+    layout exists; a rank that does not expect that message would meet it with another collective (gloo:
+    a hang or a "collective mismatch"). One all-gather of a few bytes per compile."""
+    if not _checks_agreement():
+        return
+    source = "file" if config.load_plan_path else "autodist" if config.policy == "autodist" else "policy"
+    _AGREEMENT.ensure_group()
+    sources = [s.rstrip(b"\0").decode() for s in _AGREEMENT.all_gather(source.encode(), 8)]
+    if len(set(sources)) > 1:
+        what = {"file": "from the plan file load_plan_path (DYNSHARD_LOAD_PLAN_PATH)",
+                "autodist": "from autodist's search (policy='autodist')", "policy": "from the policy"}
+        groups = {s: [r for r, t in enumerate(sources) if t == s] for s in dict.fromkeys(sources)}
+        raise PlanMismatchError(
+            "dynshard: the ranks take their plan from different sources: " + "; ".join(
+                f"{_ranks(ranks)} {what[s]}" for s, ranks in groups.items())
+            + f". {_FIX}; set load_plan_path, and the policy, alike on every rank")
+
+
 def from_rank0(read: Callable[[], str], raises: type[Exception] = PlanFileError, what: str = "read a plan file") -> str:
     """What ``read()`` returns on rank 0, on every rank (a file only rank 0 may see, a search only rank 0
     runs). When rank 0's ``read`` raises, every rank raises: rank 0 its error, the others ``raises`` with its
