@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import torch
@@ -14,6 +15,21 @@ from models import GPT, MLP, GPTConfig, gpt_batch, mlp_batch
 from workers import train_parity
 
 
+@contextlib.contextmanager
+def beside_the_search(also):
+    """While it lasts, ``dynshard.plan``'s autodist search first calls ``also`` with its own arguments (the
+    captured graph, its inputs, the config, the world, ...), so a test sees what the search starts from."""
+    def search(*args):
+        also(*args)
+        return autodist.search(*args)
+
+    offline.search = search
+    try:
+        yield
+    finally:
+        offline.search = autodist.search
+
+
 def candidate_plans_beside_hand_plans(rank: int, world: int, world_size: int) -> list[tuple[str, str, str]]:
     """In a plain process: each candidate's plan JSON (as ``dynshard.plan`` with autodist searches them) and
     the plan its hand policy makes (``dynshard.plan`` with that policy)."""
@@ -23,16 +39,12 @@ def candidate_plans_beside_hand_plans(rank: int, world: int, world_size: int) ->
     config = dynshard.Config(policy="autodist", plan_ngpus=2, compiler="aot_eager")
     rows = []
 
-    def search(gm, inputs, config, world, made_for, device_type):
+    def hand(gm, inputs, config, world, made_for, device_type):
         units, _ = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
         rows.extend(autodist.hand_plans(units, config, world, device_profile(config, device_type)))
-        return autodist.search(gm, inputs, config, world, made_for, device_type)
 
-    offline.search = search
-    try:
+    with beside_the_search(hand):
         dynshard.plan(model, batch, config, world_size=world_size)
-    finally:
-        offline.search = autodist.search
     out = []
     for candidate, plan, _ in rows:
         hand = candidate.placement.config(config, candidate.zero, ",".join(candidate.recompute))
@@ -105,15 +117,11 @@ def planned_units_of(rank: int, world: int, model_name: str, world_size: int, pl
     config = dynshard.Config(policy="autodist", plan_ngpus=plan_ngpus)
     found = []
 
-    def search(gm, inputs, config, world, made_for, device_type):
+    def units(gm, inputs, config, world, made_for, device_type):
         found.extend(autodist.planned_units(gm, inputs, config, world, made_for, device_type)[0])
-        return autodist.search(gm, inputs, config, world, made_for, device_type)
 
-    offline.search = search
-    try:
+    with beside_the_search(units):
         dynshard.plan(model, batch, config, world_size=world_size)
-    finally:
-        offline.search = autodist.search
     return [(placement, plan.to_json(), unit) for placement, plan, unit in found]     # (a Plan holds mapping proxies)
 
 
@@ -162,17 +170,13 @@ def pipeline_candidates_beside_hand_plans(rank: int, world: int, world_size: int
                              pas_config={"explore_pipeline": True, "update_freq": 4})
     rows = []
 
-    def search(gm, inputs, config, world, made_for, device_type):
+    def pipelines(gm, inputs, config, world, made_for, device_type):
         _, whole = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
         rows.extend(autodist.pipeline_plans(gm, inputs, config, world, made_for, device_type,
                                             device_profile(config, device_type), whole))
-        return autodist.search(gm, inputs, config, world, made_for, device_type)
 
-    offline.search = search
-    try:
+    with beside_the_search(pipelines):
         dynshard.plan(model, (sample,), config, world_size=world_size)
-    finally:
-        offline.search = autodist.search
     out = []
     for candidate, plan, predicted in rows:
         hand = candidate.placement.config(config, candidate.zero, ",".join(candidate.recompute))

@@ -8,6 +8,7 @@ be given by an environment variable ``DYNSHARD_<FIELD>`` (``DYNSHARD_PLAN_NGPUS=
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import os
@@ -251,7 +252,7 @@ class Config:
             if getattr(options, name) is not None:
                 object.__setattr__(self, name, os.fspath(getattr(options, name)))
 
-    @property
+    @functools.cached_property      # (pas_config is a read-only copy: the options cannot go stale)
     def autodist(self) -> AutodistOptions:
         """``policy="autodist"``'s typed ``pas_config`` (:class:`dynshard.config.autodist.AutodistOptions`)."""
         return AutodistOptions.from_pas_config(self.pas_config)
@@ -266,7 +267,7 @@ class Config:
         """Pipeline ranks in a plan unit (1 without a pipeline policy)."""
         return self.pipeline.pipeline_ranks(self) if self.is_pipeline else 1
 
-    @property
+    @functools.cached_property
     def pipeline(self):
         """The pipeline policies' typed ``pas_config`` (:class:`dynshard.config.pipeline.PipelineOptions`)."""
         return PipelineOptions.from_pas_config(self.pas_config)

@@ -36,7 +36,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
-from .errors import ConfigError
+from .errors import ConfigError, check_option_names
 
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb1p")     # one stage per rank: what autodist prices
 
@@ -64,11 +64,7 @@ class AutodistOptions:
 
     @classmethod
     def from_pas_config(cls, pas_config: Mapping[str, Any]) -> "AutodistOptions":
-        fields = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(pas_config) - set(fields))
-        if unknown:
-            raise ConfigError(f"dynshard: policy 'autodist' has no option {', '.join(map(repr, unknown))} in "
-                              f"pas_config; it takes {', '.join(fields)}")
+        check_option_names(cls, pas_config, "policy 'autodist'")
         options = cls(**pas_config)
         options._check_types()
         options._check_not_built()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Mapping
 
-from .errors import ConfigError
+from .errors import ConfigError, check_option_names
 
 TRAINING_SCHEDULES = ("gpipe", "1f1b", "1f1b_interleaved", "1f1b_plus", "chimera_direct", "zb1p")
 INFERENCE_SCHEDULES = ("infer_pipe",)
@@ -41,11 +41,7 @@ class PipelineOptions:
 
     @classmethod
     def from_pas_config(cls, pas_config: Mapping[str, Any]) -> "PipelineOptions":
-        fields = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(pas_config) - set(fields))
-        if unknown:
-            raise ConfigError(f"dynshard: the pipeline policies have no option {', '.join(map(repr, unknown))} in pas_config; "
-                              f"it takes {', '.join(fields)}")
+        check_option_names(cls, pas_config, "the pipeline policies' pas_config")
         if "pipeline_nmicros" not in pas_config:
             raise ConfigError("dynshard: pipeline policies need pas_config['pipeline_nmicros'], the number of "
                               "micro-batches per step (e.g. {'pipeline_nmicros': 8})")

@@ -44,6 +44,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from ..compat import OpOverload
 from ..config import Config, ConfigError
+from ..config.errors import check_option_names
 from ..passes.insert_collectives import matmul_input_roots
 from ..passes.op_sets import CASTS, MATMUL_OPERANDS, SLICE_COMMUTING, TRANSPOSE_OPS, VIEW_OPS, aten, view_root
 from ..passes.propagate_sharding import Propagation
@@ -62,11 +63,7 @@ class TensorParallelOptions:
 
     @classmethod
     def from_pas_config(cls, pas_config: Mapping[str, Any]) -> "TensorParallelOptions":
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        unknown = sorted(set(pas_config) - set(fields))
-        if unknown:
-            raise ConfigError(f"dynshard: the tp policy has no option {', '.join(map(repr, unknown))} in pas_config; "
-                              f"it takes {', '.join(fields)}")
+        check_option_names(cls, pas_config, "the tp policy")
         for name, value in pas_config.items():
             if not isinstance(value, bool):
                 raise ConfigError(f"dynshard: pas_config[{name!r}] must be True or False, got {value!r}")
