@@ -159,6 +159,11 @@ class Plan:
         decisions = dataclasses.replace(self, predicted=None)
         return hashlib.sha256(decisions.to_json().encode()).hexdigest()[:16]
 
+    def __reduce__(self):
+        """Pickled as its JSON (mapping proxies do not pickle), so that plans and the reports that hold them
+        travel between processes."""
+        return (_plan_from_json, (self.to_json(),))
+
     # -- JSON -----------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -384,3 +389,7 @@ def config_for(plan: Plan, config: Any) -> Any:
 
 def _setting(value: Any) -> Any:
     return str(value).replace("torch.", "") if value is not None and not isinstance(value, (bool, int, str)) else value
+
+
+def _plan_from_json(text: str) -> Plan:
+    return Plan.from_json(text, "a pickled plan")
