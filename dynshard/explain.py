@@ -258,7 +258,7 @@ class PlanExplanation:
                 else ["    none"]
             if plan.pipeline is not None:
                 lines += _pipeline_lines(plan)
-            lines += _autodist_lines(plan)
+            lines += _autodist_lines(plan) or _predicted_lines(plan)
             lines.append("")
         return "\n".join(lines).rstrip()
 
@@ -286,6 +286,18 @@ def _autodist_lines(plan: Plan) -> list[str]:
         (c["plan"], f"{c['step_seconds']:.4g}", str(c["peak_bytes"]), "yes" if c["fits"] else "no")
         for c in record["candidates"]])
     return lines
+
+
+def _predicted_lines(plan: Plan) -> list[str]:
+    """A hand plan's prediction (``dynshard.plan(..., device_profile=...)``), as autodist's are printed."""
+    p = plan.predicted or {}
+    if "step_seconds" not in p:
+        return []
+    b = p["bytes_per_rank"]
+    return [f"  predicted with device profile {p['device_profile']['name']}: {p['step_seconds']:.4g} s a step (compute "
+            f"{p['compute_seconds']:.4g}, communication {p['communication_seconds']:.4g}, bubble "
+            f"{p['bubble_seconds']:.4g}); peak {b['peak']} bytes per rank (activations {b['activations']}, "
+            f"transient {b['transient']}, gathered {b['gathered']})"]
 
 
 def why_not(plans: Sequence[Plan], name: str) -> str:

@@ -19,7 +19,8 @@ from distributed import run_ranks
 from parity import assert_trains_like_one_process
 from workers_pipeline import pipeline_parity
 from workers_transformers import train_transformers
-from workers_autodist import (candidate_plans_beside_hand_plans, memory_budget_sweep, nothing_fits, offline_autodist,
+from workers_autodist import (candidate_plans_beside_hand_plans, hand_predictions_beside_autodists,
+                              memory_budget_sweep, nothing_fits, offline_autodist,
                               pipeline_candidates_beside_hand_plans, planned_units_of, train_step_without_pipeline,
                               train_with_autodist)
 
@@ -186,3 +187,12 @@ def test_every_pipeline_candidate_is_the_plan_the_pp_policy_makes_and_zero_shrin
     memory = {name: bytes_ for name, _, _, bytes_ in rows}
     assert memory["pp 1f1b + ZeRO-1"]["optimizer"] < memory["pp 1f1b"]["optimizer"]
     assert memory["pp 1f1b + ZeRO-1"]["gathered"] > 0 == memory["pp 1f1b"]["gathered"]
+
+
+def test_a_hand_plan_planned_offline_with_a_device_profile_carries_the_prediction_autodist_gave_it():
+    found = run_ranks(hand_predictions_beside_autodists, 1, timeout=300)[0]
+    priced = {c["plan"]: c for c in found["candidates"]}
+    for name, predicted in found["hand"].items():
+        assert predicted["step_seconds"] == priced[name]["step_seconds"], name
+        assert predicted["bytes_per_rank"]["peak"] == priced[name]["peak_bytes"], name
+        assert predicted["device_profile"]["name"] == "cpu-gloo (built-in)"

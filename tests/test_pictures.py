@@ -70,6 +70,12 @@ def test_the_page_draws_each_plans_memory_and_collectives_as_explain_prints_them
             assert {k: drawn.get(k, 0) for k in ("parameters", "buffers", "gradients", "optimizer")} == {
                 "parameters": row.parameters, "buffers": row.buffers, "gradients": row.gradients,
                 "optimizer": row.optimizer}, row.ranks
+        predicted = (plan.predicted or {}).get("bytes_per_rank")
+        if predicted and plan.pipeline is None:     # what the step adds to the bytes at rest, as predicted
+            drawn = {a["data-part"]: int(a["data-bytes"]) for a in page.having("rect", "part")}
+            assert {k: drawn.get(k, 0) for k in ("gathered", "activations", "transient")} == {
+                k: predicted[k] for k in ("gathered", "activations", "transient")}
+        assert bool(predicted) == (name != "hybrid")    # a hybrid pipeline's stages are placed as they compile
         drawn = sorted((a["data-kind"], a["data-dim"], int(a["data-count"]), int(a["data-bytes"]))
                        for a in page.having("rect", "collective"))
         assert drawn == sorted((c.kind, c.dim, c.count, c.bytes) for c in step_collectives(plan))

@@ -183,3 +183,18 @@ def pipeline_candidates_beside_hand_plans(rank: int, world: int, world_size: int
         made, = dynshard.plan(model, (sample,), hand, world_size=world_size)
         out.append((candidate.name, plan.to_json(), made.to_json(), predicted["bytes_per_rank"]))
     return out
+
+
+def hand_predictions_beside_autodists(rank: int, world: int) -> dict:
+    """autodist's record of the hand plans it priced, and ``dynshard.plan(..., device_profile="cpu")``'s
+    prediction of three of them made by their own policies."""
+    torch.manual_seed(0)
+    model, batch = GPT(GPTConfig()), gpt_batch(GPTConfig(), 4, 0)
+    chosen, = dynshard.plan(model, batch, dynshard.Config(policy="autodist", plan_ngpus=2), world_size=4)
+    hand = {}
+    for name, options in {"tp": {"policy": "tp"}, "data + ZeRO-1": {"policy": "data", "use_zero": 1},
+                          "tp + recompute Block": {"policy": "tp", "recompute_modules": "Block"}}.items():
+        plan, = dynshard.plan(model, batch, dynshard.Config(plan_ngpus=2, **options), world_size=4,
+                              device_profile="cpu")
+        hand[name] = dict(plan.predicted)
+    return {"candidates": chosen.predicted["autodist"]["candidates"], "hand": hand}

@@ -26,7 +26,9 @@ def offline_plans(rank: int, world: int) -> dict[str, list[str]]:
         torch._dynamo.reset()
         cfg = GPTConfig()
         batch = gpt_batch(cfg, 4, 0)
-        plans = dynshard.plan(GPT(cfg), batch, dynshard.Config(compiler="aot_eager", **options), world_size=world_size)
+        profile = None if options["policy"] == "autodist" else "cpu"       # hand plans predicted too
+        plans = dynshard.plan(GPT(cfg), batch, dynshard.Config(compiler="aot_eager", **options), world_size=world_size,
+                              device_profile=profile)
         found[name] = [p.to_json() for p in plans]
     return found
 

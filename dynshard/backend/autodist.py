@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 
 import torch.fx as fx
@@ -28,7 +27,7 @@ from ..passes import run_passes
 from ..passes.cast_to_compute_dtype import cast_to_compute_dtype
 from ..passes.lower_to_aten import lower
 from ..planning import Plan
-from ..planning.cost_model import DEFAULT_PROFILES, DeviceProfile, UnitCosts, predict
+from ..planning.cost_model import DeviceProfile, UnitCosts, load_profile, predict
 from ..policies.autodist.choices import choose
 from ..policies.autodist.pipeline_costs import predict_pipeline
 from ..policies.autodist.graph_costs import graph_costs, op_costs
@@ -54,17 +53,10 @@ def autodist_plan(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
 
 
 def device_profile(config: Config, device_type: str) -> DeviceProfile:
-    path = config.autodist.device_profile
-    if path is None:
-        return DEFAULT_PROFILES["cuda" if device_type == "cuda" else "cpu"]
-    if path in DEFAULT_PROFILES:             # a built-in by name: planning offline for GPUs on a CPU machine
-        return DEFAULT_PROFILES[path]
     try:
-        with open(os.fspath(path)) as f:
-            return DeviceProfile.from_json(f.read())
-    except (OSError, ValueError, KeyError) as error:
-        raise AutodistError(f"dynshard: autodist cannot read the device profile {os.fspath(path)!r} "
-                            f"(pas_config['device_profile']): {error}. Write one with python -m dynshard.calibrate") from error
+        return load_profile(config.autodist.device_profile, device_type)
+    except ValueError as error:
+        raise AutodistError(f"{error} (pas_config['device_profile'])") from error
 
 
 def search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str) -> Plan:

@@ -9,6 +9,7 @@ compiled, nothing is sharded, and a model on the meta device stays there (its ba
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -18,25 +19,35 @@ import torch.fx as fx
 from .. import compat
 from ..config import Config
 from ..planning import Plan
+from ..planning.cost_model import DeviceProfile, load_profile
 from ..planning.plan import fingerprint
 from ..runtime import mesh
 from .capture import describe_inputs
 from .plan_cache import modes_token
 from .autodist import search
 from .plan_graph import plan_graph
+from .predict_plan import with_prediction
 
 
 def plan(model: torch.nn.Module, args: Sequence[Any], config: Config | Mapping[str, Any] | None = None,
-         world_size: int = 1, kwargs: Mapping[str, Any] | None = None) -> list[Plan]:
+         world_size: int = 1, kwargs: Mapping[str, Any] | None = None,
+         device_profile: str | os.PathLike | DeviceProfile | None = None) -> list[Plan]:
     """The plans (one per graph Dynamo captures, in order) that ``config`` gives ``model`` called with
     ``args``/``kwargs`` in a job of ``world_size`` ranks. Save one with ``Plan.to_json()`` and run it with
-    ``Config(load_plan_path=...)``; ``dynshard.explain(plans)`` tells what it holds and sends."""
+    ``Config(load_plan_path=...)``; ``dynshard.explain(plans)`` tells what it holds and sends.
+
+    ``device_profile`` ("cpu", "cuda", a file ``python -m dynshard.calibrate`` wrote, or a DeviceProfile):
+    also predict each plan's step seconds and peak bytes per rank with autodist's cost model, into
+    ``Plan.predicted`` (autodist's plans always carry theirs: its profile is ``pas_config['device_profile']``)."""
     if dist.is_initialized():
         raise RuntimeError("dynshard.plan plans in a process without a process group (it stands one in for the "
                            f"{world_size}-rank job); call it before init_process_group, or in another process")
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"dynshard.plan: world_size must be a positive integer, got {world_size!r}")
     config = Config.from_options(config)
+    if device_profile is not None and config.policy == "autodist":
+        raise ValueError("dynshard.plan: autodist predicts with pas_config['device_profile']; pass the profile there")
+    profile = None if device_profile is None else load_profile(device_profile, "cpu")
     if config.load_plan_path:
         raise ValueError("dynshard.plan makes plans; a config with load_plan_path has nothing to plan")
     on_meta = any(t.device.type == "meta" for t in list(model.parameters()) + list(model.buffers()))
@@ -47,7 +58,8 @@ def plan(model: torch.nn.Module, args: Sequence[Any], config: Config | Mapping[s
     compat.fake_process_group(world_size)
     try:
         compat.keep_shapes_static()
-        compiled = torch.compile(model, backend=functools.partial(_plan_graph, config=config, plans=plans))
+        compiled = torch.compile(model, backend=functools.partial(_plan_graph, config=config, plans=plans,
+                                                                  profile=profile))
         compiled(*args, **(kwargs or {}))
     finally:
         dist.destroy_process_group()
@@ -56,7 +68,7 @@ def plan(model: torch.nn.Module, args: Sequence[Any], config: Config | Mapping[s
     return plans
 
 
-def _plan_graph(gm: fx.GraphModule, example_inputs, config: Config, plans: list[Plan]):
+def _plan_graph(gm: fx.GraphModule, example_inputs, config: Config, plans: list[Plan], profile: DeviceProfile | None):
     world = dist.get_world_size()
     config = config.resolve(world)
     inputs = describe_inputs(gm, example_inputs)
@@ -65,7 +77,8 @@ def _plan_graph(gm: fx.GraphModule, example_inputs, config: Config, plans: list[
     if config.policy == "autodist":
         plans.append(search(gm, inputs, config, world, made_for, "cpu"))
     else:
-        plans.append(plan_graph(gm, inputs, config, layout, made_for)[0])
+        made, ctx, graph = plan_graph(gm, inputs, config, layout, made_for)
+        plans.append(made if profile is None else with_prediction(gm, made, ctx, graph, profile))
     return gm.forward
 
 

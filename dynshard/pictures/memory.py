@@ -81,8 +81,9 @@ def render(plan: Plan, limit: int | None, measured: Measured | None = None) -> s
         body.append(text(x, y + 12, f"limit {human_bytes(limit)}", anchor="middle", size=10))
     chart = svg(LABEL + WIDTH + 80, y + 18, body, "memory per rank")
     note = "" if (plan.predicted or {}).get("bytes_per_rank") else (
-        '<p class="note">Activations and transient buffers are predicted by autodist only; this plan\'s bars are '
-        "what it holds at rest (Adam's two fp32 moments per element as optimizer state).</p>")
+        '<p class="note">This plan carries no prediction, so its bars are what it holds at rest (Adam\'s two fp32 '
+        "moments per element as optimizer state). Activations and transient buffers are predicted by autodist, "
+        "and for any policy by dynshard.plan(..., device_profile=\"cpu\" or \"cuda\").</p>")
     return legend(MEMORY_COLOURS) + chart + note + _table(bars, totals)
 
 

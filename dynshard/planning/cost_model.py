@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import math
 import json
+import math
+import os
 
 from .costs import ADAM_STATE_BYTES, itemsize, local_numel, memory_at_rest, tensor_collectives, whole_bytes
 from .plan import Plan
@@ -84,6 +85,25 @@ DEFAULT_PROFILES = {
                          {"all_reduce": 2e9, "all_gather": 1.5e9, "reduce_scatter": 5e8, "all_to_all": 1.5e9}),
     "cuda": _uniform("cuda-nccl (built-in)", 4e14, 2e12, 2e-5, 1.5e11),
 }
+
+
+def load_profile(source: "str | os.PathLike | DeviceProfile | None", device_type: str) -> DeviceProfile:
+    """A device profile: given, a built-in by name ("cpu", "cuda": planning offline for GPUs on a CPU
+    machine), a file ``python -m dynshard.calibrate`` wrote, or (None) the built-in for ``device_type``.
+    Raises ValueError saying what could not be read."""
+    if isinstance(source, DeviceProfile):
+        return source
+    if source is None:
+        return DEFAULT_PROFILES["cuda" if device_type == "cuda" else "cpu"]
+    if source in DEFAULT_PROFILES:
+        return DEFAULT_PROFILES[source]
+    try:
+        with open(os.fspath(source)) as f:
+            return DeviceProfile.from_json(f.read())
+    except (OSError, ValueError, KeyError) as error:
+        raise ValueError(f"dynshard: cannot read the device profile {os.fspath(source)!r}: {error}. Write one with "
+                         "python -m dynshard.calibrate, or name a built-in: "
+                         f"{', '.join(map(repr, DEFAULT_PROFILES))}") from error
 
 
 @dataclasses.dataclass(frozen=True)
