@@ -110,7 +110,8 @@ def render(plan: Plan, traced: Traced | None = None) -> str:
         body.append(rect(LABEL, y, wire * scale, BAR, COMM_COLOURS.get(dim, "#888"), f"{label}: {wire:.0f} bytes",
                          cls="total", data_dim=dim, data_wire=round(wire),
                          data_minimum=None if least is None else round(least)))
-        ratio = f" ({wire / least:.2f}x the minimum)" if least else ""
+        minimum_of = {"tp": "Megatron's per-layer minimum", "dp": "the data-parallel minimum"}.get(dim, "the minimum")
+        ratio = f" ({wire / least:.2f}x {minimum_of})" if least else ""
         body.append(text(LABEL + wire * scale + 4, y + BAR - 4, human_bytes(wire) + ratio, size=10))
         if least:
             x = LABEL + least * scale
