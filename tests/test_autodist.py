@@ -32,7 +32,7 @@ from workers_autodist import (candidate_plans_beside_hand_plans, hand_prediction
     ({"use_bf16": True}, "set mixed_precision"),
     ({"use_fp16": True, "use_bf16": True}, "choose one"),
     ({"explore_pipeline": True}, "needs use_end2end=True"),
-    ({"partition_constraints_path": "pins.json"}, "partition constraints"),
+    ({"partition_constraints_path": "/no/pins.json"}, "cannot read the partition constraints file"),
     ({"pipeline_scheduler": "chimera_direct"}, "searches the pipeline schedules"),
     ({"transient_mem_coef": "2"}, "transient_mem_coef"),
 ])

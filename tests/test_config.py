@@ -34,7 +34,9 @@ def test_every_field_can_come_from_the_environment_and_explicit_options_win():
                                     "reducer_bucket_cap_mb", "mixed_precision", "recompute_modules", "param_init_fn",
                                     "gather_outputs", "use_end2end", "trace_dir", "regional_compile",
                                     "compile_scope", "share_traces", "verify_inputs_every", "broadcast_buffers",
-                                    "save_plan_path", "load_plan_path"}
+                                    "save_plan_path", "load_plan_path", "partition_constraints"}
+    pinned = Config.from_options(None, environ={"DYNSHARD_PARTITION_CONSTRAINTS": '{"lm_head.weight": "replicate"}'})
+    assert dict(pinned.partition_constraints) == {"lm_head.weight": "R"}
 
 
 def test_plan_files_come_from_the_environment_and_are_paths():

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from .autodist import AutodistOptions
 from .errors import ConfigError
+from .pins import check_pins, read_pins
 from .pipeline import PipelineOptions
 
 POLICIES = ("dp", "data", "tp", "pp", "hybrid", "autodist")
@@ -103,6 +104,9 @@ class Config:
         reduce gradients in reduce_dtype; parameters, gradients and optimizer state stay in their dtype.
     recompute_modules: comma-separated module class names or module paths whose activations are
         recomputed in the backward instead of kept ("ROOT": the whole program).
+    partition_constraints: pins, ``{"<parameter or module pattern>": "replicate" or "S<dim>"}``: those
+        tensors take that placement on the tp ranks whatever the policy chooses (see
+        :mod:`dynshard.config.pins`; autodist's ``pas_config['partition_constraints_path']`` names a file).
 
     Models built on the meta device (``with torch.device("meta"): model = GPT(cfg)``; see
     :mod:`dynshard.runtime.materialize`):
@@ -142,6 +146,7 @@ class Config:
     mixed_precision: MixedPrecisionPolicy | None = None
     recompute_modules: str = ""
     param_init_fn: ParamInitFn | None = None
+    partition_constraints: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("pas_config", "user_config"):
@@ -197,6 +202,7 @@ class Config:
             raise ConfigError(
                 "dynshard: constant_folding=True bakes buffer values into the program and needs "
                 "inference_only=True")
+        object.__setattr__(self, "partition_constraints", check_pins(self.partition_constraints))
         self._check_memory_fields()
         self._check_pipeline_fields()
         self._check_autodist_fields()
@@ -251,6 +257,12 @@ class Config:
         for name in ("load_plan_path", "save_plan_path"):     # nnScaler's keys for the plan files
             if getattr(options, name) is not None:
                 object.__setattr__(self, name, os.fspath(getattr(options, name)))
+        if options.partition_constraints_path is not None:
+            pins = read_pins(options.partition_constraints_path)
+            if self.partition_constraints and dict(self.partition_constraints) != dict(pins):
+                raise ConfigError("dynshard: partition_constraints and pas_config['partition_constraints_path'] "
+                                  "differ; set one")
+            object.__setattr__(self, "partition_constraints", pins)
 
     @functools.cached_property      # (pas_config is a read-only copy: the options cannot go stale)
     def autodist(self) -> AutodistOptions:
@@ -335,6 +347,7 @@ class Config:
         parts["param_init_fn"] = None if self.param_init_fn is None else _qualified_name(self.param_init_fn)
         parts["pas_config"] = dict(self.pas_config)
         parts["user_config"] = dict(self.user_config)
+        parts["partition_constraints"] = dict(self.partition_constraints)
         return json.dumps(parts, sort_keys=True, default=repr)
 
     def describe(self) -> str:
@@ -405,7 +418,7 @@ def _read_environment(environ: Mapping[str, str]) -> dict[str, Any]:
 _INTS = ("plan_ngpus", "runtime_ngpus", "zero_ngroups", "verify_inputs_every")
 _BOOLS = ("inference_only", "use_end2end", "constant_folding", "gather_outputs", "zero_use_reduce_scatter", "use_async_reducer",
           "regional_compile", "broadcast_buffers")
-_JSON = ("pas_config", "user_config", "mixed_precision")
+_JSON = ("pas_config", "user_config", "mixed_precision", "partition_constraints")
 
 
 def _parse_bool(raw: str) -> bool:

@@ -27,7 +27,8 @@ explore_pipeline: also price pipelines (policy "pp": every rank of a unit one st
     before ``pipeline_pivots`` (module classes; default: the repeated layers). Needs ``use_end2end=True``
     and ``dynshard.train_step``. ZeRO levels are searched for pipelines too (uniform). Not yet: pipelines
     with tp stages (hybrid).
-partition_constraints_path: not honoured yet; setting it is an error.
+partition_constraints_path: a JSON file of pins (``Config.partition_constraints``, :mod:`.pins`): every
+    candidate the search prices holds them.
 """
 
 from __future__ import annotations
@@ -98,11 +99,6 @@ class AutodistOptions:
             raise ConfigError(f"dynshard: pas_config['task_name'] must be a string, got {self.task_name!r}")
 
     def _check_not_built(self) -> None:
-        if self.partition_constraints_path is not None:
-            raise ConfigError(
-                "dynshard: policy 'autodist' does not honour partition constraints yet "
-                "(pas_config['partition_constraints_path']); pin placements with a callable policy or "
-                "tensor_parallel(plan)")
         if self.pipeline_scheduler is not None and self.pipeline_scheduler not in PIPELINE_SCHEDULES:
             raise ConfigError(f"dynshard: autodist searches the pipeline schedules {', '.join(PIPELINE_SCHEDULES)}; "
                               f"pas_config['pipeline_scheduler']={self.pipeline_scheduler!r} is not one of them")

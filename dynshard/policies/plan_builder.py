@@ -13,9 +13,14 @@ Across units (mesh dimension "dp") each unit sees its own batch and gradients ar
 ``Config.use_zero`` every trainable parameter's rows are split over its zero group by default; a policy
 may keep a parameter whole across units with ``plan.replicate_over_dp(name)`` (or split one with
 ``plan.shard_over_dp(name)``), e.g. a small one whose padding would cost more than it saves.
+
+The user's pins (``Config.partition_constraints``) are placed before the policy runs and are fixed for it
+(``plan.is_fixed``); a policy's choice for a pinned tensor does not replace the pin.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch.fx as fx
 from torch.distributed.tensor import Placement, Replicate, Shard
@@ -23,11 +28,15 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 from ..runtime.graph_inputs import GraphInput
 from ..compat import StridedShard
 from ..config import Config
+from ..config.pins import pin_of, split_dim
 from ..passes.assign_placements import zero_specs
 from ..passes.context import ActivationPlacement, PassContext
 from ..passes.propagate_sharding import Propagation, propagate
 from ..runtime.sharding import check_divisible, placements_for
 from ..runtime.zero import ZeroSpec
+
+
+log = logging.getLogger("dynshard")
 
 
 class PlanError(ValueError):
@@ -46,6 +55,8 @@ class PlanBuilder:
                 self._tp[inp.index] = ctx.arrival(inp)[0]
         self._over_dp = {inp.index for inp in ctx.inputs if self._zero_by_default(inp)}
         self._placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self._pinned: set[int] = set()
+        self._pin(ctx.config.partition_constraints)
 
     # -- what the policy reads ------------------------------------------------------------------------
     @property
@@ -78,10 +89,11 @@ class PlanBuilder:
         return self.ctx.inputs[self._placeholders.index(node)]
 
     def is_fixed(self, name: str) -> bool:
-        """True when the tensor already holds its shard from an earlier program, or is a DTensor that an
-        earlier program returned split (a value crossing a graph break): its placement stays."""
+        """True when the tensor already holds its shard from an earlier program, is a DTensor that an
+        earlier program returned split (a value crossing a graph break), or is pinned by the user: its
+        placement stays."""
         inp = self._input(name)
-        return inp.tag is not None or inp.is_split_value
+        return inp.tag is not None or inp.is_split_value or inp.index in self._pinned
 
     def placement(self, name: str) -> Placement:
         return self._tp.get(self._input(name).index, Replicate())
@@ -95,9 +107,7 @@ class PlanBuilder:
         """Split ``name`` along ``dim``. A fused parameter (split into blocks by the graph, e.g. q|k|v)
         is split block by block, so that each rank holds its rows of every block."""
         inp = self._input(name)
-        dim = dim % max(len(inp.shape), 1)
-        blocks, block_dim = self.ctx.blocked.get(inp.index, (1, None))
-        self._set(inp, StridedShard(dim, split_factor=blocks) if blocks > 1 and dim == block_dim else Shard(dim))
+        self._set(inp, self._split(inp, dim))
 
     def replicate(self, name: str) -> None:
         self._set(self._input(name), Replicate())
@@ -159,6 +169,33 @@ class PlanBuilder:
         return zero_specs(self.ctx, placements, self._over_dp)
 
     # -- internals ------------------------------------------------------------------------------------
+    def _split(self, inp: GraphInput, dim: int) -> Placement:
+        dim = dim % max(len(inp.shape), 1)
+        blocks, block_dim = self.ctx.blocked.get(inp.index, (1, None))
+        return StridedShard(dim, split_factor=blocks) if blocks > 1 and dim == block_dim else Shard(dim)
+
+    def _pin(self, pins) -> None:
+        """Place the pinned tensors, and note the patterns that pin nothing in this graph."""
+        if not pins or not self.ctx.layout.placement_dims:
+            return
+        used = set()
+        for inp in self.ctx.inputs:
+            found = pin_of(inp.name, pins) if inp.is_state else None
+            if found is None:
+                continue
+            pattern, code = found
+            used.add(pattern)
+            dim = split_dim(code)
+            if dim is not None and not (-len(inp.shape) <= dim < len(inp.shape) and self.divides(inp.name, dim)):
+                raise PlanError(f"dynshard: partition constraint {pattern!r} pins {inp.name} {list(inp.shape)} to "
+                                f"S{dim}, but dim {dim} does not split evenly over {self.tp_size} tp ranks; pin "
+                                "'replicate' or another dim")
+            self._set(inp, Replicate() if dim is None else self._split(inp, dim))
+            self._pinned.add(inp.index)
+        for pattern in pins:
+            if pattern not in used:
+                log.warning("dynshard: partition constraint %r pins no parameter or buffer of this graph", pattern)
+
     def _input(self, name: str | int) -> GraphInput:
         for inp in self.ctx.inputs:
             if inp.name == name or inp.index == name:
@@ -179,7 +216,7 @@ class PlanBuilder:
         (self._over_dp.add if split else self._over_dp.discard)(inp.index)
 
     def _set(self, inp: GraphInput, placement: Placement) -> None:
-        if not self.ctx.layout.placement_dims:
+        if not self.ctx.layout.placement_dims or inp.index in self._pinned:    # (a pin wins over the policy)
             return
         if inp.tag is not None and self.placement(inp.name) != placement:
             raise PlanError(

@@ -1,0 +1,85 @@
+"""Pins (``Config.partition_constraints``, autodist's ``partition_constraints_path``): the user holds a
+parameter or module to a placement, the policy plans around it, and the job trains like one process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import dynshard
+from distributed import run_ranks
+from dynshard.config import ConfigError
+from dynshard.policies import PlanError
+from models import GPT, GPTConfig, gpt_batch
+from parity import assert_trains_like_one_process
+from test_passes import plan_for
+from workers import train_parity
+from workers_autodist import offline_autodist
+
+PINS = {"blocks.*.fc1": "replicate", "wte.weight": "replicate", "blocks.0.attn.q.weight": "S1"}
+
+
+@pytest.fixture
+def _world(fake_world):
+    pass
+
+
+def test_pinned_tensors_take_their_placement_and_tp_plans_the_rest_around_them(_world):
+    torch.manual_seed(0)
+    plan = plan_for(GPT(GPTConfig()), gpt_batch(GPTConfig(), 4, 0), policy="tp", plan_ngpus=2,
+                    partition_constraints=PINS).plan
+    tp = {name: t.tp for name, t in plan.tensors.items()}
+    assert tp["wte.weight"] == "R" and tp["blocks.0.attn.q.weight"] == "S1"
+    assert tp["blocks.0.fc1.weight"] == tp["blocks.1.fc1.bias"] == "R"
+    assert tp["blocks.0.fc2.weight"] == "R"            # its Megatron partner is whole: the pair stays whole
+    assert tp["blocks.1.attn.q.weight"] == "S0"        # what no pin covers, the policy places as always
+
+
+@pytest.mark.parametrize("pins,message", [
+    ({"wte.weight": "S"}, "pin 'replicate' or 'S<dim>'"),
+    ({"wte.weight": 0}, "pin 'replicate' or 'S<dim>'"),
+    ({"": "R"}, "patterns are non-empty strings"),
+    (["wte.weight"], "maps parameter or module patterns"),
+])
+def test_bad_pins_are_config_errors_that_say_what_to_write(pins, message):
+    with pytest.raises(ConfigError, match=message):
+        dynshard.Config(policy="tp", plan_ngpus=2, partition_constraints=pins)
+
+
+def test_a_pin_that_cannot_split_its_tensor_evenly_is_a_plan_error(_world):
+    torch.manual_seed(0)
+    with pytest.raises(Exception, match=r"pins ln_f.bias \[32\] to S1.*does not split evenly"):
+        plan_for(GPT(GPTConfig()), gpt_batch(GPTConfig(), 4, 0), policy="tp", plan_ngpus=2,
+                 partition_constraints={"ln_f.bias": "S1"})
+    assert issubclass(PlanError, ValueError)
+
+
+def test_the_constraints_file_is_read_and_nnscalers_operator_form_is_refused(tmp_path):
+    good, theirs = tmp_path / "pins.json", tmp_path / "nnscaler.json"
+    good.write_text(json.dumps({"pins": PINS}))
+    theirs.write_text(json.dumps([{"name": "torch.matmul", "allowed_partition_dims": ["0,0"]}]))
+    config = dynshard.Config(policy="autodist", plan_ngpus=2, pas_config={"partition_constraints_path": str(good)})
+    assert dict(config.partition_constraints) == {**PINS, "wte.weight": "R", "blocks.*.fc1": "R"}
+    with pytest.raises(ConfigError, match="looks like nnScaler's per-operator constraints"):
+        dynshard.Config(policy="autodist", plan_ngpus=2, pas_config={"partition_constraints_path": str(theirs)})
+    with pytest.raises(ConfigError, match="cannot read the partition constraints file"):
+        dynshard.Config(policy="autodist", plan_ngpus=2, pas_config={"partition_constraints_path": str(tmp_path / "x")})
+
+
+def test_a_pinned_tp_plan_trains_like_one_process():
+    results = run_ranks(train_parity, 2, "gpt", "tp", 2, "aot_eager", 3, 4, {"partition_constraints": PINS},
+                        timeout=300)
+    for rank, result in enumerate(results):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        plan = json.loads(result["plans"][0])
+        assert plan["tensors"]["blocks.0.attn.q.weight"]["tp"] == "S1"
+
+
+def test_autodists_choice_holds_the_pins_of_its_constraints_file(tmp_path):
+    path = tmp_path / "pins.json"
+    path.write_text(json.dumps({"pins": {"wpe.weight": "S1", "blocks.*.fc2": "replicate"}}))
+    plan = json.loads(run_ranks(offline_autodist, 1, 4, {"partition_constraints_path": str(path)}, timeout=300)[0])
+    assert plan["tensors"]["wpe.weight"]["tp"] == "S1"       # no placement splits it by itself
+    assert {t["tp"] for name, t in plan["tensors"].items() if ".fc2." in name} == {"R"}
