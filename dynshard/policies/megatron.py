@@ -52,6 +52,7 @@ from ..passes.split_fused_projections import param_block
 from ..runtime.sharding import SHARDS
 from .experts import split_experts
 from .plan_builder import PlanBuilder
+from .repeated_layers import TiedDecisions
 from .trials import adds_only_all_reduces, try_propagate
 
 
@@ -72,25 +73,64 @@ class TensorParallelOptions:
 
 def tp(plan: PlanBuilder, config: Config) -> None:
     options = TensorParallelOptions.from_pas_config(config.pas_config)
-    base = plan.propagate()
-    for activation, group in column_groups(plan):
-        group = [(name, dim) for name, dim in group if not plan.is_fixed(name) and plan.divides(name, dim)]
-        if not group or _is_split(base, activation):
-            continue      # a matmul reading a split activation is a row-split candidate (second pass)
-        accepted = _try_column_split(plan, base, group)
-        if accepted is None and len(group) > 1:
-            # one member alone: the queries of multi-query attention, whose one k/v head cannot be
-            # split (the trial of q, k and v splits k's and v's head dimension instead); propagation
-            # then slices the repeated k/v like q's heads at the attention matmuls
-            for member in group:
-                base = _try_column_split(plan, base, [member]) or base
-        else:
-            base = accepted or base
+    base = _split_columns(plan, plan.propagate())
     base = split_experts(plan, base)      # mixture of experts: 3-D expert weights, column then row
     base = _split_vocabulary(plan, base)
     base = _store_local_reshards(plan, base)
     if options.sequence_parallel:
         _split_sequence(plan, base)
+
+
+def _split_columns(plan: PlanBuilder, base: Propagation) -> Propagation:
+    """The column pass, a trial per group; a repeated layer's groups take the decision of their first two
+    occurrences (:mod:`.repeated_layers`), checked together before the next trial."""
+    decisions = TiedDecisions()
+    for activation, group in column_groups(plan):
+        group = [(name, dim) for name, dim in group if not plan.is_fixed(name) and plan.divides(name, dim)]
+        if not group:
+            continue
+        tied = decisions.decision(group)
+        if tied is not None:
+            for name, dim in tied:
+                plan.shard(name, dim)
+            if tied:
+                decisions.tied.append(tied)
+            continue
+        base = _settle_tied(plan, base, decisions)
+        if _is_split(base, activation):
+            decisions.record(group, [])
+            continue      # a matmul reading a split activation is a row-split candidate (second pass)
+        accepted = _try_column_split(plan, base, group)
+        split = group if accepted is not None else []
+        if accepted is None and len(group) > 1:
+            # one member alone: the queries of multi-query attention, whose one k/v head cannot be
+            # split (the trial of q, k and v splits k's and v's head dimension instead); propagation
+            # then slices the repeated k/v like q's heads at the attention matmuls
+            for member in group:
+                trial = _try_column_split(plan, base, [member])
+                if trial is not None:
+                    base, split = trial, split + [member]
+        else:
+            base = accepted or base
+        decisions.record(group, split)
+    return _settle_tied(plan, base, decisions)
+
+
+def _settle_tied(plan: PlanBuilder, base: Propagation, decisions: TiedDecisions) -> Propagation:
+    """``base`` with the tied splits made since it was propagated: one propagation, held to the rule every
+    trial meets (at most one added all-reduce a group); when it fails, each group is tried as before."""
+    pending, decisions.tied = decisions.tied, []
+    if not pending:
+        return base
+    settled = try_propagate(plan, base)
+    if settled is not None and adds_only_all_reduces(base, settled, at_most=len(pending)):
+        return settled
+    for group in pending:
+        for name, _ in group:
+            plan.replicate(name)
+    for group in pending:
+        base = _try_column_split(plan, base, group) or base
+    return base
 
 
 def _try_column_split(plan: PlanBuilder, base: Propagation, group: list[tuple[str, int]]) -> Propagation | None:
