@@ -1,9 +1,11 @@
 """Pins (``Config.partition_constraints``, autodist's ``partition_constraints_path``): the user holds a
-parameter or module to a placement, the policy plans around it, and the job trains like one process."""
+parameter or module to a placement, the policy plans around it, and the job trains like one process; and
+``dynshard.why_not``, which prices a placement the plan did not take by pinning it."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -16,7 +18,7 @@ from models import GPT, GPTConfig, gpt_batch
 from parity import assert_trains_like_one_process
 from test_passes import plan_for
 from workers import train_parity
-from workers_autodist import offline_autodist
+from workers_autodist import offline_autodist, why_not_pinned
 
 PINS = {"blocks.*.fc1": "replicate", "wte.weight": "replicate", "blocks.0.attn.q.weight": "S1"}
 
@@ -83,3 +85,17 @@ def test_autodists_choice_holds_the_pins_of_its_constraints_file(tmp_path):
     plan = json.loads(run_ranks(offline_autodist, 1, 4, {"partition_constraints_path": str(path)}, timeout=300)[0])
     assert plan["tensors"]["wpe.weight"]["tp"] == "S1"       # no placement splits it by itself
     assert {t["tp"] for name, t in plan["tensors"].items() if ".fc2." in name} == {"R"}
+
+
+def test_why_not_prices_the_placement_autodist_did_not_take():
+    text = run_ranks(why_not_pinned, 1, {"blocks.*.fc1": "S0"}, None, timeout=300)[0]
+    chosen, pinned, moved = text.splitlines()
+    assert chosen.startswith("program 0: autodist chose ") and "with blocks.*.fc1 -> S0: autodist chose" in pinned
+    assert int(re.search(r"\(([+-]\d+)% time", pinned)[1]) >= 0      # the pinned space is inside the searched one
+    assert "blocks.0.fc1.weight" in moved and "blocks.1.fc1.weight" in moved
+
+
+def test_why_not_says_when_no_plan_holding_the_pins_fits():
+    everything = {"blocks.*": "replicate", "wte.weight": "replicate", "wpe.weight": "replicate"}
+    text = run_ranks(why_not_pinned, 1, everything, 0.0003, timeout=300)[0]
+    assert text.startswith("with blocks.* -> replicate") and "no plan fits" in text and "mem_constraint" in text

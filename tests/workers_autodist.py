@@ -198,3 +198,11 @@ def hand_predictions_beside_autodists(rank: int, world: int) -> dict:
                               device_profile="cpu")
         hand[name] = dict(plan.predicted)
     return {"candidates": chosen.predicted["autodist"]["candidates"], "hand": hand}
+
+
+def why_not_pinned(rank: int, world: int, pins: dict, mem_constraint: float | None) -> str:
+    """``dynshard.why_not`` for the test GPT under autodist over 4 ranks (2 units of 2)."""
+    torch.manual_seed(0)
+    model, batch = GPT(GPTConfig()), gpt_batch(GPTConfig(), 4, 0)
+    pas = {} if mem_constraint is None else {"mem_constraint": mem_constraint}
+    return dynshard.why_not(model, batch, dynshard.Config(policy="autodist", plan_ngpus=2, pas_config=pas), 4, pins)
