@@ -19,7 +19,7 @@ from distributed import run_ranks
 from parity import assert_trains_like_one_process
 from workers_pipeline import pipeline_parity
 from workers_transformers import train_transformers
-from workers_autodist import (candidate_plans_beside_hand_plans, hand_predictions_beside_autodists,
+from workers_autodist import (candidate_plans_beside_hand_plans, hand_predictions_beside_autodists, hybrid_candidates,
                               memory_budget_sweep, nothing_fits, offline_autodist,
                               pipeline_candidates_beside_hand_plans, planned_units_of, train_step_without_pipeline,
                               train_with_autodist)
@@ -176,11 +176,26 @@ def test_why_not_says_what_rules_a_hand_plan_out():
         explained.why_not("pp 1f1b")
 
 
-@pytest.mark.slow       # (24 pipeline plans made twice: about 30 s)
-def test_every_pipeline_candidate_is_the_plan_the_pp_policy_makes_and_zero_shrinks_its_peak():
-    """2 stages x 2 units: each schedule at ZeRO 0-3, with and without recompute, byte for byte the pp policy's
-    plan; ZeRO rows shrink the state at rest and add the step's whole replicas."""
-    rows = run_ranks(pipeline_candidates_beside_hand_plans, 1, 4, timeout=600)[0]
+def test_exploring_pipelines_over_a_unit_of_four_prices_the_hybrid_pp_x_tp_factorisation():
+    found = run_ranks(hybrid_candidates, 1, timeout=300)[0]
+    rows = {c["plan"]: c for c in found["candidates"]}
+    for schedule in ("1f1b", "gpipe", "zb1p"):
+        assert {f"pp {schedule}", f"hybrid pp 2 x tp 2 {schedule}", f"hybrid pp 2 x tp 2 {schedule} + ZeRO-3"} <= set(rows)
+    hybrid, pp = rows["hybrid pp 2 x tp 2 1f1b"], rows["pp 1f1b"]
+    # its stages' tp collectives are priced (pp has none), and recompute shrinks its peak
+    assert hybrid["compute_seconds"] > 0 and hybrid["step_seconds"] != pp["step_seconds"]
+    assert rows["hybrid pp 2 x tp 2 1f1b + recompute Block"]["peak_bytes"] < hybrid["peak_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plan_ngpus", [2, 4])
+def test_every_pipeline_candidate_is_the_plan_its_policy_makes_and_zero_shrinks_its_peak(plan_ngpus):
+    """2 stages x 2 units (and units of 4: 4 stages, or 2 stages of tp 2, the hybrid policy's): each schedule at
+    ZeRO 0-3, with and without recompute, byte for byte the plan its policy makes; ZeRO rows shrink the state
+    at rest and add the step's whole replicas."""
+    rows = run_ranks(pipeline_candidates_beside_hand_plans, 1, 2 * plan_ngpus, plan_ngpus, timeout=900)[0]
+    if plan_ngpus == 4:
+        assert {"hybrid pp 2 x tp 2 1f1b", "hybrid pp 2 x tp 2 zb1p + ZeRO-2 + recompute Block"} <= {n for n, *_ in rows}
     assert {name for name, *_ in rows} >= {"pp 1f1b", "pp gpipe + ZeRO-3", "pp zb1p + ZeRO-1 + recompute Block"}
     for name, candidate, hand, _ in rows:
         assert json.loads(candidate)["pipeline"] is not None and candidate == hand, name
@@ -196,3 +211,20 @@ def test_a_hand_plan_planned_offline_with_a_device_profile_carries_the_predictio
         assert predicted["step_seconds"] == priced[name]["step_seconds"], name
         assert predicted["bytes_per_rank"]["peak"] == priced[name]["peak_bytes"], name
         assert predicted["device_profile"]["name"] == "cpu-gloo (built-in)"
+
+
+def test_a_hybrid_stages_costs_are_carried_from_one_rank_and_the_tp_unit_by_amdahls_law():
+    from dynshard.planning.cost_model import UnitCosts
+    from dynshard.policies.autodist.pipeline_costs import unit_at
+
+    whole = UnitCosts(forward_flops=800.0, forward_bytes=100.0, saved_bytes=1000.0, largest_output=64.0,
+                      replicated_grad_bytes=0.0)
+    split = UnitCosts(forward_flops=100.0, forward_bytes=100.0, saved_bytes=400.0, largest_output=16.0,
+                      replicated_grad_bytes=12.0, replicated_grads=3)      # over 8 ranks
+    assert unit_at(whole, split, 8, 1) is whole and unit_at(whole, split, 8, 8) is split
+    four = unit_at(whole, split, 8, 4)
+    assert four.forward_flops == pytest.approx(200.0)       # all of it split: 800 / 4
+    assert four.forward_bytes == pytest.approx(100.0)       # none of it split
+    kept = (400 / 1000 - 1 / 8) / (1 - 1 / 8)               # the activations' unsplit part
+    assert four.saved_bytes == pytest.approx(1000 * (kept + (1 - kept) / 4))
+    assert (four.replicated_grads, four.replicated_grad_bytes) == (3, 12.0)

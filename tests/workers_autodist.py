@@ -159,21 +159,23 @@ def train_step_without_pipeline(rank: int, world: int) -> dict:
             "ref_params": {k: v.detach() for k, v in reference.state_dict().items()}}
 
 
-def pipeline_candidates_beside_hand_plans(rank: int, world: int, world_size: int) -> list[tuple[str, str, str]]:
+def pipeline_candidates_beside_hand_plans(rank: int, world: int, world_size: int,
+                                          plan_ngpus: int = 2) -> list[tuple[str, str, str]]:
     """In a plain process: each pipeline candidate's plan JSON and the plan the pp policy makes with that
     schedule, ZeRO level and recompute."""
     from workers_pipeline import build
 
     model, make = build("gpt")
     sample = make(2, 0)
-    config = dynshard.Config(policy="autodist", plan_ngpus=2, use_end2end=True,
+    config = dynshard.Config(policy="autodist", plan_ngpus=plan_ngpus, use_end2end=True,
                              pas_config={"explore_pipeline": True, "update_freq": 4})
     rows = []
 
     def pipelines(gm, inputs, config, world, made_for, device_type):
-        _, whole = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
+        units, whole = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
+        split = next(unit for placement, _, unit in units if placement.name == "tp")
         rows.extend(autodist.pipeline_plans(gm, inputs, config, world, made_for, device_type,
-                                            device_profile(config, device_type), whole))
+                                            device_profile(config, device_type), whole, split))
 
     with beside_the_search(pipelines):
         dynshard.plan(model, (sample,), config, world_size=world_size)
@@ -206,3 +208,14 @@ def why_not_pinned(rank: int, world: int, pins: dict, mem_constraint: float | No
     model, batch = GPT(GPTConfig()), gpt_batch(GPTConfig(), 4, 0)
     pas = {} if mem_constraint is None else {"mem_constraint": mem_constraint}
     return dynshard.why_not(model, batch, dynshard.Config(policy="autodist", plan_ngpus=2, pas_config=pas), 4, pins)
+
+
+def hybrid_candidates(rank: int, world: int) -> dict:
+    """autodist exploring pipelines over units of 4 ranks (8 in all): the candidates it priced and its choice."""
+    from workers_pipeline import build
+
+    model, make = build("gpt")
+    plan, = dynshard.plan(model, (make(2, 0),), dynshard.Config(
+        policy="autodist", plan_ngpus=4, use_end2end=True, pas_config={"explore_pipeline": True, "update_freq": 4}),
+        world_size=8)
+    return {"candidates": plan.predicted["autodist"]["candidates"], "plan": plan.to_json()}

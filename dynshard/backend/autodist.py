@@ -29,7 +29,7 @@ from ..passes.lower_to_aten import lower
 from ..planning import Plan
 from ..planning.cost_model import DeviceProfile, UnitCosts, load_profile, predict
 from ..policies.autodist.choices import choose
-from ..policies.autodist.pipeline_costs import predict_pipeline
+from ..policies.autodist.pipeline_costs import predict_pipeline, unit_at
 from ..policies.autodist.graph_costs import graph_costs, op_costs
 from ..policies.autodist.space import Candidate, Placement, placements, recompute_choices, with_choices, zero_levels
 from ..runtime.mesh import planning_layout
@@ -76,7 +76,8 @@ def search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, dev
                 predicted = predict(choice.plan, unit, options.update_freq, profile, options.transient_mem_coef)
                 fine.append((_describe(placement.name, choice.plan, unit), choice.plan, choice.solution, predicted))
     if options.explore_pipeline and config.plan_ngpus > 1:
-        pipelines = pipeline_plans(gm, inputs, config, world, made_for, device_type, profile, whole)
+        split = next((unit for placement, _, unit in units if placement.name == "tp"), None)
+        pipelines = pipeline_plans(gm, inputs, config, world, made_for, device_type, profile, whole, split)
         hand += pipelines
         fine += [(c.name, plan, None, p) for c, plan, p in pipelines
                  if budget is None or p["bytes_per_rank"]["peak"] <= budget]
@@ -158,29 +159,41 @@ def hand_plans(units, config: Config, world: int, profile: DeviceProfile) -> lis
 
 
 def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str,
-                   profile: DeviceProfile, whole: UnitCosts) -> list[tuple[Candidate, Plan, dict]]:
-    """The pp policy's plans (every rank of a unit one stage) with each schedule, at each ZeRO level across the
-    units, with and without recompute."""
+                   profile: DeviceProfile, whole: UnitCosts, split: UnitCosts | None = None
+                   ) -> list[tuple[Candidate, Plan, dict]]:
+    """The pipelines of a unit's ranks, with each schedule, at each ZeRO level across the units, with and
+    without recompute: the pp policy's (every rank of a unit one stage) and, for each factorisation of
+    ``plan_ngpus`` into pp x tp stages, the hybrid policy's (its stages tp-split; priced with ``split``, the
+    tp policy's costs of the whole graph over ``plan_ngpus`` ranks, carried to the stages' tp by
+    :func:`policies.autodist.pipeline_costs.unit_at`)."""
     options = config.autodist
     config = config.resolve(world)
-    layout = planning_layout(world, config.plan_ngpus, device_type, pp_size=config.plan_ngpus)
+    dp = world // config.plan_ngpus
+    factors = [config.plan_ngpus] + ([pp for pp in range(2, config.plan_ngpus) if config.plan_ngpus % pp == 0]
+                                     if split is not None else [])
     rows = []
-    for schedule in options.schedules:
-        pas = {"pipeline_nmicros": options.update_freq, "pipeline_scheduler": schedule,
-               "pipeline_pivots": options.pipeline_pivots}
-        placement = Placement(f"pp {schedule}", "pp", tuple(pas.items()))
-        dp = world // config.plan_ngpus
-        try:        # (at ZeRO level 1 when there are units: which tensors take rows)
-            plan, _, _ = plan_graph(gm, inputs, placement.config(config, 1 if dp > 1 else 0, options.recompute_modules
-                                                                 or ""), layout, made_for)
-        except Exception as error:      # noqa: BLE001 - a pipeline this graph cannot be cut into is not a candidate
-            log.info("autodist: no %s plan for this graph: %s", placement.name, str(error).strip().splitlines()[0])
-            continue
-        for zero in zero_levels(dp):
-            for recompute in recompute_choices(config, whole.recompute_class):
-                candidate = Candidate(placement, zero, recompute)
-                staged = with_choices(plan, zero, recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
-                rows.append((candidate, staged, predict_pipeline(staged, whole, profile, options.transient_mem_coef)))
+    for pp in factors:
+        layout = planning_layout(world, config.plan_ngpus, device_type, pp_size=pp)
+        tp = config.plan_ngpus // pp
+        unit = unit_at(whole, split, config.plan_ngpus, tp) if tp > 1 else whole
+        for schedule in options.schedules:
+            pas = {"pipeline_nmicros": options.update_freq, "pipeline_scheduler": schedule,
+                   "pipeline_pivots": options.pipeline_pivots}
+            if tp > 1:
+                pas["pipeline_nstages"] = pp
+            placement = Placement(f"pp {schedule}" if tp == 1 else f"hybrid pp {pp} x tp {tp} {schedule}",
+                                  "pp" if tp == 1 else "hybrid", tuple(pas.items()))
+            try:        # (at ZeRO level 1 when there are units: which tensors take rows)
+                plan, _, _ = plan_graph(gm, inputs, placement.config(config, 1 if dp > 1 else 0,
+                                                                     options.recompute_modules or ""), layout, made_for)
+            except Exception as error:      # noqa: BLE001 - a pipeline this graph cannot be cut into is not a candidate
+                log.info("autodist: no %s plan for this graph: %s", placement.name, str(error).strip().splitlines()[0])
+                continue
+            for zero in zero_levels(dp):
+                for recompute in recompute_choices(config, whole.recompute_class):
+                    candidate = Candidate(placement, zero, recompute)
+                    staged = with_choices(plan, zero, recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
+                    rows.append((candidate, staged, predict_pipeline(staged, unit, profile, options.transient_mem_coef)))
     return rows
 
 

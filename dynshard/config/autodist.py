@@ -25,8 +25,8 @@ re_profile / parallel_profile: nnScaler re-times operators on the device; dynsha
 explore_pipeline: also price pipelines (policy "pp": every rank of a unit one stage) with the schedules
     of ``pipeline_scheduler`` (default: 1f1b, gpipe and zb1p), ``update_freq`` micro-batches, stages cut
     before ``pipeline_pivots`` (module classes; default: the repeated layers). Needs ``use_end2end=True``
-    and ``dynshard.train_step``. ZeRO levels are searched for pipelines too (uniform). Not yet: pipelines
-    with tp stages (hybrid).
+    and ``dynshard.train_step``. ZeRO levels are searched for pipelines too (uniform), and so is every
+    factorisation of ``plan_ngpus`` into pp stages of tp ranks (the hybrid policy's pipelines).
 partition_constraints_path: a JSON file of pins (``Config.partition_constraints``, :mod:`.pins`): every
     candidate the search prices holds them.
 """

@@ -16,6 +16,8 @@ the transient term.
 
 from __future__ import annotations
 
+import dataclasses
+
 from ...planning import Plan
 from ...planning.cost_model import DeviceProfile, UnitCosts, instance_seconds, parameter_seconds, round_seconds
 from ...planning.costs import memory_at_rest, tensor_collectives, whole_bytes
@@ -30,11 +32,13 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
     recomputed = unit.recomputed(plan.recompute)
     forward = unit.forward_flops / profile.flops_per_s + unit.forward_bytes / profile.bytes_per_s
     again = sum(instance_seconds(i, profile) for i in recomputed)
-    slowest = max(shares)
+    tp = stage_tp_seconds(plan, profile)      # each stage's forward tp collectives (hybrid), mirrored backward
     boundary = max((i.input_bytes for i in unit.instances), default=0.0)
     transfer = profile.alpha_s["all_to_all"] + boundary / profile.bandwidth["all_to_all"] if len(shares) > 1 else 0.0
     schedule = build_schedule(p.schedule, p.nstages, p.nmicros, plan.mesh.pp)
-    simulated = simulate(schedule, f=slowest * forward, b=slowest * (2 * forward + again), comm=transfer)
+    f = max(share * forward + tp[s] for s, share in enumerate(shares))
+    b = max(share * (2 * forward + again) + tp[s] for s, share in enumerate(shares))
+    simulated = simulate(schedule, f=f, b=b, comm=transfer)
     held = _held(simulated, plan.mesh.pp)
     rest = memory_at_rest(plan)
     saved = unit.saved_bytes - sum(i.saved_bytes - i.entry_bytes for i in recomputed)
@@ -60,16 +64,56 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
     return {
         "step_seconds": round_seconds(simulated.makespan + dp_comm),
         "compute_seconds": round_seconds(busy),
-        "communication_seconds": round_seconds(dp_comm),
-        "tp_communication_seconds": 0.0,
+        "communication_seconds": round_seconds(dp_comm),      # (tp's is inside the stages' times, hence compute)
+        "tp_communication_seconds": round_seconds(2 * p.nmicros * max(tp)),
         "dp_communication_seconds": round_seconds(dp_comm),
         "bubble_seconds": round_seconds(simulated.makespan - busy),
-        "tp_collectives_per_micro_batch": {"count": 0, "bytes": 0},
+        "tp_collectives_per_micro_batch": {
+            "count": 2 * len((plan.predicted or {}).get("forward_collectives", ())),
+            "bytes": int(2 * sum(c["bytes"] for c in (plan.predicted or {}).get("forward_collectives", ())))},
         "micro_batches_held": list(held),
         "bytes_per_rank": {"parameters": busiest.parameters, "buffers": busiest.buffers, "gradients": busiest.gradients,
                            "optimizer": busiest.optimizer, "gathered": int(replicas), "activations": int(activations),
                            "transient": int(transient), "peak": int(peak)},
     }
+
+
+def stage_tp_seconds(plan: Plan, profile: DeviceProfile) -> list[float]:
+    """Per stage, its forward's tp collectives for one micro-batch (a hybrid plan's, keyed ``<stage>/...``)."""
+    seconds = [0.0] * plan.pipeline.nstages
+    for c in (plan.predicted or {}).get("forward_collectives", ()):
+        stage, _, _ = c["at"].partition("/")
+        if c["dim"] == "tp" and stage.isdigit() and int(stage) < len(seconds):
+            seconds[int(stage)] += profile.collective_seconds(c["kind"], c["bytes"], plan.mesh.tp)
+    return seconds
+
+
+def unit_at(whole: UnitCosts, split: UnitCosts, ranks: int, tp: int) -> UnitCosts:
+    """One rank's costs with the graph split over ``tp`` ranks, from the whole graph's (one rank) and the
+    tp policy's over ``ranks``: each figure x(t) = x(1) (a + (1 - a) / t), its unsplit part a fitted to the two
+    (Amdahl's law). A hybrid stage's tp planning is what the tp policy does on the whole graph, so the
+    figures carry over; the tp collectives themselves are the plan's own, per stage."""
+    if tp == ranks:
+        return split
+    if tp == 1:
+        return whole
+
+    def at(one: float, many: float) -> float:
+        if one <= 0:
+            return many
+        kept = min(max((many / one - 1 / ranks) / (1 - 1 / ranks), 0.0), 1.0)
+        return one * (kept + (1 - kept) / tp)
+
+    others = {i.path: i for i in split.instances}
+    instances = tuple(dataclasses.replace(
+        i, saved_bytes=at(i.saved_bytes, others[i.path].saved_bytes),
+        entry_bytes=at(i.entry_bytes, others[i.path].entry_bytes), flops=at(i.flops, others[i.path].flops),
+        bytes=at(i.bytes, others[i.path].bytes)) if i.path in others else i for i in whole.instances)
+    return dataclasses.replace(
+        whole, forward_flops=at(whole.forward_flops, split.forward_flops),
+        forward_bytes=at(whole.forward_bytes, split.forward_bytes), saved_bytes=at(whole.saved_bytes, split.saved_bytes),
+        largest_output=at(whole.largest_output, split.largest_output), instances=instances,
+        replicated_grad_bytes=split.replicated_grad_bytes, replicated_grads=split.replicated_grads)
 
 
 def _held(simulated, nranks: int) -> list[int]:

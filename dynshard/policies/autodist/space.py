@@ -55,9 +55,9 @@ def placements(config: Config) -> list[Placement]:
     limit = options.max_partition_degree
     if limit is not None and limit < config.plan_ngpus:
         raise ConfigError(
-            f"dynshard: pas_config['max_partition_degree']={limit} is below plan_ngpus={config.plan_ngpus}; without "
-            "pipelines (not searched yet) every rank of a unit splits the graph, so set plan_ngpus to at most "
-            f"{limit}")
+            f"dynshard: pas_config['max_partition_degree']={limit} is below plan_ngpus={config.plan_ngpus}; the "
+            "search's placements split the graph over every rank of a unit (its pipelines are priced beside "
+            f"them, not instead), so set plan_ngpus to at most {limit}")
     return [Placement("tp", "tp"), Placement("tp + sequence parallel", "tp", (("sequence_parallel", True),)),
             Placement("data", "data")]
 
