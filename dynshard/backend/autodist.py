@@ -33,6 +33,7 @@ from ..policies.autodist.pipeline_costs import predict_pipeline, unit_at
 from ..policies.autodist.graph_costs import graph_costs, op_costs
 from ..policies.autodist.space import Candidate, Placement, placements, recompute_choices, with_choices, zero_levels
 from ..runtime.mesh import planning_layout
+from ..runtime.pipeline.schedules import build_schedule
 from .agreement import from_rank0
 from .plan_and_compile import copy_graph
 from .plan_graph import lower_graph, place_graph, plan_graph
@@ -176,6 +177,7 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
         layout = planning_layout(world, config.plan_ngpus, device_type, pp_size=pp)
         tp = config.plan_ngpus // pp
         unit = unit_at(whole, split, config.plan_ngpus, tp) if tp > 1 else whole
+        planned = None
         for schedule in options.schedules:
             pas = {"pipeline_nmicros": options.update_freq, "pipeline_scheduler": schedule,
                    "pipeline_pivots": options.pipeline_pivots}
@@ -183,18 +185,35 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                 pas["pipeline_nstages"] = pp
             placement = Placement(f"pp {schedule}" if tp == 1 else f"hybrid pp {pp} x tp {tp} {schedule}",
                                   "pp" if tp == 1 else "hybrid", tuple(pas.items()))
-            try:        # (at ZeRO level 1 when there are units: which tensors take rows)
-                plan, _, _ = plan_graph(gm, inputs, placement.config(config, 1 if dp > 1 else 0,
-                                                                     options.recompute_modules or ""), layout, made_for)
-            except Exception as error:      # noqa: BLE001 - a pipeline this graph cannot be cut into is not a candidate
-                log.info("autodist: no %s plan for this graph: %s", placement.name, str(error).strip().splitlines()[0])
-                continue
+            if planned is not None and _same_stages(planned, schedule):
+                plan = _rescheduled(planned, schedule)      # (the policy's plan with that schedule: tested equal)
+            else:
+                try:        # (at ZeRO level 1 when there are units: which tensors take rows)
+                    plan, _, _ = plan_graph(gm, inputs, placement.config(config, 1 if dp > 1 else 0,
+                                                                         options.recompute_modules or ""), layout, made_for)
+                except Exception as error:      # noqa: BLE001 - a pipeline this graph cannot be cut into is not a candidate
+                    log.info("autodist: no %s plan for this graph: %s", placement.name,
+                             str(error).strip().splitlines()[0])
+                    continue
+                planned = plan
             for zero in zero_levels(dp):
                 for recompute in recompute_choices(config, whole.recompute_class):
                     candidate = Candidate(placement, zero, recompute)
                     staged = with_choices(plan, zero, recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
                     rows.append((candidate, staged, predict_pipeline(staged, unit, profile, options.transient_mem_coef)))
     return rows
+
+
+def _same_stages(plan: Plan, schedule: str) -> bool:
+    """Whether ``schedule`` runs ``plan``'s stages on the same pipeline ranks (then the stage cut, measured
+    by FLOPs before the repeated layers, and every placement are the same: only the schedule differs)."""
+    p = plan.pipeline
+    other = build_schedule(schedule, p.nstages, p.nmicros, plan.mesh.pp)
+    return other.nstages == p.nstages and tuple(other.ranks_of(s) for s in range(p.nstages)) == p.stage_ranks
+
+
+def _rescheduled(plan: Plan, schedule: str) -> Plan:
+    return dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, schedule=schedule))
 
 
 def _describe(placement: str, plan: Plan, unit: UnitCosts) -> str:
