@@ -48,6 +48,7 @@ def test_nnscalers_plan_file_keys_map_onto_the_configs():
         dynshard.Config(policy="autodist", save_plan_path="b.json", pas_config={"save_plan_path": "a.json"})
 
 
+@pytest.mark.slow       # (24 plans made twice: about 20 s)
 def test_every_candidate_is_the_plan_its_hand_policy_makes():
     """tp, tp + sequence parallel and data, at every ZeRO level over 2 units, with and without recompute:
     each candidate is byte for byte the plan that policy and config make (autodist's space holds them)."""

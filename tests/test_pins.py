@@ -95,6 +95,7 @@ def test_why_not_prices_the_placement_autodist_did_not_take():
     assert "blocks.0.fc1.weight" in moved and "blocks.1.fc1.weight" in moved
 
 
+@pytest.mark.slow       # (two searches: about 10 s)
 def test_why_not_says_when_no_plan_holding_the_pins_fits():
     everything = {"blocks.*": "replicate", "wte.weight": "replicate", "wpe.weight": "replicate"}
     text = run_ranks(why_not_pinned, 1, everything, 0.0003, timeout=300)[0]

@@ -50,7 +50,7 @@ def test_layer_patterns_mask_every_numeric_path_part():
     assert layer_pattern("3.weight") == "#.weight" and layer_pattern("wte.weight") == "wte.weight"
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True])
+@pytest.mark.parametrize("sequence_parallel", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_a_deep_gpts_tied_plan_is_the_plan_of_a_trial_per_layer(monkeypatch, sequence_parallel):
     cfg = GPTConfig(layers=5)
     options = dict(policy="tp", plan_ngpus=2, pas_config={"sequence_parallel": sequence_parallel})
