@@ -20,6 +20,7 @@ from parity import assert_trains_like_one_process
 from workers_pipeline import pipeline_parity
 from workers_transformers import train_transformers
 from workers_autodist import (candidate_plans_beside_hand_plans, hand_predictions_beside_autodists, hybrid_candidates,
+                              within_partition_degree,
                               memory_budget_sweep, nothing_fits, offline_autodist,
                               pipeline_candidates_beside_hand_plans, planned_units_of, train_step_without_pipeline,
                               train_with_autodist)
@@ -229,3 +230,12 @@ def test_a_hybrid_stages_costs_are_carried_from_one_rank_and_the_tp_unit_by_amda
     kept = (400 / 1000 - 1 / 8) / (1 - 1 / 8)               # the activations' unsplit part
     assert four.saved_bytes == pytest.approx(1000 * (kept + (1 - kept) / 4))
     assert (four.replicated_grads, four.replicated_grad_bytes) == (3, 12.0)
+
+
+def test_a_partition_degree_below_the_unit_leaves_only_pipelines_whose_stages_split_within_it():
+    found = run_ranks(within_partition_degree, 1, timeout=300)[0]
+    assert found["candidates"] and all(c.startswith(("pp ", "hybrid pp 2 x tp 2 ")) for c in found["candidates"])
+    plan = json.loads(found["plan"])
+    assert plan["pipeline"] is not None and plan["mesh"]["tp"] <= 2
+    with pytest.raises(ConfigError, match="max_partition_degree.*explore_pipeline=True"):
+        dynshard.Config(policy="autodist", plan_ngpus=4, pas_config={"max_partition_degree": 2})

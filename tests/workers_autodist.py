@@ -219,3 +219,14 @@ def hybrid_candidates(rank: int, world: int) -> dict:
         policy="autodist", plan_ngpus=4, use_end2end=True, pas_config={"explore_pipeline": True, "update_freq": 4}),
         world_size=8)
     return {"candidates": plan.predicted["autodist"]["candidates"], "plan": plan.to_json()}
+
+
+def within_partition_degree(rank: int, world: int) -> dict:
+    """autodist over units of 4 with tensors split over at most 2 ranks (8 ranks in all)."""
+    from workers_pipeline import build
+
+    model, make = build("gpt")
+    plan, = dynshard.plan(model, (make(2, 0),), dynshard.Config(
+        policy="autodist", plan_ngpus=4, use_end2end=True,
+        pas_config={"explore_pipeline": True, "update_freq": 4, "max_partition_degree": 2}), world_size=8)
+    return {"candidates": [c["plan"] for c in plan.predicted["autodist"]["candidates"]], "plan": plan.to_json()}

@@ -66,9 +66,11 @@ def search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, dev
     profile = device_profile(config, device_type)
     budget = options.mem_constraint_bytes
     units, whole = planned_units(gm, inputs, config, world, made_for, device_type)
-    hand = hand_plans(units, config, world, profile)
+    limit = options.max_partition_degree
+    whole_unit = limit is None or limit >= config.plan_ngpus      # may a tensor split over the whole unit?
+    hand = hand_plans(units, config, world, profile) if whole_unit else []
     fine = []
-    for placement, base, unit in units:
+    for placement, base, unit in units if whole_unit else ():
         for zero in zero_levels(world // config.plan_ngpus):
             start_plan = with_choices(base, zero, base.recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
             choice = choose(start_plan, unit, options.update_freq, profile, options.transient_mem_coef, budget,
@@ -82,6 +84,10 @@ def search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, dev
         hand += pipelines
         fine += [(c.name, plan, None, p) for c, plan, p in pipelines
                  if budget is None or p["bytes_per_rank"]["peak"] <= budget]
+    if not hand:
+        raise AutodistError(f"dynshard: autodist found no plan whose tensors split over at most max_partition_degree="
+                            f"{limit} ranks: no pipeline of this graph qualifies. Raise max_partition_degree or set "
+                            f"plan_ngpus to at most {limit}")
     if not fine:
         raise _nothing_fits(hand, options.mem_constraint)
     name, plan, solution, predicted = min(fine, key=lambda row: (row[3]["step_seconds"],
@@ -170,7 +176,9 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
     options = config.autodist
     config = config.resolve(world)
     dp = world // config.plan_ngpus
-    factors = [config.plan_ngpus] + ([pp for pp in range(2, config.plan_ngpus) if config.plan_ngpus % pp == 0]
+    limit = options.max_partition_degree or config.plan_ngpus
+    factors = [config.plan_ngpus] + ([pp for pp in range(2, config.plan_ngpus)
+                                      if config.plan_ngpus % pp == 0 and config.plan_ngpus // pp <= limit]
                                      if split is not None else [])
     rows = []
     for pp in factors:

@@ -12,7 +12,8 @@ use_fp16 / use_bf16: checked against ``Config.mixed_precision`` (set the precisi
     what the program runs).
 load_plan_path / save_plan_path: mapped onto ``Config.load_plan_path`` / ``save_plan_path``.
 recompute_modules: comma-separated module class names or paths always recomputed (no search over it).
-max_partition_degree: the most ranks a tensor is split over inside a unit (default: plan_ngpus).
+max_partition_degree: the most ranks a tensor is split over inside a unit (default: plan_ngpus). Below
+    plan_ngpus only pipelines whose stages split over at most that many ranks qualify (``explore_pipeline``).
 transient_mem_coef: the peak's transient term, as nnScaler: this many times the largest tensor an op
     writes (default 2).
 device_profile: a calibration file (``python -m dynshard.calibrate``), or "cpu" / "cuda" for the built-in
@@ -113,6 +114,12 @@ class AutodistOptions:
 
     def check(self, config) -> None:
         """Against the rest of the configuration: precision, plan files, pipelines."""
+        limit = self.max_partition_degree
+        if limit is not None and limit < config.plan_ngpus and not self.explore_pipeline:
+            raise ConfigError(
+                f"dynshard: pas_config['max_partition_degree']={limit} is below plan_ngpus={config.plan_ngpus}: every "
+                "placement without a pipeline splits tensors over the whole unit. Set explore_pipeline=True (pipelines "
+                f"of stages split over at most {limit} ranks), or plan_ngpus to at most {limit}")
         if self.explore_pipeline and not config.use_end2end:
             raise ConfigError("dynshard: pas_config['explore_pipeline'] needs use_end2end=True (a pipeline runs an "
                               "end-to-end module: forward takes the sample and returns the loss first), and the "

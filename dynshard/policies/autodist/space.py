@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 from ...config import Config
-from ...config.errors import ConfigError
 from ...planning import Plan
 from ...planning.plan import ZeroChoice
 
@@ -48,16 +47,10 @@ class Candidate:
 
 
 def placements(config: Config) -> list[Placement]:
-    """The ways a unit of ``config.plan_ngpus`` ranks splits the graph."""
-    options = config.autodist
+    """The ways a unit of ``config.plan_ngpus`` ranks splits the graph (each over the whole unit: under a
+    ``max_partition_degree`` below it they are costed, for the pipelines' stages, but not candidates)."""
     if config.plan_ngpus == 1:
         return [Placement("dp", "dp")]
-    limit = options.max_partition_degree
-    if limit is not None and limit < config.plan_ngpus:
-        raise ConfigError(
-            f"dynshard: pas_config['max_partition_degree']={limit} is below plan_ngpus={config.plan_ngpus}; the "
-            "search's placements split the graph over every rank of a unit (its pipelines are priced beside "
-            f"them, not instead), so set plan_ngpus to at most {limit}")
     return [Placement("tp", "tp"), Placement("tp + sequence parallel", "tp", (("sequence_parallel", True),)),
             Placement("data", "data")]
 
