@@ -68,7 +68,7 @@ def rows_of(plan: Plan) -> list[Row]:
             stages.setdefault(block, set()).update(t.stages)
     for key, a in plan.activations.items():
         path, op, occurrence = key.rsplit(":", 2)
-        block, inner = module_block(path)
+        block, inner = module_block(re.sub(r"^\d+/", "", path))     # (a pipeline's keys start with their stage)
         readers = "every reader" if a.readers is None else "readers " + ", ".join(a.readers)
         chips.setdefault(block, []).append(Chip(f"{inner + ':' if inner else ''}{op}:{occurrence}", "activation",
                                                 a.tp, "-", readers))
