@@ -113,9 +113,11 @@ class Explanation:
         from .pictures import Measured, Section, Traced, render
 
         sizes = {p.name: p.local_shape for p in self.parameters}
-        peak = torch.cuda.max_memory_allocated() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
-        if limit_bytes is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        on_cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        peak = torch.cuda.max_memory_allocated() if on_cuda else None
+        if limit_bytes is None and on_cuda:
             limit_bytes = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
         def held(plan: Plan, kind: str) -> int:
             return sum(math.prod(sizes[name]) * itemsize(t.dtype) for name, t in plan.tensors.items()
                        if t.kind == kind and name in sizes)

@@ -23,9 +23,6 @@ import time
 import torch.fx as fx
 
 from ..config import Config
-from ..passes import run_passes
-from ..passes.cast_to_compute_dtype import cast_to_compute_dtype
-from ..passes.lower_to_aten import lower
 from ..planning import Plan
 from ..planning.cost_model import DeviceProfile, UnitCosts, load_profile, predict
 from ..policies.autodist.choices import choose
@@ -35,8 +32,8 @@ from ..policies.autodist.space import Candidate, Placement, placements, recomput
 from ..runtime.mesh import planning_layout
 from ..runtime.pipeline.schedules import build_schedule
 from .agreement import from_rank0
-from .plan_and_compile import copy_graph
 from .plan_graph import lower_graph, place_graph, plan_graph
+from .predict_plan import whole_graph_costs
 
 log = logging.getLogger("dynshard")
 GB = 1024 ** 3
@@ -132,8 +129,7 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
     if layout.tp_mesh is None:          # a unit of one rank: one placement, lowered here only to be costed
         (placement,) = choices
         base, ctx, _ = plan_graph(gm, inputs, placement.config(config, 1 if dp > 1 else 0, forced), layout, made_for)
-        graph = lower(run_passes(copy_graph(gm), ctx, [cast_to_compute_dtype]), ctx)
-        units.append((placement, base, graph_costs(graph, inputs, op_costs(graph, inputs, ctx.fake_mode), 1, None)))
+        units.append((placement, base, whole_graph_costs(gm, ctx)))
         return units, units[0][2]
     lowered, lowered_ctx = lower_graph(gm, inputs, choices[0].config(config, 1 if dp > 1 else 0, forced), layout,
                                        made_for)

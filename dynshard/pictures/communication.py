@@ -23,7 +23,7 @@ import re
 from collections import defaultdict
 
 from ..planning import Plan
-from ..planning.costs import step_collectives, tensor_collectives, whole_bytes
+from ..planning.costs import group_of, step_collectives, tensor_collectives, whole_bytes
 from .placements import block_of, module_block, rows_of
 from .svg import COMM_COLOURS, esc, human_bytes, legend, line, rect, svg, text
 
@@ -43,14 +43,6 @@ def wire_bytes(kind: str, payload: float, n: int) -> float:
         return 0.0
     return {"all_reduce": 2 * (n - 1) / n * payload, "reduce_scatter": (n - 1) / n * payload,
             "all_gather": (n - 1) * payload, "all_to_all": (n - 1) / n * payload}.get(kind, payload)
-
-
-def group_size(plan: Plan, dim: str, what: str) -> int:
-    if dim == "tp":
-        return plan.mesh.tp
-    if "across ZeRO groups" in what:
-        return plan.zero.ngroups
-    return plan.mesh.dp // plan.zero.ngroups if "ZeRO" in what else plan.mesh.dp
 
 
 def dp_minimum(plan: Plan) -> float:
@@ -83,7 +75,7 @@ def render(plan: Plan, traced: Traced | None = None) -> str:
     if not collectives and not (traced and traced.p2p_minimum):
         return '<p class="note">No collectives: one rank, or nothing to share.</p>'
     body, y = [], 8
-    rows = [(f"{c.kind} over {c.dim}: {c.what}", c.dim, wire_bytes(c.kind, c.bytes, group_size(plan, c.dim, c.what)), c)
+    rows = [(f"{c.kind} over {c.dim}: {c.what}", c.dim, wire_bytes(c.kind, c.bytes, group_of(plan, c.dim, c.what)), c)
             for c in collectives]
     per_dim: dict[str, float] = defaultdict(float)
     for _, dim, wire, c in rows:      # tp: the forward's collectives and their mirror in the backward
@@ -132,7 +124,7 @@ def _per_layer(plan: Plan, blocks: dict[str, tuple[float, float]]) -> str:
     dp: dict[str, float] = defaultdict(float)
     for name, tensor in plan.tensors.items():
         for kind, dim, size, what in tensor_collectives(plan, tensor):
-            dp[block_of(name)[0]] += wire_bytes(kind, size, group_size(plan, dim, what))
+            dp[block_of(name)[0]] += wire_bytes(kind, size, group_of(plan, dim, what))
     rows = [(row.label, len(row.blocks), blocks.get(row.blocks[0], (0.0, math.nan)), dp.get(row.blocks[0], 0.0))
             for row in rows_of(plan) if row.blocks[0] in blocks or row.blocks[0] in dp]
     if not rows:

@@ -36,7 +36,7 @@ import json
 import math
 import os
 
-from .costs import ADAM_STATE_BYTES, itemsize, local_numel, memory_at_rest, tensor_collectives, whole_bytes
+from .costs import ADAM_STATE_BYTES, group_of, itemsize, local_numel, memory_at_rest, tensor_collectives, whole_bytes
 from .plan import Plan
 
 BUCKET_BYTES = 25 * 1024 ** 2
@@ -188,19 +188,11 @@ def parameter_seconds(plan: Plan, tensor, profile: DeviceProfile) -> float:
     per bucket: ``alpha`` per ``BUCKET_BYTES``, and once per kind in :func:`predict`)."""
     seconds = 0.0
     for kind, _, size, what in tensor_collectives(plan, tensor):
-        group = _group(plan, what)
+        group = group_of(plan, "dp", what)
         whole = size * group if kind == "all_gather" else size
         ring = 2 * (group - 1) / group if kind == "all_reduce" else (group - 1) / group
         seconds += whole * (ring / profile.bandwidth[kind] + profile.alpha_s[kind] / BUCKET_BYTES)
     return seconds
-
-
-def _group(plan: Plan, what: str) -> int:
-    if "across ZeRO groups" in what:
-        return plan.zero.ngroups
-    if what == "gradients":             # a replicated parameter's all-reduce over every unit
-        return plan.mesh.dp
-    return plan.mesh.dp // plan.zero.ngroups
 
 
 def gathered_bytes(plan: Plan, tensor, nmicros: int, blocks: int) -> float:

@@ -136,6 +136,17 @@ def tensor_collectives(plan: Plan, tensor: TensorChoice) -> list[tuple[str, str,
     return found
 
 
+def group_of(plan: Plan, dim: str, what: str) -> int:
+    """The ranks a collective of ``step_collectives`` / :func:`tensor_collectives` runs over."""
+    if dim == "tp":
+        return plan.mesh.tp
+    if "across ZeRO groups" in what:
+        return plan.zero.ngroups
+    if what == "gradients":             # a replicated parameter's all-reduce over every unit
+        return plan.mesh.dp
+    return plan.mesh.dp // plan.zero.ngroups
+
+
 def with_forward_collectives(plan: Plan, propagation, node_keys: dict[str, str]) -> Plan:
     """``plan`` with the forward collectives a sharding propagation (``passes.propagate_sharding``) found,
     by node key, in ``predicted`` (other predictions kept)."""
