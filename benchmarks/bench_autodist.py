@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -80,15 +81,33 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
 
+class _Timings(logging.Handler):
+    """What dynshard logs of one call: the search's own seconds, and the seconds its passes spent lowering
+    graphs to ATen (the SPMD graph once; a hybrid pipeline's each stage graph)."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.search = self.lowering = 0.0
+
+    def emit(self, record):
+        message = record.getMessage()
+        if message.startswith("pass lower_to_aten:"):
+            self.lowering += float(message.split()[2].rstrip("s,"))
+        elif message.startswith("autodist:") and " ILPs in " in message:
+            self.search += float(message.split(" ILPs in ")[1].split("s,")[0])
+
+
 def search_times(layer_counts=(8, 32), worlds=(8, 64, 512)) -> list[dict]:
     """Offline autodist on the meta device, pipelines explored: a d 1024, seq 1024, vocab 50k GPT (an end-to-end
-    module: a sample in, the loss out), plan_ngpus 8, 8 micro-batches a step, the built-in H100 constants."""
+    module: a sample in, the loss out), plan_ngpus 8, 8 micro-batches a step, the built-in H100 constants. Each
+    row: the whole call, the search (everything after Dynamo's capture), and of that the lowering to ATen."""
     import torch
 
     import dynshard
     from models import GPTConfig, gpt_batch
     from workers_pipeline import EndToEndGPT
 
+    log = logging.getLogger("dynshard")
     rows = []
     for layers in layer_counts:
         cfg = GPTConfig(vocab=50304, seq=1024, d_model=1024, heads=16, layers=layers)
@@ -96,12 +115,20 @@ def search_times(layer_counts=(8, 32), worlds=(8, 64, 512)) -> list[dict]:
             model = EndToEndGPT(cfg)
         sample = dict(zip(("idx", "tgt"), gpt_batch(cfg, 8, 0)))
         for world in worlds:
+            timings, level = _Timings(), log.level
+            log.addHandler(timings)
+            log.setLevel(logging.DEBUG)
             start = time.perf_counter()
-            plan, = dynshard.plan(model, (sample,), dynshard.Config(
-                policy="autodist", plan_ngpus=8, use_end2end=True, pas_config={
-                    "device_profile": "cuda", "mem_constraint": 70, "explore_pipeline": True, "update_freq": 8}),
-                world_size=world)
+            try:
+                plan, = dynshard.plan(model, (sample,), dynshard.Config(
+                    policy="autodist", plan_ngpus=8, use_end2end=True, pas_config={
+                        "device_profile": "cuda", "mem_constraint": 70, "explore_pipeline": True, "update_freq": 8}),
+                    world_size=world)
+            finally:
+                log.removeHandler(timings)
+                log.setLevel(level)
             rows.append(dict(layers=layers, world=world, seconds=round(time.perf_counter() - start, 2),
+                             search=round(timings.search, 2), lowering=round(timings.lowering, 2),
                              candidates=len(plan.predicted["autodist"]["candidates"]),
                              chosen=plan.predicted["autodist"]["chosen"]))
             print(rows[-1], flush=True)
@@ -162,8 +189,9 @@ def main() -> None:
     parser.add_argument("--pipelines-only", action="store_true", help="the train_step table alone")
     args = parser.parse_args()
     if args.search_only:
-        print(table([("layers", "ranks", "seconds", "candidates", "chosen")] + [
-            (r["layers"], r["world"], r["seconds"], r["candidates"], r["chosen"]) for r in search_times()]))
+        print(table([("layers", "ranks", "whole call s", "search s", "of it lowering s", "candidates", "chosen")] + [
+            (r["layers"], r["world"], r["seconds"], r["search"], r["lowering"], r["candidates"], r["chosen"])
+            for r in search_times()]))
         return
     results_dir = tempfile.mkdtemp(prefix="bench_autodist_")
     profile = os.path.join(results_dir, "profile.json")

@@ -234,34 +234,46 @@ def test_planning_on_the_meta_device_gives_the_same_plan(fake_world):
 
 
 @pytest.mark.parametrize("options", [{}, {"pas_config": {"sequence_parallel": True}}])
-def test_a_policys_trials_run_again_only_from_their_first_change_and_plan_the_same(fake_world, options):
+def test_a_policys_trials_run_only_what_they_change_and_plan_the_same(fake_world, options):
     """Each trial of the tp policy (one column split) reuses the values an earlier propagation computed
-    before the first node the trial changes; the plan is the one propagating everything every time."""
+    before the first node the trial changes and after the point where its values rejoin the earlier ones;
+    DTensor's answers are kept by op signature across the repeated layers. The plan is the one that
+    propagating everything every time, asking DTensor at every node, gives."""
     import sys
 
     from dynshard.backend import PLANS
 
     propagation = sys.modules["dynshard.passes.propagate_sharding"]
+    memo = sys.modules["dynshard.passes.op_memo"]
     cfg = GPTConfig(layers=4)
-    reused = []
-    run = propagation.ShardingInterpreter.run
+    ran = []
+    run_node = propagation.ShardingInterpreter.run_node
 
-    def counting(interpreter, *args, initial_env=None, **kwargs):
-        reused.append((len(initial_env or {}), len(interpreter.module.graph.nodes)))
-        return run(interpreter, *args, initial_env=initial_env, **kwargs)
+    def counting(interpreter, node):
+        ran.append(node)
+        return run_node(interpreter, node)
 
-    def plan(**patches):
+    def plan(*patches):
         torch._dynamo.reset()
         PLANS.clear()
         torch.manual_seed(0)
-        with unittest.mock.patch.multiple(propagation, **patches) if patches else contextlib.nullcontext():
+        with contextlib.ExitStack() as stack:
+            for patch in patches:
+                stack.enter_context(patch)
             return format_plan(plan_for(GPT(cfg), gpt_batch(cfg, 4, 0), policy="tp", plan_ngpus=2, **options))
 
-    with unittest.mock.patch.object(propagation.ShardingInterpreter, "run", counting):
-        with_reuse = plan()
-    assert with_reuse == plan(_reusable_prefix=lambda *args: ({}, None))
-    # the trials of the last block (and of the vocabulary) reuse most of the graph
-    assert max(kept / nodes for kept, nodes in reused) > 0.5, reused
+    count = unittest.mock.patch.object(propagation.ShardingInterpreter, "run_node", counting)
+    with_reuse = plan(count)
+    nodes_with_reuse, ran[:] = len(ran), []
+    no_reuse = unittest.mock.patch.object(propagation, "reusable_prefix", lambda *args: ({}, None))
+    assert with_reuse == plan(count, no_reuse)
+    assert nodes_with_reuse < 0.5 * len(ran), (nodes_with_reuse, len(ran))
+    forget = [unittest.mock.patch.object(memo.OpMemo, "keep", lambda *args: None),
+              unittest.mock.patch.object(memo.OpMemo, "input", lambda self, mesh, meta, placements, make:
+                                         make(meta, placements)),
+              unittest.mock.patch.object(memo.OpMemo, "redistribute", lambda self, value, mesh, placements:
+                                         value.redistribute(mesh, placements))]
+    assert with_reuse == plan(no_reuse, *forget)
 
 
 class TestSequenceParallelPlans(expecttest.TestCase):

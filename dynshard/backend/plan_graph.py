@@ -50,7 +50,7 @@ def place_graph(lowered: fx.GraphModule, lowered_ctx: PassContext,
     """``config``'s policy on a copy of a lowered graph, and the propagation of its placements."""
     ctx = PassContext(config=config, layout=lowered_ctx.layout, inputs=lowered_ctx.inputs,
                       fake_mode=lowered_ctx.fake_mode, made_for=lowered_ctx.made_for, policy=place,
-                      blocked=dict(lowered_ctx.blocked))
+                      blocked=dict(lowered_ctx.blocked), op_memo=lowered_ctx.op_memo)
     graph = run_passes(copy_graph(lowered), ctx, PASSES[PASSES.index(assign_placements):
                                                        PASSES.index(propagate_sharding) + 1])
     return with_forward_collectives(ctx.plan, ctx.propagation, ctx.node_keys), ctx, graph

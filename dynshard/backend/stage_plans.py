@@ -34,13 +34,15 @@ def stage_config(config: Config) -> Config:
 def plan_stages(ctx: PassContext, stages, planned: set[int], policy) -> dict[int, Plan]:
     """The tp plan of each stage in ``planned`` (by index), on this rank's layout."""
     plans = {}
+    fake_mode, memo = compat.new_fake_mode(), None     # (one mode: the stages' layers ask DTensor once)
     for stage in stages:
         if stage.index not in planned:
             continue
         stage_ctx = PassContext(config=stage_config(ctx.config), layout=ctx.layout,
-                                inputs=stage_inputs(stage, ctx.inputs), fake_mode=compat.new_fake_mode(),
-                                sync_grads=False, policy=policy)
+                                inputs=stage_inputs(stage, ctx.inputs), fake_mode=fake_mode,
+                                sync_grads=False, policy=policy, op_memo=memo)
         run_passes(copy_graph(stage.module), stage_ctx, PASSES[:PASSES.index(propagate_sharding) + 1])
+        memo = stage_ctx.op_memo
         ctx.timings.extend((f"stage{stage.index}.{name}", t) for name, t in stage_ctx.timings)
         plans[stage.index] = with_forward_collectives(stage_ctx.plan, stage_ctx.propagation, stage_ctx.node_keys)
     return plans

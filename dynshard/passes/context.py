@@ -48,6 +48,7 @@ class PassContext:
     recompute: tuple[str, ...] | None = None   # modules the policy recomputes (None: the config's)
     plan: Any = None                 # the Plan of this program, once placements are assigned
     node_keys: dict[str, str] = dataclasses.field(default_factory=dict)  # node name -> planning.node_keys key
+    op_memo: Any = None              # passes.op_memo.OpMemo: DTensor's answers, shared by this mode's propagations
 
     def arrival(self, inp: GraphInput) -> tuple[Placement, ...]:
         """How a graph input arrives at the program on this rank.

@@ -76,17 +76,20 @@ def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 def _node_flops(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, int]:
     flops: dict[fx.Node, int] = {}
 
+    counter = FlopCounterMode(display=False)      # (one counter, read before and after each node)
+
     class Counting(fx.Interpreter):
         def run_node(self, node):
-            with FlopCounterMode(display=False) as counter:
-                value = super().run_node(node)
-            flops[node] = counter.get_total_flops()
+            before = counter.get_total_flops()
+            value = super().run_node(node)
+            flops[node] = counter.get_total_flops() - before
             return value
 
     with ctx.fake_mode, torch.no_grad():
         args = [torch.empty(i.shape, dtype=i.dtype, device=ctx.layout.device_type if i.device.type == "meta"
                             else i.device) for i in ctx.inputs]
-        Counting(gm).run(*args)
+        with counter:
+            Counting(gm).run(*args)
     return flops
 
 

@@ -43,6 +43,8 @@ from ..compat import pytree
 from ..runtime.mesh import Layout
 from ..runtime.sharding import SHARDS, local_shape
 from .context import PassContext
+from .op_memo import OpMemo, op_key
+from .propagation_reuse import Rejoin, reusable_prefix
 from .op_sets import BATCHED_MATMULS, RESHAPES, SLICE_COMMUTING
 from .vocab_parallel_loss import abstract_log_softmax, abstract_nll_loss, loss_pairs, rows, split_on_classes
 
@@ -102,6 +104,18 @@ class Propagation:
             vocab_parallel_losses=self.vocab_parallel_losses & names,
             matched_slices={n: m for n, m in self.matched_slices.items() if m.consumer in names})
 
+    def followed_by(self, later: "Propagation") -> "Propagation":
+        """This propagation's records, then ``later``'s (of the nodes after these)."""
+        return dataclasses.replace(
+            self, placements={**self.placements, **later.placements},
+            collectives=self.collectives + later.collectives,
+            local_reshards=self.local_reshards + later.local_reshards,
+            fallbacks={**self.fallbacks, **later.fallbacks},
+            replicated_constants=self.replicated_constants | later.replicated_constants,
+            reduced_partials=self.reduced_partials | later.reduced_partials,
+            vocab_parallel_losses=self.vocab_parallel_losses | later.vocab_parallel_losses,
+            matched_slices={**self.matched_slices, **later.matched_slices})
+
     def comm_bytes(self) -> int:
         return sum(c.bytes for c in self.collectives)
 
@@ -147,11 +161,13 @@ class ShardingInterpreter(fx.Interpreter):
     """Runs the ATen graph on fake DTensors and records placements and implied communication."""
 
     def __init__(self, gm: fx.GraphModule, layout: Layout, input_placements: Sequence[tuple[Placement, ...]],
-                 input_meta: Sequence[Any], warn: bool, constraints: dict):
+                 input_meta: Sequence[Any], warn: bool, constraints: dict, memo: OpMemo):
         # every value is kept: a later trial of the policy reuses those before its first change
         super().__init__(gm, garbage_collect_values=False)
         self.layout = layout
         self.constraints = constraints
+        self.memo = memo
+        self.rejoin: Rejoin | None = None
         self.placed: dict[fx.Node, DTensor] = {}     # values placed for some of their readers only
         self.input_placements = list(input_placements)
         self.input_meta = list(input_meta)
@@ -172,8 +188,11 @@ class ShardingInterpreter(fx.Interpreter):
     # -- node kinds ---------------------------------------------------------------------------------
     def placeholder(self, target, args, kwargs):
         index = self._placeholder_index[self._current]
-        shape, stride, dtype, device, requires_grad = self.input_meta[index]
-        placements = self.input_placements[index]
+        return self.memo.input(self.layout.tp_mesh, self.input_meta[index], tuple(self.input_placements[index]),
+                               self.make_input)
+
+    def make_input(self, meta, placements: tuple[Placement, ...]) -> DTensor:
+        shape, stride, dtype, device, requires_grad = meta
         local = torch.empty(local_shape(shape, self.layout, placements), dtype=dtype, device=device)
         local.requires_grad_(requires_grad)
         return DTensor.from_local(local, self.layout.tp_mesh, placements, run_check=False,
@@ -204,7 +223,18 @@ class ShardingInterpreter(fx.Interpreter):
             self.result.placements[n.name] = spec.placements
         if n in self._slice_sources:
             self._kept[n] = out
+        if self.rejoin is not None and self.rejoin.after(n, out):
+            self.take_the_rest(n)
         return out
+
+    def take_the_rest(self, node: fx.Node) -> None:
+        """From after ``node`` on, the base's values and records (it computed them from the same values)."""
+        base, rest = self.rejoin.base, self.rejoin.rest(node)
+        self.rejoin = None
+        for later in rest:
+            self.env[later] = base.env[later]
+        self.placed.update({n: v for n, v in base.placed.items() if n in set(rest)})
+        self.result = self.result.followed_by(base.prefix({n.name for n in rest}))
 
     def map_nodes_to_values(self, args, n: fx.Node):
         placed = {source: value for source, value in self.placed.items()
@@ -230,15 +260,28 @@ class ShardingInterpreter(fx.Interpreter):
             return out
         if not compat.has_sharding_strategy(target):
             return self.fallback(node, target, args, kwargs, f"DTensor has no sharding strategy for {target}")
+        key = op_key(target, args, kwargs)
+        if key in self.memo.answers:
+            self.memo.hits += 1
+            redistributions, out = self.memo.answers[key]
+            self.record_redistributions(node, args, redistributions)
+            return out
         try:
             redistributions = compat.dtensor_redistributions(target, args, kwargs)
             if target in BATCHED_MATMULS and _gathers(redistributions):
+                key = None          # (whether a slice matches depends on the node's own producers)
                 matched = self.slice_to_partner(node, args)
                 if matched is not None:
                     args = matched
                     redistributions = compat.dtensor_redistributions(target, args, kwargs)
         except NotImplementedError as error:
             return self.fallback(node, target, args, kwargs, str(error).splitlines()[0])
+        self.record_redistributions(node, args, redistributions)
+        out = target(*args, **kwargs)
+        self.memo.keep(key, redistributions, out)
+        return out
+
+    def record_redistributions(self, node: fx.Node, args, redistributions) -> None:
         sources = [arg_node for arg_node, value in zip(pytree.arg_tree_leaves(*node.args),
                                                        pytree.arg_tree_leaves(*args))
                    if isinstance(value, DTensor)]
@@ -247,7 +290,6 @@ class ShardingInterpreter(fx.Interpreter):
                 continue
             name = source.name if isinstance(source, fx.Node) else ""
             self.record(node, name, current.tensor_meta, current.placements, needed.placements)
-        return target(*args, **kwargs)
 
     def vocab_parallel_loss(self, node: fx.Node, args):
         """log_softmax + nll_loss over logits split along the vocabulary: three all-reduces of one value
@@ -298,13 +340,13 @@ class ShardingInterpreter(fx.Interpreter):
     def place(self, node: fx.Node, tensor: DTensor, placements: tuple[Placement, ...]) -> DTensor:
         if tuple(placements) != tuple(tensor.placements):
             self.record(node, node.name, compat.dtensor_spec(tensor).tensor_meta, tensor.placements, placements)
-        return tensor.redistribute(self.layout.tp_mesh, placements)
+        return self.memo.redistribute(tensor, self.layout.tp_mesh, placements)
 
     def reduce_partial(self, node: fx.Node, tensor: DTensor) -> DTensor:
         target = reduced_placements(tensor.placements)
         if tuple(target) != tuple(tensor.placements):
             self.record(node, node.name, compat.dtensor_spec(tensor).tensor_meta, tensor.placements, target)
-        return tensor.redistribute(self.layout.tp_mesh, target)
+        return self.memo.redistribute(tensor, self.layout.tp_mesh, target)
 
     def record(self, node: fx.Node, source: str, meta, src, dst) -> None:
         self.result.collectives.extend(redistribution_collectives(
@@ -389,41 +431,26 @@ def _first_dtensor(out):
 def propagate(gm: fx.GraphModule, ctx: PassContext, input_placements: Sequence[tuple[Placement, ...]],
               warn: bool = False, reuse: Propagation | None = None) -> Propagation:
     """Propagate from the inputs' placements. With ``reuse`` (an earlier propagation of the same graph),
-    the nodes before the first use of an input whose placement changed are not run again."""
+    only the nodes between the first that reads a change and the point where the values rejoin the
+    earlier ones run again (:mod:`.propagation_reuse`)."""
     if ctx.layout.tp_mesh is None:      # units of one rank: every tensor is whole, nothing to propagate
         return Propagation({}, [], [], {}, set(), set(), tuple(input_placements))
     meta = [(inp.shape, inp.stride, inp.dtype, inp.device if ctx.config.trace_strategy == "fake"
              else torch.device("meta"), inp.requires_grad) for inp in ctx.inputs]
-    initial_env, known = _reusable_prefix(gm, tuple(input_placements), ctx.constraints, reuse)
+    initial_env, known = reusable_prefix(gm, tuple(input_placements), ctx.constraints, reuse)
     with compat.isolated_tracing(ctx.fake_mode), ctx.fake_mode:
-        interpreter = ShardingInterpreter(gm, ctx.layout, input_placements, meta, warn, dict(ctx.constraints))
+        ctx.op_memo = ctx.op_memo.for_mode(ctx.fake_mode) if ctx.op_memo is not None else OpMemo(ctx.fake_mode)
+        interpreter = ShardingInterpreter(gm, ctx.layout, input_placements, meta, warn, dict(ctx.constraints),
+                                          ctx.op_memo)
         if known is not None:
             interpreter.result = dataclasses.replace(known, input_placements=tuple(input_placements))
             interpreter.placed = {n: v for n, v in reuse.placed.items() if n in initial_env}
+            interpreter.rejoin = Rejoin(gm, reuse, ctx.constraints)
         interpreter.run(*([None] * len(ctx.inputs)), initial_env=initial_env)
     interpreter.result.env = interpreter.env
     interpreter.result.placed = interpreter.placed
     interpreter.result.constraints = dict(ctx.constraints)
     return interpreter.result
-
-
-def _reusable_prefix(gm: fx.GraphModule, placements: tuple, constraints: dict, reuse: Propagation | None):
-    if reuse is None or not reuse.env or len(reuse.input_placements) != len(placements):
-        return {}, None
-    nodes = list(gm.graph.nodes)
-    placeholders = [n for n in nodes if n.op == "placeholder"]
-    changed = {placeholders[i] for i, (a, b) in enumerate(zip(reuse.input_placements, placements)) if a != b}
-    position = {n: i for i, n in enumerate(nodes)}
-    first_use = min((position[u] for p in changed for u in p.users), default=len(nodes))
-    moved = {name for name in set(constraints) | set(reuse.constraints)
-             if constraints.get(name) != reuse.constraints.get(name)}
-    first_use = min([first_use] + [i for i, n in enumerate(nodes) if n.name in moved])
-    # a slice decided at a matmul that runs again is decided again: its chain runs again too
-    by_name = {n.name: i for i, n in enumerate(nodes)}
-    first_use = min([first_use] + [by_name[m.chain[0]] for m in reuse.matched_slices.values()
-                                   if by_name[m.consumer] >= first_use])
-    prefix = [n for n in nodes[:first_use] if n not in changed and n in reuse.env]
-    return {n: reuse.env[n] for n in prefix}, reuse.prefix({n.name for n in prefix})
 
 
 def propagate_sharding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
