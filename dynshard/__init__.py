@@ -5,7 +5,9 @@
 
 from .backend.agreement import PlanMismatchError, PlanningFailedError
 from .backend.offline import plan
+from .backend.planner import Planning, PlannerError
 from .config import Config, ConfigError
+from .config.planner import planner
 from .explain import Explanation, explain
 from .planning import Plan, PlanFileError
 from .profile import Profile, profile
@@ -47,7 +49,7 @@ def data_parallel_rank(plan_ngpus: int = 1) -> tuple[int, int]:
 
 __all__ = ["broadcast_weights", "deduped_state_dict", "load_deduped_state_dict", "load_merged_state_dicts",
            "merge_state_dicts", "Config", "ConfigError", "Explanation", "GradScaler", "Layout", "ParallelOptimizer", "PlanBuilder",
-           "Plan", "PlanError", "PlanFileError", "PlanMismatchError", "plan", "why_not", "Profile", "profile", "PlanningFailedError", "Reducer", "build_optimizer", "clip_grad_norm_",
+           "Plan", "PlanError", "PlanFileError", "PlanMismatchError", "plan", "planner", "Planning", "PlannerError", "why_not", "Profile", "profile", "PlanningFailedError", "Reducer", "build_optimizer", "clip_grad_norm_",
            "collect_state_dict",
            "data_parallel_rank", "explain", "get_parallel_dim", "infer_step", "no_sync", "register_ddp_parameters_to_ignore",
            "register_parallel_attribute", "register_parallel_dim", "relocate_state_dict", "slice", "summon_full_params", "tensor_parallel",

@@ -285,8 +285,10 @@ def _autodist_lines(plan: Plan) -> list[str]:
              f"{record['gap']}); device profile {record['device_profile']['name']}",
              "  the hand plans under the same cost model:"]
     lines += _table([("hand plan", "step seconds", "peak bytes", "fits")] + [
-        (c["plan"], f"{c['step_seconds']:.4g}", str(c["peak_bytes"]), "yes" if c["fits"] else "no")
-        for c in record["candidates"]])
+        (c["plan"] + (" *" if c.get("estimated") else ""), f"{c['step_seconds']:.4g}", str(c["peak_bytes"]),
+         "yes" if c["fits"] else "no") for c in record["candidates"]])
+    if any(c.get("estimated") for c in record["candidates"]):
+        lines.append("  * stages priced with the tp plan's placements and collectives (planned only if chosen)")
     return lines
 
 

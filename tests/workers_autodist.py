@@ -160,22 +160,26 @@ def train_step_without_pipeline(rank: int, world: int) -> dict:
 
 
 def pipeline_candidates_beside_hand_plans(rank: int, world: int, world_size: int,
-                                          plan_ngpus: int = 2) -> list[tuple[str, str, str]]:
-    """In a plain process: each pipeline candidate's plan JSON and the plan the pp policy makes with that
-    schedule, ZeRO level and recompute."""
+                                          plan_ngpus: int = 2) -> list[tuple]:
+    """In a plain process: each pipeline candidate's plan JSON (a hybrid priced from the tp plan: planned for
+    real, as autodist plans it before choosing it), the plan the pp or hybrid policy makes with that schedule,
+    ZeRO level and recompute, its predicted bytes, and for a hybrid priced from the tp plan whether that
+    estimate placed every tensor as the policy does and put the same collectives in each stage (else None)."""
     from workers_pipeline import build
 
     model, make = build("gpt")
     sample = make(2, 0)
     config = dynshard.Config(policy="autodist", plan_ngpus=plan_ngpus, use_end2end=True,
                              pas_config={"explore_pipeline": True, "update_freq": 4})
-    rows = []
+    rows, exact = [], {}
 
     def pipelines(gm, inputs, config, world, made_for, device_type):
         units, whole = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
-        split = next(unit for placement, _, unit in units if placement.name == "tp")
-        rows.extend(autodist.pipeline_plans(gm, inputs, config, world, made_for, device_type,
-                                            device_profile(config, device_type), whole, split))
+        tp_unit = next((base, unit) for placement, base, unit in units if placement.name == "tp")
+        found, real = autodist.pipeline_plans(gm, inputs, config, world, made_for, device_type,
+                                              device_profile(config, device_type), whole, tp_unit)
+        rows.extend(found)
+        exact.update({name: plan_for_real()[0] for name, plan_for_real in real.items()})
 
     with beside_the_search(pipelines):
         dynshard.plan(model, (sample,), config, world_size=world_size)
@@ -183,8 +187,18 @@ def pipeline_candidates_beside_hand_plans(rank: int, world: int, world_size: int
     for candidate, plan, predicted in rows:
         hand = candidate.placement.config(config, candidate.zero, ",".join(candidate.recompute))
         made, = dynshard.plan(model, (sample,), hand, world_size=world_size)
-        out.append((candidate.name, plan.to_json(), made.to_json(), predicted["bytes_per_rank"]))
+        estimate = None
+        if candidate.name in exact:
+            estimate = {n: t.tp for n, t in plan.tensors.items()} == {n: t.tp for n, t in made.tensors.items()} \
+                and _stage_collectives(plan) == _stage_collectives(made)
+            plan = exact[candidate.name]
+        out.append((candidate.name, plan.to_json(), made.to_json(), predicted["bytes_per_rank"], estimate))
     return out
+
+
+def _stage_collectives(plan) -> list[tuple]:
+    return sorted((c["at"].partition("/")[0], c["kind"], c["dim"], c["bytes"])
+                  for c in plan.predicted["forward_collectives"])
 
 
 def hand_predictions_beside_autodists(rank: int, world: int) -> dict:

@@ -10,6 +10,7 @@ import torch.fx as fx
 
 from .. import compat
 from ..config import Config
+from ..config.planner import Planner
 from ..passes import PassContext, cast_to_compute_dtype
 from ..passes.assign_placements import record_plan
 from ..passes.tag_recompute import tag_single_process
@@ -32,6 +33,7 @@ from .plan_and_compile import plan_and_compile
 from .plan_cache import PLANS, modes_token, plan_key
 from .plan_files import PLAN_FILES
 from .plan_once import plan_once
+from .planner import planner_plan
 
 log = logging.getLogger("dynshard")
 _logged_configs: set[str] = set()
@@ -54,6 +56,8 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     given = PLAN_FILES.given(config, made_for, inputs)      # load_plan_path: the plan runs, no policy
     if given is None and config.policy == "autodist":       # chosen before the layout, then run as given
         given = autodist_plan(gm, inputs, config, world_size(), made_for, device_type)
+    if given is None and isinstance(config.policy, Planner):     # the user's own search: the same way
+        given = planner_plan(gm, inputs, config, world_size(), made_for, device_type)
     if given is not None:
         config = config_for(given, config)
     config = config.resolve(world_size())

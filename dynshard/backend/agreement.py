@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from .. import compat
 from ..config import Config
+from ..config.planner import Planner
 from ..planning import PlanFileError
 from ..runtime.mesh import Layout
 from .capture import GraphInput
@@ -165,12 +166,14 @@ def ensure_ranks_agree_on_source(config: Config) -> None:
     a hang or a "collective mismatch"). One all-gather of a few bytes per compile."""
     if not _checks_agreement():
         return
-    source = "file" if config.load_plan_path else "autodist" if config.policy == "autodist" else "policy"
+    source = "file" if config.load_plan_path else "autodist" if config.policy == "autodist" else \
+        "planner" if isinstance(config.policy, Planner) else "policy"
     _AGREEMENT.ensure_group()
     sources = [s.rstrip(b"\0").decode() for s in _AGREEMENT.all_gather(source.encode(), 8)]
     if len(set(sources)) > 1:
         what = {"file": "from the plan file load_plan_path (DYNSHARD_LOAD_PLAN_PATH)",
-                "autodist": "from autodist's search (policy='autodist')", "policy": "from the policy"}
+                "autodist": "from autodist's search (policy='autodist')", "planner": "from a planner (rank 0's)",
+                "policy": "from the policy"}
         groups = {s: [r for r, t in enumerate(sources) if t == s] for s in dict.fromkeys(sources)}
         raise PlanMismatchError(
             "dynshard: the ranks take their plan from different sources: " + "; ".join(

@@ -6,10 +6,13 @@ The search, on rank 0 (the others receive its plan, or its error), for one captu
    process group behind it (``runtime.mesh.PlanningLayout``), at ZeRO level 1 when there are several
    units (which tensors take ZeRO rows), and costed per micro-batch on one rank
    (:mod:`policies.autodist.graph_costs`);
-2. every ZeRO level and recompute choice of it is priced (:func:`planning.cost_model.predict`);
-3. the fastest candidate whose peak fits wins (ties: the smaller peak, then the name). The space is
-   enumerated whole, so the choice is optimal in it under the cost model (``gap`` 0); the plan records
-   every candidate's prediction, as ``explain`` shows them.
+2. every ZeRO level and recompute choice of it is priced (:func:`planning.cost_model.predict`); with
+   ``explore_pipeline``, every pipeline of the unit's ranks too, a hybrid's stages priced from the tp plan of
+   step 1 (:mod:`policies.autodist.hybrid_stages`);
+3. the fastest candidate whose peak fits wins (ties: the smaller peak, then the name); a hybrid priced from
+   the tp plan is planned for real before it can win, and priced again. The space is enumerated whole, so
+   the choice is optimal in it under the cost model (``gap`` 0); the plan records every candidate's
+   prediction, as ``explain`` shows them.
 When no candidate fits, every rank raises :class:`AutodistError` naming ``mem_constraint``, the smallest
 peak a candidate reaches and what dominates it, before anything is compiled.
 """
@@ -17,7 +20,9 @@ peak a candidate reaches and what dominates it, before anything is compiled.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+from typing import Callable
 import time
 
 import torch.fx as fx
@@ -26,6 +31,7 @@ from ..config import Config
 from ..planning import Plan
 from ..planning.cost_model import DeviceProfile, UnitCosts, load_profile, predict
 from ..policies.autodist.choices import choose
+from ..policies.autodist.hybrid_stages import estimated_stages
 from ..policies.autodist.pipeline_costs import predict_pipeline, unit_at
 from ..policies.autodist.graph_costs import graph_costs, op_costs
 from ..policies.autodist.space import Candidate, Placement, placements, recompute_choices, with_choices, zero_levels
@@ -75,20 +81,17 @@ def search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, dev
             if choice.solution.x:
                 predicted = predict(choice.plan, unit, options.update_freq, profile, options.transient_mem_coef)
                 fine.append((_describe(placement.name, choice.plan, unit), choice.plan, choice.solution, predicted))
+    exact = {}
     if options.explore_pipeline and config.plan_ngpus > 1:
-        split = next((unit for placement, _, unit in units if placement.name == "tp"), None)
-        pipelines = pipeline_plans(gm, inputs, config, world, made_for, device_type, profile, whole, split)
+        tp_unit = next(((base, unit) for placement, base, unit in units if placement.name == "tp"), None)
+        pipelines, exact = pipeline_plans(gm, inputs, config, world, made_for, device_type, profile, whole, tp_unit)
         hand += pipelines
-        fine += [(c.name, plan, None, p) for c, plan, p in pipelines
-                 if budget is None or p["bytes_per_rank"]["peak"] <= budget]
+        fine += [(c.name, plan, None, p) for c, plan, p in pipelines]
     if not hand:
         raise AutodistError(f"dynshard: autodist found no plan whose tensors split over at most max_partition_degree="
                             f"{limit} ranks: no pipeline of this graph qualifies. Raise max_partition_degree or set "
                             f"plan_ngpus to at most {limit}")
-    if not fine:
-        raise _nothing_fits(hand, options.mem_constraint)
-    name, plan, solution, predicted = min(fine, key=lambda row: (row[3]["step_seconds"],
-                                                                 row[3]["bytes_per_rank"]["peak"]))
+    name, plan, solution, predicted = _fastest_fitting(fine, exact, budget, hand, options.mem_constraint)
     seconds = time.perf_counter() - start
     solved = [row[2] for row in fine if row[2] is not None]
     statuses = {s.status for s in solved}
@@ -104,7 +107,8 @@ def search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, dev
         "candidates": [{"plan": c.name, "step_seconds": p["step_seconds"], "compute_seconds": p["compute_seconds"],
                         "communication_seconds": p["communication_seconds"], "bubble_seconds": p["bubble_seconds"],
                         "peak_bytes": p["bytes_per_rank"]["peak"],
-                        "fits": budget is None or p["bytes_per_rank"]["peak"] <= budget}
+                        "fits": budget is None or p["bytes_per_rank"]["peak"] <= budget,
+                        "estimated": c.name in exact}     # (a hybrid's stages priced from the tp plan)
                        for c, _, p in sorted(hand, key=lambda row: (row[2]["step_seconds"], row[0].name))],
     }
     level = logging.INFO if options.verbose else logging.DEBUG    # (the search's time is logged, not kept: a plan
@@ -162,26 +166,31 @@ def hand_plans(units, config: Config, world: int, profile: DeviceProfile) -> lis
 
 
 def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str,
-                   profile: DeviceProfile, whole: UnitCosts, split: UnitCosts | None = None
-                   ) -> list[tuple[Candidate, Plan, dict]]:
+                   profile: DeviceProfile, whole: UnitCosts, tp_unit: tuple[Plan, UnitCosts] | None = None
+                   ) -> tuple[list[tuple[Candidate, Plan, dict]], dict[str, Callable[[], tuple[Plan, dict]]]]:
     """The pipelines of a unit's ranks, with each schedule, at each ZeRO level across the units, with and
     without recompute: the pp policy's (every rank of a unit one stage) and, for each factorisation of
-    ``plan_ngpus`` into pp x tp stages, the hybrid policy's (its stages tp-split; priced with ``split``, the
-    tp policy's costs of the whole graph over ``plan_ngpus`` ranks, carried to the stages' tp by
-    :func:`policies.autodist.pipeline_costs.unit_at`)."""
+    ``plan_ngpus`` into pp x tp stages, the hybrid policy's (its stages tp-split; priced with the tp policy's
+    plan and costs over ``plan_ngpus`` ranks, ``tp_unit``: its tensors' placements and collectives
+    (:mod:`policies.autodist.hybrid_stages`), its figures carried to the stages' tp by
+    :func:`policies.autodist.pipeline_costs.unit_at`).
+
+    Also, by candidate name, how to plan a hybrid candidate whose stages were priced from the tp plan for
+    real: its plan, as the hybrid policy makes it, and that plan's prediction."""
     options = config.autodist
     config = config.resolve(world)
     dp = world // config.plan_ngpus
     limit = options.max_partition_degree or config.plan_ngpus
     factors = [config.plan_ngpus] + ([pp for pp in range(2, config.plan_ngpus)
                                       if config.plan_ngpus % pp == 0 and config.plan_ngpus // pp <= limit]
-                                     if split is not None else [])
-    rows = []
+                                     if tp_unit is not None else [])
+    instances = tuple(i.path for i in whole.instances)
+    rows, exact = [], {}
     for pp in factors:
         layout = planning_layout(world, config.plan_ngpus, device_type, pp_size=pp)
         tp = config.plan_ngpus // pp
-        unit = unit_at(whole, split, config.plan_ngpus, tp) if tp > 1 else whole
-        planned = None
+        unit = unit_at(whole, tp_unit[1], config.plan_ngpus, tp) if tp > 1 else whole
+        planned, estimated = None, False
         for schedule in options.schedules:
             pas = {"pipeline_nmicros": options.update_freq, "pipeline_scheduler": schedule,
                    "pipeline_pivots": options.pipeline_pivots}
@@ -189,12 +198,16 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                 pas["pipeline_nstages"] = pp
             placement = Placement(f"pp {schedule}" if tp == 1 else f"hybrid pp {pp} x tp {tp} {schedule}",
                                   "pp" if tp == 1 else "hybrid", tuple(pas.items()))
+            base = placement.config(config, 1 if dp > 1 else 0, options.recompute_modules or "")
             if planned is not None and _same_stages(planned, schedule):
                 plan = _rescheduled(planned, schedule)      # (the policy's plan with that schedule: tested equal)
             else:
                 try:        # (at ZeRO level 1 when there are units: which tensors take rows)
-                    plan, _, _ = plan_graph(gm, inputs, placement.config(config, 1 if dp > 1 else 0,
-                                                                         options.recompute_modules or ""), layout, made_for)
+                    plan, _, _ = plan_graph(gm, inputs, base, layout, made_for, place_stages=tp == 1)
+                    guess = estimated_stages(plan, tp_unit[0], instances) if tp > 1 else None
+                    estimated = guess is not None
+                    if tp > 1:
+                        plan = guess if estimated else plan_graph(gm, inputs, base, layout, made_for)[0]
                 except Exception as error:      # noqa: BLE001 - a pipeline this graph cannot be cut into is not a candidate
                     log.info("autodist: no %s plan for this graph: %s", placement.name,
                              str(error).strip().splitlines()[0])
@@ -205,7 +218,36 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                     candidate = Candidate(placement, zero, recompute)
                     staged = with_choices(plan, zero, recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
                     rows.append((candidate, staged, predict_pipeline(staged, unit, profile, options.transient_mem_coef)))
-    return rows
+                    if estimated:
+                        exact[candidate.name] = functools.partial(
+                            _planned_for_real, gm, inputs, base, layout, made_for, zero, recompute, config, unit,
+                            profile)
+    return rows, exact
+
+
+def _planned_for_real(gm, inputs, base: Config, layout, made_for, zero: int, recompute, config: Config,
+                      unit: UnitCosts, profile: DeviceProfile) -> tuple[Plan, dict]:
+    plan, _, _ = plan_graph(gm, inputs, base, layout, made_for)
+    staged = with_choices(plan, zero, recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
+    return staged, predict_pipeline(staged, unit, profile, config.autodist.transient_mem_coef)
+
+
+def _fastest_fitting(rows: list, exact: dict, budget: float | None, hand: list, mem_constraint: float):
+    """The fastest row that fits (ties: the smaller peak), a hybrid pipeline priced from the tp plan planned
+    for real first: its row is replaced by the real plan's, and the choice made again."""
+    rows = list(rows)
+    while True:
+        fitting = [row for row in rows if budget is None or row[3]["bytes_per_rank"]["peak"] <= budget]
+        if not fitting:
+            raise _nothing_fits(hand, mem_constraint)
+        best = min(fitting, key=lambda row: (row[3]["step_seconds"], row[3]["bytes_per_rank"]["peak"]))
+        if best[0] not in exact:
+            return best
+        plan, predicted = exact.pop(best[0])()
+        rows[rows.index(best)] = (best[0], plan, None, predicted)
+        for i, (candidate, _, _) in enumerate(hand):
+            if candidate.name == best[0]:
+                hand[i] = (candidate, plan, predicted)
 
 
 def _same_stages(plan: Plan, schedule: str) -> bool:

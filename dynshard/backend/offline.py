@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from .. import compat
 from ..config import Config
+from ..config.planner import Planner
 from ..planning import Plan
 from ..planning.cost_model import DeviceProfile, load_profile
 from ..planning.plan import fingerprint
@@ -25,6 +26,7 @@ from ..runtime import mesh
 from .capture import describe_inputs
 from .plan_cache import modes_token
 from .autodist import search
+from .planner import run_planner
 from .plan_graph import plan_graph
 from .predict_plan import with_prediction
 
@@ -76,6 +78,8 @@ def _plan_graph(gm: fx.GraphModule, example_inputs, config: Config, plans: list[
     made_for = fingerprint(gm.code, world, modes_token())
     if config.policy == "autodist":
         plans.append(search(gm, inputs, config, world, made_for, "cpu"))
+    elif isinstance(config.policy, Planner):
+        plans.append(run_planner(gm, inputs, config, world, made_for, "cpu"))
     else:
         made, ctx, graph = plan_graph(gm, inputs, config, layout, made_for)
         plans.append(made if profile is None else with_prediction(gm, made, ctx, graph, profile))

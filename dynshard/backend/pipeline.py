@@ -119,10 +119,11 @@ def _cut_once(gm: fx.GraphModule, ctx: PassContext, key: str, schedule) -> None:
     plan_once(ctx, key, run)
 
 
-def pipeline_plan(ctx: PassContext, schedule) -> Plan:
+def pipeline_plan(ctx: PassContext, schedule, place_stages: bool = True) -> Plan:
     """The pipeline's decisions (after the stage passes): the cut, the schedule, and its tensors (whole on
     every pipeline rank, or placed by each stage's tp policy under hybrid, :mod:`.stage_plans`; ZeRO rows
-    over dp for trainable ones when use_zero)."""
+    over dp for trainable ones when use_zero). ``place_stages=False``: a hybrid plan's stages are left
+    unplaced (``tp`` None: each stage's tp policy decides when it compiles)."""
     config, layout, given = ctx.config, ctx.layout, ctx.given
     options = config.pipeline
     tensors = {}
@@ -155,6 +156,8 @@ def pipeline_plan(ctx: PassContext, schedule) -> Plan:
         return dataclasses.replace(plan, tensors={n: dataclasses.replace(t, tp=given.tensors[n].tp if t.kind != "input"
                                                                           else t.tp) for n, t in tensors.items()},
                                    activations=given.activations)
+    if not place_stages:
+        return plan
     placed = {s.index for s in ctx.staged.stages if not schedule.on_every_rank(s.index)}
     return merge_stage_plans(plan, plan_stages(ctx, ctx.staged.stages, placed, place))
 

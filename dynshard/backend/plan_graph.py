@@ -19,9 +19,11 @@ from .pipeline import PIPELINE_PASSES, pipeline_plan
 from .plan_and_compile import copy_graph
 
 
-def plan_graph(gm: fx.GraphModule, inputs, config: Config, layout: Layout, made_for) -> tuple[Plan, PassContext, fx.GraphModule]:
+def plan_graph(gm: fx.GraphModule, inputs, config: Config, layout: Layout, made_for,
+               place_stages: bool = True) -> tuple[Plan, PassContext, fx.GraphModule]:
     """``config``'s Plan for ``gm`` (described by ``inputs``), the context the passes filled, and the graph
-    they left (the propagated ATen graph of a planned unit)."""
+    they left (the propagated ATen graph of a planned unit). ``place_stages=False``: a hybrid pipeline's
+    stages are not planned (:func:`.pipeline.pipeline_plan`)."""
     ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
                       made_for=made_for, policy=place)
     graph = copy_graph(gm)
@@ -30,7 +32,7 @@ def plan_graph(gm: fx.GraphModule, inputs, config: Config, layout: Layout, made_
         schedule = build_schedule(options.pipeline_scheduler, options.nsegments(config), options.pipeline_nmicros,
                                   layout.pp_size, options.all_device_first)
         graph = run_passes(graph, ctx, PIPELINE_PASSES)
-        return pipeline_plan(ctx, schedule), ctx, graph
+        return pipeline_plan(ctx, schedule, place_stages), ctx, graph
     if not layout.dim_names:        # a single process: nothing to place
         ctx.placements = {i.index: () for i in inputs}
         return record_plan(graph, ctx), ctx, graph

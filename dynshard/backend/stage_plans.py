@@ -16,12 +16,11 @@ import dataclasses
 from .. import compat
 from ..config import Config
 from ..passes import PASSES, PassContext, propagate_sharding, run_passes
-from ..planning import ActivationChoice, Plan, TensorChoice
+from ..planning import STAGE_SEPARATOR, ActivationChoice, Plan, TensorChoice
 from ..planning.costs import with_forward_collectives
 from ..runtime.graph_inputs import GraphInput
 from .plan_and_compile import copy_graph
 
-STAGE_SEPARATOR = "/"
 
 
 def stage_config(config: Config) -> Config:

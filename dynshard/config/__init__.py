@@ -44,8 +44,9 @@ class Config:
     policy: "dp", "data", "tp", "pp" (pipeline stages inside a unit, see :mod:`dynshard.runtime.pipeline`),
         "hybrid" (pipeline stages, each split Megatron's way over plan_ngpus / stages ranks), "autodist"
         (the plan a cost model predicts fastest under ``pas_config["mem_constraint"]``, see
-        :mod:`dynshard.backend.autodist`), or a callable ``policy(plan, config)`` that places parameters
-        through :class:`dynshard.policies.PlanBuilder`.
+        :mod:`dynshard.backend.autodist`), a callable ``policy(plan, config)`` that places parameters
+        through :class:`dynshard.policies.PlanBuilder`, or a planner (``dynshard.planner(fn)``, see
+        :mod:`dynshard.config.planner`) that returns the whole Plan: mesh, pipeline, ZeRO, recompute.
     pas_config: options for the policy (read by the policy itself).
     user_config: anything that changes the traced program; part of the plan-cache key.
     inference_only: programs run without autograd (no gradients, no gradient collectives).

@@ -57,6 +57,7 @@ from ..compat import StridedShard
 
 PLAN_VERSION = 1
 DP_CHOICES = ("replicate", "zero", "batch")
+STAGE_SEPARATOR = "/"       # a hybrid stage's activation and collective keys: "<stage>/<node key>"
 
 
 class PlanFileError(ValueError):

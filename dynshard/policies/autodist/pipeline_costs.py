@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...planning import Plan
+from ...planning import STAGE_SEPARATOR, Plan
 from ...planning.cost_model import DeviceProfile, UnitCosts, instance_seconds, parameter_seconds, round_seconds
 from ...planning.costs import memory_at_rest, tensor_collectives, whole_bytes
 from ...runtime.pipeline.schedules import build_schedule
@@ -82,7 +82,7 @@ def stage_tp_seconds(plan: Plan, profile: DeviceProfile) -> list[float]:
     """Per stage, its forward's tp collectives for one micro-batch (a hybrid plan's, keyed ``<stage>/...``)."""
     seconds = [0.0] * plan.pipeline.nstages
     for c in (plan.predicted or {}).get("forward_collectives", ()):
-        stage, _, _ = c["at"].partition("/")
+        stage, _, _ = c["at"].partition(STAGE_SEPARATOR)
         if c["dim"] == "tp" and stage.isdigit() and int(stage) < len(seconds):
             seconds[int(stage)] += profile.collective_seconds(c["kind"], c["bytes"], plan.mesh.tp)
     return seconds

@@ -16,6 +16,7 @@ import torch
 
 from ... import compat
 from ...config import Config
+from ...config.planner import Planner
 from ..accumulation import no_sync
 from .ownership import reduce_gradients
 from .recorder import recording
@@ -122,7 +123,7 @@ def train_step(model: torch.nn.Module, samples: Sequence[Any], is_dummy_batch: S
 
 def _plan_decides(config: Config) -> bool:
     """Whether the plan, made when the graph compiles, decides if the model runs as a pipeline."""
-    return config.policy == "autodist" and config.autodist.explore_pipeline
+    return (config.policy == "autodist" and config.autodist.explore_pipeline) or isinstance(config.policy, Planner)
 
 
 def _run_pipeline(recorder, returned: list, samples: list, scaled) -> list[Any]:
