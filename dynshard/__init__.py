@@ -17,6 +17,7 @@ from .runtime.grad_norm import clip_grad_norm_, route_torch_clip_grad_norm
 from .runtime.grad_scaler import GradScaler
 from .runtime.mesh import Layout
 from .runtime.optimizer import ParallelOptimizer, build_optimizer
+from .runtime.peak_memory import PeakMemory, peak_memory
 from .runtime.pipeline import infer_step, train_step
 from .runtime.parallel_attributes import (get_parallel_dim, register_ddp_parameters_to_ignore,
                                           register_parallel_attribute, register_parallel_dim, slice)
@@ -49,7 +50,7 @@ def data_parallel_rank(plan_ngpus: int = 1) -> tuple[int, int]:
 
 __all__ = ["broadcast_weights", "deduped_state_dict", "load_deduped_state_dict", "load_merged_state_dicts",
            "merge_state_dicts", "Config", "ConfigError", "Explanation", "GradScaler", "Layout", "ParallelOptimizer", "PlanBuilder",
-           "Plan", "PlanError", "PlanFileError", "PlanMismatchError", "plan", "planner", "Planning", "PlannerError", "why_not", "Profile", "profile", "PlanningFailedError", "Reducer", "build_optimizer", "clip_grad_norm_",
+           "PeakMemory", "peak_memory", "Plan", "PlanError", "PlanFileError", "PlanMismatchError", "plan", "planner", "Planning", "PlannerError", "why_not", "Profile", "profile", "PlanningFailedError", "Reducer", "build_optimizer", "clip_grad_norm_",
            "collect_state_dict",
            "data_parallel_rank", "explain", "get_parallel_dim", "infer_step", "no_sync", "register_ddp_parameters_to_ignore",
            "register_parallel_attribute", "register_parallel_dim", "relocate_state_dict", "slice", "summon_full_params", "tensor_parallel",

@@ -20,8 +20,7 @@ from parity import assert_trains_like_one_process
 from workers_pipeline import pipeline_parity
 from workers_transformers import train_transformers
 from workers_autodist import (candidate_plans_beside_hand_plans, hand_predictions_beside_autodists, hybrid_candidates,
-                              within_partition_degree,
-                              memory_budget_sweep, nothing_fits, offline_autodist,
+                              within_partition_degree, measured_peaks, memory_budget_sweep, nothing_fits, offline_autodist,
                               pipeline_candidates_beside_hand_plans, planned_units_of, train_step_without_pipeline,
                               train_with_autodist)
 
@@ -92,6 +91,21 @@ def test_a_two_rank_job_trains_like_one_process_on_the_plan_autodist_chose_and_s
     assert plan["policy"] == "autodist" and plan["mesh"]["tp"] == 2
     assert plan["predicted"]["autodist"]["chosen"] in {c["plan"] for c in plan["predicted"]["autodist"]["candidates"]}
     assert "autodist chose" in results[0]["explain"]
+
+
+@pytest.mark.parametrize("mem_constraint", [0.00045, pytest.param(0.00055, marks=pytest.mark.slow)])
+def test_the_chosen_plans_measured_peak_stays_under_mem_constraint_and_its_prediction(mem_constraint):
+    """A training step's peak per rank (parameters, gradients, Adam's state, activations, temporaries), as
+    dynshard.peak_memory measures it on the steady steps, under the budget and under the predicted peak (an
+    upper bound: the activations predicted are the eager autograd's saved set)."""
+    for rank, result in enumerate(run_ranks(measured_peaks, 2, mem_constraint, timeout=300)):
+        predicted = result["predicted"]
+        assert "recompute" in result["chosen"], result["chosen"]      # a budget that binds
+        for at_start, during in result["peaks"][1:]:
+            # at rest: the parameters and Adam's moments as predicted, and Adam's step counters (4 bytes each)
+            assert 0 < at_start - predicted["parameters"] - predicted["optimizer"] < 1024, (rank, result)
+            assert during > predicted["gradients"], (rank, result)
+            assert at_start + during <= predicted["peak"] <= mem_constraint * 1024 ** 3, (rank, result)
 
 
 def test_a_budget_nothing_fits_fails_on_every_rank_before_any_step():

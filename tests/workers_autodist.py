@@ -244,3 +244,25 @@ def within_partition_degree(rank: int, world: int) -> dict:
         policy="autodist", plan_ngpus=4, use_end2end=True,
         pas_config={"explore_pipeline": True, "update_freq": 4, "max_partition_degree": 2}), world_size=8)
     return {"candidates": [c["plan"] for c in plan.predicted["autodist"]["candidates"]], "plan": plan.to_json()}
+
+
+def measured_peaks(rank: int, world: int, mem_constraint: float | None) -> dict:
+    """Three Adam steps of the test GPT on autodist's plan under ``mem_constraint`` (2 ranks, one unit): each
+    step's peak on this rank as ``dynshard.peak_memory`` measures it, beside the plan's predicted peak."""
+    torch.manual_seed(0)
+    cfg = GPTConfig()
+    model = GPT(cfg)
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy="autodist", plan_ngpus=2, compiler="aot_eager",
+        pas_config={} if mem_constraint is None else {"mem_constraint": mem_constraint}))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    peaks = []
+    for step in range(3):
+        batch = gpt_batch(cfg, 4, step)
+        with dynshard.peak_memory(model, opt) as measured:
+            compiled(*batch).backward()
+            opt.step()
+            opt.zero_grad()
+        peaks.append((measured.at_start, measured.during))
+    plan, = dynshard.explain(compiled).plans
+    return {"peaks": peaks, "predicted": plan.predicted["bytes_per_rank"], "chosen": plan.predicted["autodist"]["chosen"]}
