@@ -25,7 +25,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 from bench_gpt import run_job, torchrun_env  # noqa: E402
-from gpt_job import add_run_arguments  # noqa: E402
+from gpt_job import MODELS, add_run_arguments  # noqa: E402
 
 # hand plan -> (system of gpt_job.py, plan_ngpus, autodist's name for the same plan)
 HAND = {
@@ -56,11 +56,11 @@ def predictions(args, profile: str) -> dict[int, dict]:
     import torch
 
     import dynshard
-    from models import GPT, GPTConfig, gpt_batch
+    from models import GPTConfig, gpt_batch
 
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, heads=args.heads, layers=args.layers)
     with torch.device("meta"):
-        model = GPT(cfg)
+        model = MODELS[args.model][0](cfg)
     out = {}
     for n in (1, 2):
         plan, = dynshard.plan(model, gpt_batch(cfg, args.batch * n // 2, 0), dynshard.Config(
@@ -183,7 +183,7 @@ def table(rows: list[tuple]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     add_run_arguments(parser)
-    parser.add_argument("--out", default=os.path.join(HERE, "results", "autodist_cpu.json"))
+    parser.add_argument("--out", default=None, help="default: results/autodist_cpu.json (llama: autodist_cpu_llama.json)")
     parser.add_argument("--job-timeout", type=int, default=900)
     parser.add_argument("--search-only", action="store_true")
     parser.add_argument("--pipelines-only", action="store_true", help="the train_step table alone")
@@ -199,12 +199,15 @@ def main() -> None:
     if args.pipelines_only:
         print(pipelines(args, results_dir, profile))
         return
+    args.out = args.out or os.path.join(HERE, "results", "autodist_cpu.json" if args.model == "gpt" else
+                                        f"autodist_cpu_{args.model}.json")
+    block = MODELS[args.model][1]
     predicted = predictions(args, profile)
     environ = {"DYNSHARD_PAS_CONFIG": json.dumps({"device_profile": profile})}
     rows = []
     for name, (system, n, candidate) in HAND.items():
         job = run_job(system, 2, args, results_dir)
-        row = next(c for c in predicted[n]["autodist"]["candidates"] if c["plan"] == candidate)
+        row = next(c for c in predicted[n]["autodist"]["candidates"] if c["plan"] == candidate.replace("Block", block))
         rows.append(dict(plan=name, measured_s=job.get("step_s"), predicted_s=row["step_seconds"],
                          predicted_peak=row["peak_bytes"], state_bytes=job.get("memory", {})))
     for name, (system, n) in AUTODIST.items():

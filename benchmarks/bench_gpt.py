@@ -69,7 +69,7 @@ CASES = {
 }
 DEFAULT_CASES = "tp,dp,zero1,zero2,zero3,zero2blk,zero3blk,tpzero3"
 VOCAB_CASES = ("tpvocab", "tpsp")        # minima with the tied embedding / LM head split along the vocabulary
-MODEL_ARGS = ("steps", "warmup", "layers", "d_model", "heads", "seq", "vocab", "batch")
+MODEL_ARGS = ("steps", "warmup", "layers", "d_model", "heads", "seq", "vocab", "batch", "model")
 
 NOTES = """\
 first s: step 0 (forward, backward, AdamW step) of a job with empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR,

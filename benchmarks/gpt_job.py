@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-from models import GPT, GPTConfig, gpt_batch  # noqa: E402
+from models import GPT, GPTConfig, LlamaLM, gpt_batch  # noqa: E402
 
 # system -> (dynshard Config fields or None for a peer, plan_ngpus)
 DYNSHARD = {
@@ -62,6 +62,7 @@ DYNSHARD.update({f"{name}-blocks": dict(fields, compile_scope="blocks") for name
 PEERS = ("ddp", "ddp_zero", "fsdp2", "fsdp2_noreshard", "dtensor_tp", "dtensor_tp_vocab", "dtensor_tp_sp", "tp_fsdp2")
 LOSS_PARALLEL = ("dtensor_tp_vocab", "dtensor_tp_sp")     # peers whose steps run under loss_parallel()
 COLLECTIVE_NAMESPACES = ("c10d", "_c10d_functional")
+MODELS = {"gpt": (GPT, "Block"), "llama": (LlamaLM, LlamaLM.BLOCK)}     # -> (class, its repeated block)
 
 
 def plan_ngpus(system: str) -> int:
@@ -200,7 +201,10 @@ def build(system: str, base: GPT, args):
     if system in DYNSHARD:
         import dynshard
 
-        compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(**DYNSHARD[system]))
+        fields = dict(DYNSHARD[system])
+        if fields.get("recompute_modules") == "Block":
+            fields["recompute_modules"] = MODELS[args.model][1]
+        compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(**fields))
         return model, compiled, torch.optim.AdamW(model.parameters(), **adamw), None
     if system in ("ddp", "ddp_zero"):
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -260,6 +264,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=8, help="global batch (split over the data-parallel units)")
+    parser.add_argument("--model", choices=MODELS, default="gpt",
+                        help="gpt (tests/models.py) or llama (transformers' LlamaForCausalLM at the same sizes; "
+                             "dynshard systems only)")
 
 
 def main() -> None:
@@ -275,7 +282,7 @@ def main() -> None:
     dp_rank, dp_size = rank // tp, world // tp
     torch.manual_seed(0)
     cfg = GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, heads=args.heads, layers=args.layers)
-    base = GPT(cfg)
+    base = MODELS[args.model][0](cfg)
     per_unit = args.batch // dp_size
 
     def batch_for(i):                   # the ranks of one plan unit read the same rows

@@ -109,6 +109,27 @@ class LayerStack(nn.Module):
         return x.square().mean()
 
 
+class LlamaLM(nn.Module):
+    """transformers' LlamaForCausalLM (rotary attention with grouped-query heads, SwiGLU, RMSNorm) called as
+    GPT is, ``(idx, tgt) -> loss``, at GPTConfig's sizes: half as many key/value heads as query heads, an
+    intermediate size of 8/3 d rounded to 64. Its repeated block is ``LlamaDecoderLayer``."""
+
+    BLOCK = "LlamaDecoderLayer"
+
+    def __init__(self, cfg: GPTConfig):
+        import transformers
+
+        super().__init__()
+        self.model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=cfg.vocab, hidden_size=cfg.d_model, intermediate_size=64 * round(8 * cfg.d_model / 3 / 64),
+            num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=max(cfg.heads // 2, 1),
+            max_position_embeddings=cfg.seq, use_cache=False))
+
+    def forward(self, idx, tgt):
+        logits = self.model(input_ids=idx).logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt.reshape(-1))
+
+
 def gpt_batch(cfg: GPTConfig, batch: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)

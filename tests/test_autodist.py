@@ -201,6 +201,9 @@ def test_exploring_pipelines_over_a_unit_of_four_prices_the_hybrid_pp_x_tp_facto
     # its stages' tp collectives are priced (pp has none), and recompute shrinks its peak
     assert hybrid["compute_seconds"] > 0 and hybrid["step_seconds"] != pp["step_seconds"]
     assert rows["hybrid pp 2 x tp 2 1f1b + recompute Block"]["peak_bytes"] < hybrid["peak_bytes"]
+    # the hybrid policy's own plan, planned offline with the same profile, carries the same price
+    assert found["hybrid"]["step_seconds"] == hybrid["step_seconds"]
+    assert found["hybrid"]["bytes_per_rank"]["peak"] == hybrid["peak_bytes"]
 
 
 @pytest.mark.slow

@@ -225,14 +225,19 @@ def why_not_pinned(rank: int, world: int, pins: dict, mem_constraint: float | No
 
 
 def hybrid_candidates(rank: int, world: int) -> dict:
-    """autodist exploring pipelines over units of 4 ranks (8 in all): the candidates it priced and its choice."""
+    """autodist exploring pipelines over units of 4 ranks (8 in all): the candidates it priced and its choice;
+    and the hybrid policy's plan of 2 stages x tp 2 made offline with the built-in CPU profile."""
     from workers_pipeline import build
 
     model, make = build("gpt")
     plan, = dynshard.plan(model, (make(2, 0),), dynshard.Config(
         policy="autodist", plan_ngpus=4, use_end2end=True, pas_config={"explore_pipeline": True, "update_freq": 4}),
         world_size=8)
-    return {"candidates": plan.predicted["autodist"]["candidates"], "plan": plan.to_json()}
+    hybrid, = dynshard.plan(model, (make(2, 0),), dynshard.Config(
+        policy="hybrid", plan_ngpus=4, use_end2end=True, pas_config={"pipeline_nstages": 2, "pipeline_nmicros": 4}),
+        world_size=8, device_profile="cpu")
+    return {"candidates": plan.predicted["autodist"]["candidates"], "plan": plan.to_json(),
+            "hybrid": dict(hybrid.predicted)}
 
 
 def within_partition_degree(rank: int, world: int) -> dict:

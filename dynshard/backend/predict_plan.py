@@ -4,8 +4,10 @@ The cost model autodist searches with (:mod:`planning.cost_model`, :mod:`policie
 applied to the plan a policy made, so that a hand plan and autodist's choice read alike in ``explain`` and
 on the plan page: step seconds (compute, communication, bubble) and bytes per rank at the peak
 (activations kept for the backward and transient buffers besides what is held at rest). One call is one
-step (accumulation is the caller's loop); a pipeline's step is its micro-batches. Not predicted: hybrid
-pipelines (each stage's tp placement is made when the stage compiles).
+step (accumulation is the caller's loop); a pipeline's step is its micro-batches. A hybrid pipeline is
+priced as autodist prices it: its compute and activations per rank carried by Amdahl's law from the whole
+graph on one rank and the tp policy's plan of it over the unit (planned here for that), its stages' own tp
+collectives. Not predicted: a hybrid whose stages are left to place themselves (``"tp": null``).
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from ..passes.lower_to_aten import lower
 from ..planning import Plan
 from ..planning.cost_model import DeviceProfile, UnitCosts, predict
 from ..policies.autodist.graph_costs import graph_costs, op_costs
-from ..policies.autodist.pipeline_costs import predict_pipeline
+from ..policies.autodist.pipeline_costs import predict_pipeline, unit_at
+from ..runtime.mesh import planning_layout
 from .plan_and_compile import copy_graph
+from .plan_graph import lower_graph, place_graph
 
 TRANSIENT_MEM_COEF = AutodistOptions.transient_mem_coef     # nnScaler's default, as autodist's
 
@@ -30,11 +34,14 @@ TRANSIENT_MEM_COEF = AutodistOptions.transient_mem_coef     # nnScaler's default
 def with_prediction(gm: fx.GraphModule, plan: Plan, ctx: PassContext, graph: fx.GraphModule,
                     profile: DeviceProfile) -> Plan:
     """``plan`` (made by ``plan_graph`` from ``gm``, leaving ``ctx`` and ``graph``) with its predicted costs in
-    ``predicted`` (what was there kept). A hybrid pipeline is returned as it is."""
+    ``predicted`` (what was there kept)."""
     if plan.pipeline is not None:
-        if any(t.tp is None for t in plan.tensors.values()) or plan.mesh.tp > 1:
+        if any(t.tp is None for t in plan.tensors.values()):
             return plan
-        predicted = predict_pipeline(plan, whole_graph_costs(gm, ctx), profile, TRANSIENT_MEM_COEF)
+        unit = whole_graph_costs(gm, ctx)
+        if plan.mesh.tp > 1:
+            unit = unit_at(unit, tp_unit_costs(gm, ctx, plan.mesh.plan_ngpus), plan.mesh.plan_ngpus, plan.mesh.tp)
+        predicted = predict_pipeline(plan, unit, profile, TRANSIENT_MEM_COEF)
     else:
         predicted = predict(plan, unit_costs(gm, ctx, graph), 1, profile, TRANSIENT_MEM_COEF)
     return dataclasses.replace(plan, predicted={**(plan.predicted or {}), **predicted,
@@ -47,6 +54,18 @@ def unit_costs(gm: fx.GraphModule, ctx: PassContext, graph: fx.GraphModule) -> U
         return whole_graph_costs(gm, ctx)
     return graph_costs(graph, ctx.inputs, op_costs(graph, ctx.inputs, ctx.fake_mode), ctx.layout.tp_size,
                        ctx.propagation)
+
+
+def tp_unit_costs(gm: fx.GraphModule, ctx: PassContext, ranks: int) -> UnitCosts:
+    """What one rank computes, keeps and sends with the whole graph placed by the tp policy over ``ranks``
+    (the stages' tp options), on a layout with no process group."""
+    config = dataclasses.replace(ctx.config, policy="tp", pas_config=ctx.config.pipeline.tp_options, use_zero=0,
+                                 zero_ngroups=1, zero_use_reduce_scatter=False)
+    layout = planning_layout(ctx.layout.world_size, ranks, ctx.layout.device_type)
+    lowered, lowered_ctx = lower_graph(gm, ctx.inputs, config, layout, ctx.made_for)
+    _, placed_ctx, placed = place_graph(lowered, lowered_ctx, config)
+    return graph_costs(placed, ctx.inputs, op_costs(placed, ctx.inputs, placed_ctx.fake_mode), ranks,
+                       placed_ctx.propagation)
 
 
 def whole_graph_costs(gm: fx.GraphModule, ctx: PassContext) -> UnitCosts:
