@@ -262,6 +262,20 @@ def dtensor_spec(value: Any):
     return value._spec if isinstance(value, DTensor) else None
 
 
+def local_layout(value: torch.Tensor) -> tuple:
+    """A DTensor's local tensor's shape, stride, storage offset and ``requires_grad`` (its ``_local_tensor``,
+    read without the view ``to_local`` makes)."""
+    local = value._local_tensor
+    return tuple(local.shape), local.stride(), local.storage_offset(), local.requires_grad
+
+
+def local_storage(value: torch.Tensor):
+    """The storage holding a tensor's bytes on this rank (a DTensor's: its local shard's)."""
+    from torch.distributed.tensor import DTensor
+
+    return (value._local_tensor if isinstance(value, DTensor) else value).untyped_storage()
+
+
 def dtensor_local(value: torch.Tensor) -> torch.Tensor:
     """``to_local()``, or the local tensor itself where no gradient is recorded: ``to_local`` returns a
     view that autograd detaches in place outside grad mode, which ``invoke_subgraph``'s mutation check

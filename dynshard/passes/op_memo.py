@@ -21,9 +21,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
-from ..compat import pytree
-
 from .. import compat
+from ..compat import pytree
 
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
@@ -96,9 +95,7 @@ class _Unkeyable(Exception):
 
 def _key(value):
     if isinstance(value, DTensor):
-        local = value._local_tensor
-        return (compat.dtensor_spec(value), tuple(local.shape), local.stride(), local.storage_offset(),
-                local.requires_grad)
+        return compat.dtensor_spec(value), compat.local_layout(value)
     if isinstance(value, (tuple, list)):
         return type(value), tuple(_key(v) for v in value)
     if isinstance(value, dict):

@@ -25,6 +25,7 @@ from typing import Iterator
 
 import torch
 
+from ..compat import local_storage
 from ..compat.memory_events import cpu_allocations
 
 
@@ -81,7 +82,6 @@ def held_bytes(model: torch.nn.Module | None, optimizer: torch.optim.Optimizer |
         tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
     storages = {}
     for t in tensors:
-        local = getattr(t, "_local_tensor", t)      # (a DTensor's own bytes are its local shard's)
-        storage = local.untyped_storage()
+        storage = local_storage(t)
         storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
