@@ -9,7 +9,10 @@ or one GPU each), and the collectives over the job's backend (gloo on CPU, NCCL 
 - ``bytes_per_s``: copies of a 64 MB tensor (read + write);
 - per collective kind, ``alpha_s`` and ``bandwidth`` fitted to ``t = alpha + ring * bytes / bandwidth`` by
   relative least squares over sizes 4 KB - 16 MB (ring: 2(p-1)/p for an all-reduce, (p-1)/p otherwise), medians of
-  timed calls after warm-up.
+  timed calls after warm-up;
+- ``skew``: how long a collective waits for the slowest rank after every rank ran the same compute, beyond its
+  idle latency: a 4 KB all-reduce after about 3 ms and 12 ms of matmuls on each rank, the mean wait's excess
+  over ``sqrt(compute seconds)`` (the cost model's ``meeting_seconds``).
 One process alone measures compute only and keeps the built-in collective constants. Takes well under 60 s.
 """
 
@@ -95,6 +98,35 @@ def collective_fit(kind: str, device: torch.device) -> tuple[float, float, float
     return alpha, 1 / slope, error
 
 
+def meeting_skew(device: torch.device, repeats: int = 30) -> float:
+    """``skew``: the mean excess wait of an all-reduce after ``t`` seconds of compute on every rank, over sqrt(t)
+    (two segment lengths, averaged)."""
+    x = torch.ones(1024, device=device)
+    a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)
+    mm = _timed(lambda: torch.mm(a, b), device)
+    idle = _timed(lambda: dist.all_reduce(x), device)
+    fits = []
+    for seconds in (3e-3, 12e-3):
+        count = max(int(seconds / mm), 1)
+
+        def after_compute():
+            for _ in range(count):
+                torch.mm(a, b)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            dist.all_reduce(x)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            return time.perf_counter() - start
+
+        for _ in range(WARMUP):
+            after_compute()
+        waits = [after_compute() for _ in range(repeats)]
+        fits.append(max(statistics.mean(waits) - idle, 0.0) / (count * mm) ** 0.5)
+    return statistics.mean(fits)
+
+
 __all__ = ["calibrate", "main"]
 
 
@@ -102,17 +134,19 @@ def calibrate(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple
     """This machine's profile, and the fit errors per collective kind."""
     flops, bandwidth = compute_rates(device, dtype)
     base = DEFAULT_PROFILES["cuda" if device.type == "cuda" else "cpu"]
-    alpha, links, errors = dict(base.alpha_s), dict(base.bandwidth), {}
+    alpha, links, errors, skew = dict(base.alpha_s), dict(base.bandwidth), {}, base.skew
     if dist.is_initialized() and dist.get_world_size() > 1:
         for kind in KINDS:
             alpha[kind], links[kind], errors[kind] = collective_fit(kind, device)
+        skew = meeting_skew(device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     backend = dist.get_backend() if dist.is_initialized() else "none"
     name = f"calibrated {device.type}/{backend}, {world} rank(s), {str(dtype).replace('torch.', '')}"
     return dataclasses.replace(base, name=name, flops_per_s=float(f"{flops:.4g}"),
                                bytes_per_s=float(f"{bandwidth:.4g}"),
                                alpha_s={k: float(f"{v:.4g}") for k, v in alpha.items()},
-                               bandwidth={k: float(f"{v:.4g}") for k, v in links.items()}), errors
+                               bandwidth={k: float(f"{v:.4g}") for k, v in links.items()},
+                               skew=float(f"{skew:.4g}")), errors
 
 
 def main(argv=None) -> None:

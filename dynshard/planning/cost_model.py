@@ -16,6 +16,13 @@ this is an upper bound):
 A collective of ``kind`` over ``p`` ranks moving ``n`` bytes (the whole buffer) costs
 ``alpha + ring(kind, p) * n / bandwidth``: ring = 2(p-1)/p for an all-reduce, (p-1)/p otherwise.
 
+Every collective is also a meeting point: it waits for the slowest rank, and ranks that ran the same work
+since the last one arrive apart by their jitter, which grows with that work. Measured on this project's
+2-core machine (gloo), an all-reduce that follows 3 ms of compute on each rank waits 1.7 ms beyond its idle
+latency, one after 12 ms waits 2.8 ms: about ``skew * sqrt(seconds since the last meeting)``. ``k`` meetings
+spread over ``C`` seconds of compute then cost ``skew * sqrt(k * C)`` (k gaps of C/k). ``dynshard.calibrate``
+measures ``skew``; it is 0 for a device that does not share its cores (the built-in CUDA profile).
+
 Memory, per rank, at the step's peak (docs/design.md "ZeRO rows"): parameters, buffers, gradients and
 Adam's state at rest; ZeRO levels 1-2 add the gathered parameters (kept through the step), level 3 one
 block's; accumulating under ZeRO adds whole replicas and their gradients; activations saved for the backward
@@ -52,12 +59,17 @@ class DeviceProfile:
     bytes_per_s: float
     alpha_s: dict           # collective kind -> seconds per call
     bandwidth: dict         # collective kind -> bytes per second (bus bandwidth)
+    skew: float = 0.0       # seconds per sqrt(second of compute since the last collective): its wait for peers
 
     def collective_seconds(self, kind: str, whole_bytes: float, group: int, calls: int = 1) -> float:
         if group <= 1 or whole_bytes <= 0:
             return 0.0
         ring = 2 * (group - 1) / group if kind == "all_reduce" else (group - 1) / group
         return calls * self.alpha_s[kind] + ring * whole_bytes / self.bandwidth[kind]
+
+    def meeting_seconds(self, meetings: float, compute_seconds: float) -> float:
+        """What ``meetings`` collectives spread over ``compute_seconds`` of compute wait for the slowest rank."""
+        return self.skew * math.sqrt(meetings * compute_seconds) if meetings > 0 and compute_seconds > 0 else 0.0
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True, indent=1)
@@ -66,7 +78,8 @@ class DeviceProfile:
     def from_json(cls, text: str) -> "DeviceProfile":
         data = json.loads(text)
         return cls(data["name"], float(data["flops_per_s"]), float(data["bytes_per_s"]),
-                   {k: float(data["alpha_s"][k]) for k in KINDS}, {k: float(data["bandwidth"][k]) for k in KINDS})
+                   {k: float(data["alpha_s"][k]) for k in KINDS}, {k: float(data["bandwidth"][k]) for k in KINDS},
+                   float(data.get("skew", 0.0)))
 
     def digest(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
@@ -82,7 +95,8 @@ def _uniform(name: str, flops: float, bandwidth: float, alpha: float, link: floa
 DEFAULT_PROFILES = {
     "cpu": DeviceProfile("cpu-gloo (built-in)", 1e11, 5e10,
                          {"all_reduce": 2.5e-4, "all_gather": 2e-4, "reduce_scatter": 3.5e-4, "all_to_all": 1.5e-4},
-                         {"all_reduce": 2e9, "all_gather": 1.5e9, "reduce_scatter": 5e8, "all_to_all": 1.5e9}),
+                         {"all_reduce": 2e9, "all_gather": 1.5e9, "reduce_scatter": 5e8, "all_to_all": 1.5e9},
+                         skew=0.027),
     "cuda": _uniform("cuda-nccl (built-in)", 4e14, 2e12, 2e-5, 1.5e11),
 }
 
@@ -145,8 +159,16 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
     compute = nmicros * (3 * forward + sum(instance_seconds(i, profile) for i in recomputed))
     tp_comm = tp_seconds(plan, unit, profile)
     parameters = [t for t in plan.tensors.values() if t.kind == "parameter"]
+    dp_kinds = {(k, w) for t in parameters for k, _, _, w in tensor_collectives(plan, t)}
     dp_comm = sum(parameter_seconds(plan, t, profile) for t in parameters) + sum(
-        profile.alpha_s[kind] for kind, what in {(k, w) for t in parameters for k, _, _, w in tensor_collectives(plan, t)})
+        profile.alpha_s[kind] for kind, what in dp_kinds)
+    # waiting for the slowest rank: the tp collectives spread over each micro-batch, and the data-parallel
+    # ones back to back after the step's compute (one meeting: the first absorbs the ranks' skew). Priced
+    # on the compute without recompute, so that the ILP's choices leave it a constant
+    if plan.mesh.tp > 1:
+        tp_comm += profile.meeting_seconds(tp_calls(plan, unit), 3 * forward)
+    if dp_kinds:
+        dp_comm += profile.meeting_seconds(1, nmicros * 3 * forward)
     rest = memory_at_rest(plan)[0]
     gathered = sum(gathered_bytes(plan, t, nmicros, unit.blocks) for t in parameters)
     activations = unit.saved_bytes - sum(i.saved_bytes - i.entry_bytes for i in recomputed) + max(
@@ -172,6 +194,12 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
 
 def instance_seconds(instance: InstanceCosts, profile: DeviceProfile) -> float:
     return instance.flops / profile.flops_per_s + instance.bytes / profile.bytes_per_s
+
+
+def tp_calls(plan: Plan, unit: UnitCosts) -> int:
+    """tp collectives of one micro-batch: the forward's, mirrored in the backward, and the gradient buckets."""
+    return 2 * len((plan.predicted or {}).get("forward_collectives", ())) + math.ceil(
+        unit.replicated_grad_bytes / BUCKET_BYTES)
 
 
 def tp_seconds(plan: Plan, unit: UnitCosts, profile: DeviceProfile) -> float:

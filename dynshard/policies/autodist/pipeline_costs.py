@@ -32,12 +32,14 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
     recomputed = unit.recomputed(plan.recompute)
     forward = unit.forward_flops / profile.flops_per_s + unit.forward_bytes / profile.bytes_per_s
     again = sum(instance_seconds(i, profile) for i in recomputed)
-    tp = stage_tp_seconds(plan, profile)      # each stage's forward tp collectives (hybrid), mirrored backward
+    tp = stage_tp_seconds(plan, profile, [share * 3 * forward for share in shares])  # (hybrid), mirrored backward
     boundary = max((i.input_bytes for i in unit.instances), default=0.0)
-    transfer = profile.alpha_s["all_to_all"] + boundary / profile.bandwidth["all_to_all"] if len(shares) > 1 else 0.0
-    schedule = build_schedule(p.schedule, p.nstages, p.nmicros, plan.mesh.pp)
     f = max(share * forward + tp[s] for s, share in enumerate(shares))
     b = max(share * (2 * forward + again) + tp[s] for s, share in enumerate(shares))
+    # a transfer meets the neighbouring stage: it waits for its skew over the action before it
+    transfer = profile.alpha_s["all_to_all"] + boundary / profile.bandwidth["all_to_all"] + \
+        profile.meeting_seconds(1, f) if len(shares) > 1 else 0.0
+    schedule = build_schedule(p.schedule, p.nstages, p.nmicros, plan.mesh.pp)
     simulated = simulate(schedule, f=f, b=b, comm=transfer)
     held = _held(simulated, plan.mesh.pp)
     rest = memory_at_rest(plan)
@@ -58,8 +60,11 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
     params = [t for t in plan.tensors.values() if t.kind == "parameter"]
     dp_comm = max((sum(parameter_seconds(plan, t, profile) for t in params if t.stages and set(t.stages) & set(
         s for s, owners in enumerate(p.stage_ranks) if rank in owners)) for rank in range(plan.mesh.pp)), default=0.0)
-    dp_comm += sum(profile.alpha_s[kind] for kind, what in {(k, w) for t in params for k, _, _, w in tensor_collectives(plan, t)})
+    dp_kinds = {(k, w) for t in params for k, _, _, w in tensor_collectives(plan, t)}
+    dp_comm += sum(profile.alpha_s[kind] for kind, what in dp_kinds)
     busy = max(simulated.busy)
+    if dp_kinds:
+        dp_comm += profile.meeting_seconds(1, busy)       # (see cost_model: one meeting after the step)
     peak = busiest.total + during + transient
     return {
         "step_seconds": round_seconds(simulated.makespan + dp_comm),
@@ -78,14 +83,17 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
     }
 
 
-def stage_tp_seconds(plan: Plan, profile: DeviceProfile) -> list[float]:
-    """Per stage, its forward's tp collectives for one micro-batch (a hybrid plan's, keyed ``<stage>/...``)."""
-    seconds = [0.0] * plan.pipeline.nstages
+def stage_tp_seconds(plan: Plan, profile: DeviceProfile, compute: list[float]) -> list[float]:
+    """Per stage, its forward's tp collectives for one micro-batch (a hybrid plan's, keyed ``<stage>/...``),
+    with half of their meetings' wait over the stage's ``compute`` seconds a micro-batch (the other half is
+    the mirrored backward's)."""
+    seconds, calls = [0.0] * plan.pipeline.nstages, [0] * plan.pipeline.nstages
     for c in (plan.predicted or {}).get("forward_collectives", ()):
         stage, _, _ = c["at"].partition(STAGE_SEPARATOR)
         if c["dim"] == "tp" and stage.isdigit() and int(stage) < len(seconds):
             seconds[int(stage)] += profile.collective_seconds(c["kind"], c["bytes"], plan.mesh.tp)
-    return seconds
+            calls[int(stage)] += 1
+    return [s + profile.meeting_seconds(2 * k, c) / 2 for s, k, c in zip(seconds, calls, compute)]
 
 
 def unit_at(whole: UnitCosts, split: UnitCosts, ranks: int, tp: int) -> UnitCosts:
