@@ -10,8 +10,8 @@ from distributed import run_ranks
 from workers_compile_cache import train_with_inductor
 
 
-@pytest.mark.parametrize("options", [{"policy": "dp", "use_zero": 3}, {"policy": "tp", "plan_ngpus": 2}],
-                         ids=["zero3", "tp"])
+@pytest.mark.parametrize("options", [pytest.param({"policy": "dp", "use_zero": 3}, marks=pytest.mark.slow),
+                                     {"policy": "tp", "plan_ngpus": 2}], ids=["zero3", "tp"])
 def test_a_restarted_job_reuses_inductors_compiled_programs(tmp_path, options):
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
     first = run_ranks(train_with_inductor, 2, options, env=env)
@@ -32,8 +32,8 @@ def test_a_restarted_job_reuses_inductors_compiled_programs(tmp_path, options):
 
 
 @pytest.mark.parametrize("options, graphs, programs",
-                         [({"policy": "dp", "use_zero": 3}, 2, 1), ({"policy": "tp", "plan_ngpus": 2}, 3, 2),
-                          ({"policy": "dp", "use_zero": 1}, 3, 2)],
+                         [pytest.param({"policy": "dp", "use_zero": 3}, 2, 1, marks=pytest.mark.slow),
+                          ({"policy": "tp", "plan_ngpus": 2}, 3, 2), ({"policy": "dp", "use_zero": 1}, 3, 2)],
                          ids=["zero3", "tp", "zero1"])
 def test_ranks_with_the_same_program_compile_it_once(tmp_path, options, graphs, programs):
     """The ranks of a data-parallel group hold the same program, and so do those of a tensor-parallel
