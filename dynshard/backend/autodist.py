@@ -22,8 +22,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Callable
 import time
+from typing import Callable
 
 import torch.fx as fx
 
@@ -204,10 +204,11 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
             else:
                 try:        # (at ZeRO level 1 when there are units: which tensors take rows)
                     plan, _, _ = plan_graph(gm, inputs, base, layout, made_for, place_stages=tp == 1)
-                    guess = estimated_stages(plan, tp_unit[0], instances) if tp > 1 else None
-                    estimated = guess is not None
+                    estimated = False
                     if tp > 1:
-                        plan = guess if estimated else plan_graph(gm, inputs, base, layout, made_for)[0]
+                        guess = estimated_stages(plan, tp_unit[0], instances)
+                        estimated = guess is not None
+                        plan = guess or plan_graph(gm, inputs, base, layout, made_for)[0]
                 except Exception as error:      # noqa: BLE001 - a pipeline this graph cannot be cut into is not a candidate
                     log.info("autodist: no %s plan for this graph: %s", placement.name,
                              str(error).strip().splitlines()[0])
@@ -216,8 +217,7 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
             for zero in zero_levels(dp):
                 for recompute in recompute_choices(config, whole.recompute_class):
                     candidate = Candidate(placement, zero, recompute)
-                    staged = with_choices(plan, zero, recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
-                    rows.append((candidate, staged, predict_pipeline(staged, unit, profile, options.transient_mem_coef)))
+                    rows.append((candidate, *_priced(plan, zero, recompute, config, unit, profile)))
                     if estimated:
                         exact[candidate.name] = functools.partial(
                             _planned_for_real, gm, inputs, base, layout, made_for, zero, recompute, config, unit,
@@ -225,16 +225,22 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
     return rows, exact
 
 
-def _planned_for_real(gm, inputs, base: Config, layout, made_for, zero: int, recompute, config: Config,
-                      unit: UnitCosts, profile: DeviceProfile) -> tuple[Plan, dict]:
-    plan, _, _ = plan_graph(gm, inputs, base, layout, made_for)
+def _priced(plan: Plan, zero: int, recompute, config: Config, unit: UnitCosts,
+            profile: DeviceProfile) -> tuple[Plan, dict]:
+    """A pipeline plan at a ZeRO level and recompute choice, and its prediction."""
     staged = with_choices(plan, zero, recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
     return staged, predict_pipeline(staged, unit, profile, config.autodist.transient_mem_coef)
 
 
+def _planned_for_real(gm, inputs, base: Config, layout, made_for, zero: int, recompute, config: Config,
+                      unit: UnitCosts, profile: DeviceProfile) -> tuple[Plan, dict]:
+    return _priced(plan_graph(gm, inputs, base, layout, made_for)[0], zero, recompute, config, unit, profile)
+
+
 def _fastest_fitting(rows: list, exact: dict, budget: float | None, hand: list, mem_constraint: float):
     """The fastest row that fits (ties: the smaller peak), a hybrid pipeline priced from the tp plan planned
-    for real first: its row is replaced by the real plan's, and the choice made again."""
+    for real first: its row (in ``rows`` and in ``hand``, whose record explain prints) is replaced by the real
+    plan's, and the choice made again."""
     rows = list(rows)
     while True:
         fitting = [row for row in rows if budget is None or row[3]["bytes_per_rank"]["peak"] <= budget]

@@ -22,7 +22,6 @@ from ..runtime.graph_inputs import GraphInput
 from .plan_and_compile import copy_graph
 
 
-
 def stage_config(config: Config) -> Config:
     """How a hybrid stage is planned and compiled: the tp policy with the pipeline's tp options, no ZeRO (it
     is the pipeline's)."""

@@ -33,7 +33,6 @@ class OpMemo:
 
     fake_mode: Any
     answers: dict = dataclasses.field(default_factory=dict)
-    hits: int = 0
 
     def keep(self, key, redistributions, out) -> None:
         if key is not None and _stateless(out):
@@ -45,15 +44,12 @@ class OpMemo:
         key = ("input", mesh, tuple(meta), placements)
         if key not in self.answers:
             self.answers[key] = make(meta, placements)
-        else:
-            self.hits += 1
         return self.answers[key]
 
     def redistribute(self, value: DTensor, mesh, placements) -> DTensor:
         """``value.redistribute(mesh, placements)``, once per spec."""
         key = ("redistribute", _key(value), tuple(placements)) if _stateless(value) else None
         if key in self.answers:
-            self.hits += 1
             return self.answers[key]
         out = value.redistribute(mesh, placements)
         if key is not None:

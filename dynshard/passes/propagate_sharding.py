@@ -262,7 +262,6 @@ class ShardingInterpreter(fx.Interpreter):
             return self.fallback(node, target, args, kwargs, f"DTensor has no sharding strategy for {target}")
         key = op_key(target, args, kwargs)
         if key in self.memo.answers:
-            self.memo.hits += 1
             redistributions, out = self.memo.answers[key]
             self.record_redistributions(node, args, redistributions)
             return out

@@ -62,19 +62,19 @@ class Rejoin:
         self.earliest = max([by_name[name] for name in moved_constraints(constraints, base.constraints)
                              if name in by_name], default=-1)
         self.slices = [(by_name[m.chain[0]], by_name[m.consumer]) for m in base.matched_slices.values()]
+        self.complete = all(n in base.env for n in self.nodes[:-1])    # (else there is nothing to take)
         self.differing: set[fx.Node] = set()
 
     def after(self, node: fx.Node, value) -> bool:
         """Record ``node``'s value; True when no value still to be read differs from the base's, so that
         the base holds from the next node on."""
         at = self.position[node]
-        if node.users and (node not in self.base.env or not _same(value, self.base.env[node])):
+        if node.users and not _same(value, self.base.env.get(node)):
             self.differing.add(node)
         for read in self.expiring.get(at, ()):
             self.differing.discard(read)
-        return (not self.differing and at > self.earliest and at < len(self.nodes) - 2
-                and not any(start <= at < end for start, end in self.slices)
-                and all(n in self.base.env for n in self.nodes[at + 1:-1]))
+        return (self.complete and not self.differing and self.earliest < at < len(self.nodes) - 2
+                and not any(start <= at < end for start, end in self.slices))
 
     def rest(self, node: fx.Node) -> list[fx.Node]:
         """The nodes after ``node``, but the output."""
