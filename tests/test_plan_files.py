@@ -78,6 +78,22 @@ def test_a_hand_edited_plan_is_honoured_a_parameter_made_whole_and_a_stage_bound
                                                                        "lm_head")]
 
 
+def test_a_loaded_plan_runs_as_it_says_whatever_the_jobs_config_asks(tmp_path):
+    """The plan is what runs: a job whose config asks for ZeRO-3, bf16 compute and recompute, given a plain
+    dp plan, keeps every parameter whole, computes in float32 (so it trains like one process) and records
+    the plan it was given."""
+    dp = run_ranks(offline, 1, CASES["dp"], 2)[0][0]
+    path = tmp_path / "dp.plan.json"
+    path.write_text(dp)
+    asks = {"use_zero": 3, "mixed_precision": {"param_dtype": "bfloat16"}, "recompute_modules": "Linear"}
+    results = run_ranks(load_edited, 2, CASES["dp"], str(path), asks, timeout=300)
+    for rank, result in enumerate(results):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert result["local_numel"] == {name: result["params"][name].numel() for name in result["local_numel"]}
+        assert result["plans"] == [dp]
+        assert not [c for c in result["collectives"] if c[1] != "all_reduce"]     # no ZeRO gathers
+
+
 def test_a_plan_for_other_shapes_another_world_or_a_corrupt_file_fails_on_every_rank_at_once(tmp_path):
     mlp = dict(kind="spmd", policy="tp", plan_ngpus=2)
     other_world = run_ranks(offline, 1, mlp, 4)[0][0]

@@ -104,6 +104,9 @@ class TestPlanValue(expecttest.TestCase):
         assert "every rank" in text and "forward activations (tp)" in text
 
 
+_PIPELINE = {"schedule": "1f1b", "nmicros": 2, "nstages": 1, "nchunks": 1, "starts": []}    # (a hand edit's)
+
+
 @pytest.mark.parametrize("change,message", [
     (lambda d: d.update(dynshard_plan=7), "version 7 plan"),
     (lambda d: d["mesh"].update(dp=3), "is not its world"),
@@ -111,6 +114,10 @@ class TestPlanValue(expecttest.TestCase):
     (lambda d: d["tensors"]["blocks.0.0.weight"].update(dp="zero"), "the plan's zero level is 0"),
     (lambda d: d["tensors"]["blocks.0.0.weight"].update(tp="S5"), "cannot be split along dim 5"),
     (lambda d: d.pop("tensors"), "not a well-formed dynshard plan"),
+    (lambda d: d["zero"].update(ngroups=3), "does not divide its dp=1 units"),
+    (lambda d: d.update(pipeline=_PIPELINE | {"schedule": "2f2b"}), "schedule '2f2b' is not one of"),
+    (lambda d: d.update(pipeline=_PIPELINE | {"nstages": 2}), "but its mesh has pp=1"),
+    (lambda d: d.update(pipeline=_PIPELINE | {"nstages": 2, "nchunks": 2}), "needs schedule '1f1b_interleaved'"),
 ])
 def test_a_plan_that_cannot_work_is_refused_when_read(change, message):
     import json

@@ -14,6 +14,7 @@ import dynshard
 from dynshard import compat
 from distributed import run_ranks
 from dynshard.passes.context import PassContext
+from dynshard.planning.outline import outline_of
 from models import GPT, GPTConfig, gpt_batch
 from parity import assert_losses_close
 from workers_recompute import single_process_scenarios, tensor_parallel_scenarios
@@ -28,7 +29,8 @@ def lowered(model, inputs) -> torch.fx.GraphModule:
     graphs = []
 
     def backend(gm, example_inputs):
-        ctx = PassContext(config=dynshard.Config(recompute_modules="ROOT"), layout=None, inputs=[],
+        config = dynshard.Config(recompute_modules="ROOT")
+        ctx = PassContext(config=config, outline=outline_of(config, 1), layout=None, inputs=[],
                           fake_mode=compat.new_fake_mode())
         graphs.append(tag_recompute.tag_single_process(gm, example_inputs, ctx))
         return gm.forward

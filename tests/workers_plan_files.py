@@ -55,9 +55,9 @@ def save_then_load(rank: int, world: int, case: dict, folder: str) -> dict:
         return {"first": first, "second": second, "saved": f.read(), "again": g.read()}
 
 
-def load_edited(rank: int, world: int, case: dict, path: str) -> dict:
-    """Train on a plan file edited by hand."""
-    return _train(case, {"load_plan_path": path}, load=True)
+def load_edited(rank: int, world: int, case: dict, path: str, options: dict | None = None) -> dict:
+    """Train on a plan file edited by hand (``options``: what else the job's config says)."""
+    return _train(case, {"load_plan_path": path, **(options or {})}, load=True)
 
 
 def load_expecting_error(rank: int, world: int, path: str, batch: int = 4) -> dict:

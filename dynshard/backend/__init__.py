@@ -15,7 +15,8 @@ from ..passes import PassContext, cast_to_compute_dtype
 from ..passes.assign_placements import record_plan
 from ..passes.tag_recompute import tag_single_process
 from ..planning.costs import with_forward_collectives
-from ..planning.plan import config_for, fingerprint
+from ..planning.outline import check_runs, outline_of
+from ..planning.plan import fingerprint
 from ..policies import place
 from ..runtime.mesh import ensure_process_group, layout_for, world_size
 from ..runtime.pipeline.program import PipelineProgram
@@ -58,20 +59,21 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         given = autodist_plan(gm, inputs, config, world_size(), made_for, device_type)
     if given is None and isinstance(config.policy, Planner):     # the user's own search: the same way
         given = planner_plan(gm, inputs, config, world_size(), made_for, device_type)
+    config = config.resolve(world_size(), plan_fields=given is None)
     if given is not None:
-        config = config_for(given, config)
-    config = config.resolve(world_size())
+        check_runs(given, config)
+    outline = given if given is not None else outline_of(config, world_size(), made_for)   # what runs: a plan
     if config.compiler == "inductor" and device_type == "cpu":
         compat.start_cpu_isa_probe()     # overlaps planning and aot_autograd; Inductor needs it to generate code
     if config.describe() not in _logged_configs:
         _logged_configs.add(config.describe())
         log.info("%s", config.describe())
-    layout = layout_for(config.plan_ngpus, device_type, config.pipeline_ranks)
+    layout = layout_for(outline.mesh.plan_ngpus, device_type, outline.mesh.pp)
 
     key = plan_key(gm.code, inputs, config, layout, None if given is None else given.digest())
     ensure_ranks_agree(key, gm.code, inputs, config, layout)
-    if config.is_pipeline:
-        return _pipeline_program(gm, example_inputs, config, layout, inputs, key, device_type, made_for, given)
+    if outline.pipeline is not None:
+        return _pipeline_program(gm, example_inputs, config, outline, layout, inputs, key, device_type, made_for, given)
     plan = PLANS.get(key)
     if plan is not None:
         plan.hits += 1
@@ -79,7 +81,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         _drop_guards_on_sharded(gm, plan)
         return ShardedProgram(plan)
 
-    ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
+    ctx = PassContext(config=config, outline=outline, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
                       made_for=made_for, given=given, policy=place)
     if layout.mesh is None:   # a single process: nothing to place, compile as it is
         ctx.placements = {i.index: () for i in inputs}
@@ -105,10 +107,11 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     return ShardedProgram(plan)
 
 
-def _pipeline_program(gm, example_inputs, config, layout, inputs, key, device_type, made_for, given) -> PipelineProgram:
+def _pipeline_program(gm, example_inputs, config, outline, layout, inputs, key, device_type, made_for,
+                      given) -> PipelineProgram:
     plan = PLANS.get(key)
     if plan is None or not plan.serves(example_inputs):     # (a second model of the same graph: its own)
-        plan = plan_pipeline(gm, example_inputs, config, layout, inputs, key, device_type, made_for, given)
+        plan = plan_pipeline(gm, example_inputs, config, outline, layout, inputs, key, device_type, made_for, given)
         PLANS.put(key, plan)
         PLAN_FILES.record(config, plan.plan, layout.rank)
         log.info("planned pipeline %s (passes: %s)", key, ", ".join(f"{n} {t:.2f}s" for n, t in plan.pass_timings))
@@ -131,7 +134,7 @@ def _no_sync_builder(gm: fx.GraphModule, planned: PassContext, device_type: str)
     """Compiles, on first use, the variant of a plan that communicates nothing across units (same
     placements, ZeRO parameters as whole replicas): gradient accumulation's micro-steps."""
     def build():
-        ctx = PassContext(config=planned.config, layout=planned.layout, inputs=planned.inputs,
+        ctx = PassContext(config=planned.config, outline=planned.plan, layout=planned.layout, inputs=planned.inputs,
                           fake_mode=compat.new_fake_mode(), made_for=planned.made_for, given=planned.plan,
                           sync_grads=False)
         return plan_and_compile(gm, ctx, device_type)

@@ -12,12 +12,11 @@ import torch.fx as fx
 
 from .. import compat
 from ..config import Config
-from ..policies import place
+from ..config.planner import Planner, planner
 from ..passes import PassContext, cast_to_compute_dtype, run_passes
-from ..passes.assign_placements import policy_name
 from ..passes.cut_stages import assign_stages, split_stages
-from ..planning import PipelineChoice, Plan, PlanFileError, TensorChoice
-from ..planning.plan import mesh_of, plan_settings
+from ..planning import Plan, PlanFileError, TensorChoice
+from ..planning.plan import mesh_of
 from ..passes.tag_recompute import tag_single_process
 from ..runtime.mesh import Layout, layout_for
 from ..runtime.pipeline.groups import PipelineGroups
@@ -33,7 +32,7 @@ from .compile import compile_program
 from .plan_and_compile import copy_graph, plan_and_compile
 from .plan_once import plan_once
 from .split_backward import compiled_backward
-from .stage_plans import merge_stage_plans, plan_stages, stage_config, stage_plan
+from .stage_plans import merge_stage_plans, plan_stages, stage_context, stage_plan
 
 log = logging.getLogger("dynshard")
 
@@ -44,19 +43,21 @@ PIPELINE_PASSES = [
 ]
 
 
-def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: Layout, inputs, key: str,
-                  device_type: str, made_for=None, given: Plan | None = None) -> PipelinePlan:
-    options = config.pipeline
-    nstages, nranks, m = options.nsegments(config), layout.pp_size, options.pipeline_nmicros
-    first = options.all_device_first
-    schedule = build_schedule(options.pipeline_scheduler, nstages, m, nranks, first)
-    ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
+def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, outline: Plan, layout: Layout, inputs,
+                  key: str, device_type: str, made_for=None, given: Plan | None = None) -> PipelinePlan:
+    """``outline.pipeline`` (the given plan's, or the config's) planned for ``gm``: cut (as given, or by the
+    pp policy), each hybrid stage placed, and the schedules built."""
+    pipeline = outline.pipeline
+    nstages, nranks, m = pipeline.nsegments, layout.pp_size, pipeline.nmicros
+    first = pipeline.all_device_first
+    schedule = build_schedule(pipeline.schedule, nstages, m, nranks, first)
+    ctx = PassContext(config=config, outline=outline, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
                       made_for=made_for, given=given)
     _cut_once(copy_graph(gm), ctx, key, schedule)
     forward_only = build_schedule("infer_pipe", nstages, m, nranks, first)
     gpipe = None
     if not config.inference_only:
-        gpipe = schedule if options.pipeline_nchunks > 1 else build_schedule("gpipe", nstages, m, nranks, first)
+        gpipe = schedule if pipeline.nchunks > 1 else build_schedule("gpipe", nstages, m, nranks, first)
     output_node = next(n for n in gm.graph.nodes if n.op == "output")
     outputs = output_node.args[0] if isinstance(output_node.args[0], (tuple, list)) else [output_node.args[0]]
     log.info("pipeline: %s\n%s", ctx.staged.describe(), schedule.format())
@@ -69,13 +70,14 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
             backward = functools.partial(compiled_backward, weight_outputs=weights)
         tensors = [s if s is not None else a for a, s in zip(args, stored)]
         if schedule.on_every_rank(stage.index):     # 1f1b_plus: tensor parallel over the whole unit
-            unit = layout_for(config.plan_ngpus, device_type)
-            return _tensor_parallel_stage(stage, tensors, config, unit, key, device_type, all_device=True)
+            unit = layout_for(layout.plan_ngpus, device_type)
+            return _tensor_parallel_stage(stage, tensors, ctx, unit, key, device_type, all_device=True)
         if layout.tp_size > 1:
-            return _tensor_parallel_stage(stage, tensors, config, layout, key, device_type, backward, ctx.plan)
+            return _tensor_parallel_stage(stage, tensors, ctx, layout, key, device_type, backward)
         # (what it compiled, what the executor calls)
         examples = [torch.empty(a.shape, dtype=a.dtype, device=a.device).requires_grad_(a.requires_grad) for a in args]
-        stage_ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode())
+        stage_ctx = PassContext(config=config, outline=ctx.plan, layout=layout, inputs=inputs,
+                                fake_mode=compat.new_fake_mode(), stage_program=True)
         module = tag_single_process(stage.module, examples, stage_ctx)    # recompute_modules, when asked for
         program = compile_program(module, examples, config.compiler, layout, config.inference_only, backward=backward,
                                   share_traces=config.share_traces)
@@ -96,9 +98,21 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, layout: La
         key=key, frame_call=frame_call, config=config, inputs=inputs, staged=ctx.staged, schedule=schedule, gpipe=gpipe,
         forward_only=forward_only, groups=PipelineGroups(layout), layout=layout, device=device,
         output_metas=[_meta(o) for o in outputs], compile_stage=compile_stage, combine_fn=combine,
-        pass_timings=ctx.timings, plan=ctx.plan,
+        pass_timings=ctx.timings, plan=ctx.plan, retrace_config=dataclasses.replace(
+            config, policy=replaying(ctx.plan), pas_config={}, load_plan_path=None),
         input_check=InputCheck.for_inputs(inputs, layout.plan_ngpus, config.verify_inputs_every),
         buffer_sync=BufferSync.for_inputs(inputs, layout.dp_group, config.broadcast_buffers))
+
+
+def replaying(plan: Plan) -> Planner:
+    """The planner of the graph Dynamo traces again at the micro-batch shape (a graph that holds the batch's
+    sizes): it runs ``plan`` again, its cut and placements by node key, at the shapes its inputs arrive in."""
+    def replay(planning) -> Plan:
+        tensors = {name: dataclasses.replace(choice, shape=planning.tensors[name].shape)
+                   if name in planning.tensors else choice for name, choice in plan.tensors.items()}
+        return dataclasses.replace(plan, made_for=planning.made_for, tensors=tensors)
+    replay.__qualname__ = f"replay of plan {plan.digest()}"
+    return planner(replay)
 
 
 def _cut_once(gm: fx.GraphModule, ctx: PassContext, key: str, schedule) -> None:
@@ -124,12 +138,11 @@ def pipeline_plan(ctx: PassContext, schedule, place_stages: bool = True) -> Plan
     every pipeline rank, or placed by each stage's tp policy under hybrid, :mod:`.stage_plans`; ZeRO rows
     over dp for trainable ones when use_zero). ``place_stages=False``: a hybrid plan's stages are left
     unplaced (``tp`` None: each stage's tp policy decides when it compiles)."""
-    config, layout, given = ctx.config, ctx.layout, ctx.given
-    options = config.pipeline
+    outline, layout, given = ctx.outline, ctx.layout, ctx.given
     tensors = {}
     input_stages = ctx.stage_info["input_stages"]
     for inp in ctx.inputs:
-        zero = bool(config.zero) and layout.dp_size > 1 and inp.is_state and inp.requires_grad
+        zero = bool(outline.zero.level) and layout.dp_size > 1 and inp.is_state and inp.requires_grad
         tensors[inp.name] = TensorChoice.of(inp, "R" if layout.tp_size == 1 or not inp.is_state else None,
                                             "zero" if zero else None, tuple(input_stages[inp.index]))
     hybrid = layout.tp_size > 1
@@ -142,14 +155,12 @@ def pipeline_plan(ctx: PassContext, schedule, place_stages: bool = True) -> Plan
                     "and tp placements without tp ranks, are not built (edit the stage starts, schedule, ZeRO level, "
                     "recompute, or a hybrid stage's tp placements)")
     info = ctx.stage_info
-    pipeline = PipelineChoice(
-        schedule=options.pipeline_scheduler, nmicros=options.pipeline_nmicros, nstages=options.nstages(config),
-        nchunks=options.pipeline_nchunks, starts=tuple(info["starts"]),
-        stage_ranks=tuple(schedule.ranks_of(s) for s in range(schedule.nstages)), how=info["how"],
-        flops=tuple(info["flops"]), sequence_parallel=options.sequence_parallel)
-    plan = Plan(made_for=ctx.made_for, policy=given.policy if given is not None else policy_name(config),
-                mesh=mesh_of(layout), tensors=tensors, pipeline=pipeline,
-                predicted=None if given is None else given.predicted, **plan_settings(config))
+    pipeline = dataclasses.replace(
+        outline.pipeline, starts=tuple(info["starts"]), how=info["how"], flops=tuple(info["flops"]),
+        stage_ranks=tuple(schedule.ranks_of(s) for s in range(schedule.nstages)))
+    plan = Plan(made_for=ctx.made_for, policy=outline.policy, mesh=mesh_of(layout), zero=outline.zero,
+                tensors=tensors, recompute=outline.recompute, mixed_precision=outline.mixed_precision,
+                pipeline=pipeline, predicted=outline.predicted)
     if not hybrid:
         return plan
     if given is not None:           # the stages' placements as given (null: each stage's tp policy decides)
@@ -159,22 +170,21 @@ def pipeline_plan(ctx: PassContext, schedule, place_stages: bool = True) -> Plan
     if not place_stages:
         return plan
     placed = {s.index for s in ctx.staged.stages if not schedule.on_every_rank(s.index)}
-    return merge_stage_plans(plan, plan_stages(ctx, ctx.staged.stages, placed, place))
+    return merge_stage_plans(plan, plan_stages(ctx, ctx.staged.stages, placed))
 
 
-def _tensor_parallel_stage(stage, args, config: Config, layout: Layout, key: str, device_type: str, backward=None,
-                           pipeline: Plan | None = None, all_device: bool = False):
+def _tensor_parallel_stage(stage, args, pipeline: PassContext, layout: Layout, key: str, device_type: str,
+                           backward=None, all_device: bool = False):
     """A hybrid plan's stage: planned by the tp policy over the stage's tp ranks, as a whole graph would be,
     without data-parallel communication (the pipeline reduces gradients once per step). Its tensors are cut
-    into tp shards in place here, before the first micro-batch. ``backward``: zb1p's split backward;
-    ``pipeline``: the pipeline's Plan, whose placements of the stage are installed (:mod:`.stage_plans`)."""
+    into tp shards in place here, before the first micro-batch. ``pipeline``: the pipeline's passes, whose
+    Plan's placements of the stage are installed (:mod:`.stage_plans`); ``backward``: zb1p's split backward."""
     inputs = describe_inputs(stage.module, args)
-    given = None if pipeline is None or all_device else stage_plan(pipeline, stage.index, inputs)
-    ctx = PassContext(config=stage_config(config), layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
-                      sync_grads=False, policy=place, given=given)
+    given = None if all_device else stage_plan(pipeline.plan, stage.index, inputs)
+    ctx = stage_context(pipeline, inputs, layout=layout, given=given)
     compiled = plan_and_compile(stage.module, ctx, device_type, backward=backward)
     plan = CompiledPlan(f"{key}/stage{stage.index}", inputs, ctx.placements, ctx.zero, layout, compiled,
-                        ctx.propagation, ctx.timings, config.inference_only)
+                        ctx.propagation, ctx.timings, pipeline.config.inference_only)
     program = ShardedProgram(plan)
     program.prepare(args)
     # the compiled program itself: ShardedProgram's call would flush the pipeline's ZeRO accumulation

@@ -36,7 +36,7 @@ def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str,
     lowered = run_passes(lowered, ctx, PASSES[policy + 1:])
     local_inputs = [_local_example(inp, ctx.placements[inp.index], ctx.zero_of(inp), layout) for inp in ctx.inputs]
     program = compile_program(lowered, local_inputs, config.compiler, layout, config.inference_only,
-                              freeze=config.constant_folding, partition_pass=_reshard_pass(config, ctx),
+                              freeze=config.constant_folding, partition_pass=_reshard_pass(ctx),
                               inductor_patches=compat.bucketing_patches(
                                   bool(ctx.zero) and ctx.sync_grads, _bucket_cap_mb(config),
                                   config.use_async_reducer and device_type == "cuda"), backward=backward,
@@ -59,9 +59,9 @@ def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
     return fx.GraphModule(gm, graph)
 
 
-def _reshard_pass(config: Config, ctx: PassContext):
+def _reshard_pass(ctx: PassContext):
     """ZeRO-3 frees gathered parameters after the forward (see :mod:`.reshard`)."""
-    if config.zero < 3 or not ctx.zero or not ctx.sync_grads:
+    if ctx.outline.zero.level < 3 or not ctx.zero or not ctx.sync_grads:
         return None
     groups = {zero_groups(ctx.layout, spec.ngroups).shard_name for spec in ctx.zero.values()}
     return reshard_pass(groups)

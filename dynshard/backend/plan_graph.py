@@ -12,6 +12,7 @@ from ..passes import PASSES, PassContext, assign_placements, propagate_sharding,
 from ..passes.assign_placements import record_plan
 from ..planning import Plan
 from ..planning.costs import with_forward_collectives
+from ..planning.outline import outline_of
 from ..policies import place
 from ..runtime.mesh import Layout
 from ..runtime.pipeline.schedules import build_schedule
@@ -24,13 +25,14 @@ def plan_graph(gm: fx.GraphModule, inputs, config: Config, layout: Layout, made_
     """``config``'s Plan for ``gm`` (described by ``inputs``), the context the passes filled, and the graph
     they left (the propagated ATen graph of a planned unit). ``place_stages=False``: a hybrid pipeline's
     stages are not planned (:func:`.pipeline.pipeline_plan`)."""
-    ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
+    outline = outline_of(config, layout.world_size, made_for)
+    ctx = PassContext(config=config, outline=outline, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
                       made_for=made_for, policy=place)
     graph = copy_graph(gm)
-    if config.is_pipeline:
-        options = config.pipeline
-        schedule = build_schedule(options.pipeline_scheduler, options.nsegments(config), options.pipeline_nmicros,
-                                  layout.pp_size, options.all_device_first)
+    if outline.pipeline is not None:
+        pipeline = outline.pipeline
+        schedule = build_schedule(pipeline.schedule, pipeline.nsegments, pipeline.nmicros, layout.pp_size,
+                                  pipeline.all_device_first)
         graph = run_passes(graph, ctx, PIPELINE_PASSES)
         return pipeline_plan(ctx, schedule, place_stages), ctx, graph
     if not layout.dim_names:        # a single process: nothing to place
@@ -42,16 +44,16 @@ def plan_graph(gm: fx.GraphModule, inputs, config: Config, layout: Layout, made_
 def lower_graph(gm: fx.GraphModule, inputs, config: Config, layout: Layout, made_for) -> tuple[fx.GraphModule, PassContext]:
     """The passes before the policy (lowering to ATen and what splits fused ops): they do not depend on the
     policy, so one lowered graph serves every policy planned on ``layout``."""
-    ctx = PassContext(config=config, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
-                      made_for=made_for, policy=place)
+    ctx = PassContext(config=config, outline=outline_of(config, layout.world_size, made_for), layout=layout,
+                      inputs=inputs, fake_mode=compat.new_fake_mode(), made_for=made_for, policy=place)
     return run_passes(copy_graph(gm), ctx, PASSES[:PASSES.index(assign_placements)]), ctx
 
 
 def place_graph(lowered: fx.GraphModule, lowered_ctx: PassContext,
                 config: Config) -> tuple[Plan, PassContext, fx.GraphModule]:
     """``config``'s policy on a copy of a lowered graph, and the propagation of its placements."""
-    ctx = PassContext(config=config, layout=lowered_ctx.layout, inputs=lowered_ctx.inputs,
-                      fake_mode=lowered_ctx.fake_mode, made_for=lowered_ctx.made_for, policy=place,
+    ctx = PassContext(config=config, outline=outline_of(config, lowered_ctx.layout.world_size, lowered_ctx.made_for),
+                      layout=lowered_ctx.layout, inputs=lowered_ctx.inputs, fake_mode=lowered_ctx.fake_mode, made_for=lowered_ctx.made_for, policy=place,
                       blocked=dict(lowered_ctx.blocked), op_memo=lowered_ctx.op_memo)
     graph = run_passes(copy_graph(lowered), ctx, PASSES[PASSES.index(assign_placements):
                                                        PASSES.index(propagate_sharding) + 1])

@@ -27,7 +27,6 @@ from ..policies.autodist.pipeline_costs import predict_pipeline, unit_at
 from ..runtime.mesh import planning_layout
 from .plan_and_compile import copy_graph
 from .plan_graph import lower_graph, place_graph
-from .stage_plans import stage_config
 
 TRANSIENT_MEM_COEF = AutodistOptions.transient_mem_coef     # nnScaler's default, as autodist's
 
@@ -60,7 +59,8 @@ def unit_costs(gm: fx.GraphModule, ctx: PassContext, graph: fx.GraphModule) -> U
 def tp_unit_costs(gm: fx.GraphModule, ctx: PassContext, ranks: int) -> UnitCosts:
     """What one rank computes, keeps and sends with the whole graph placed by the tp policy over ``ranks``
     (the stages' tp options), on a layout with no process group."""
-    config = stage_config(ctx.config)
+    config = dataclasses.replace(ctx.config, policy="tp", use_zero=0, zero_ngroups=1, zero_use_reduce_scatter=False,
+                                 pas_config={"sequence_parallel": ctx.outline.pipeline.sequence_parallel})
     layout = planning_layout(ctx.layout.world_size, ranks, ctx.layout.device_type)
     lowered, lowered_ctx = lower_graph(gm, ctx.inputs, config, layout, ctx.made_for)
     _, placed_ctx, placed = place_graph(lowered, lowered_ctx, config)

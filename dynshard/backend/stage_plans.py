@@ -14,31 +14,31 @@ from __future__ import annotations
 import dataclasses
 
 from .. import compat
-from ..config import Config
 from ..passes import PASSES, PassContext, propagate_sharding, run_passes
 from ..planning import STAGE_SEPARATOR, ActivationChoice, Plan, TensorChoice
 from ..planning.costs import with_forward_collectives
+from ..planning.outline import stage_outline
+from ..policies import place_stage
 from ..runtime.graph_inputs import GraphInput
 from .plan_and_compile import copy_graph
 
 
-def stage_config(config: Config) -> Config:
-    """How a hybrid stage is planned and compiled: the tp policy with the pipeline's tp options, no ZeRO (it
-    is the pipeline's)."""
-    return dataclasses.replace(config, policy="tp", pas_config=config.pipeline.tp_options, use_zero=0,
-                               zero_ngroups=1, zero_use_reduce_scatter=False)
+def stage_context(ctx: PassContext, inputs: list[GraphInput], fake_mode=None, layout=None, **fields) -> PassContext:
+    """A hybrid stage's passes: the stage's outline (:func:`planning.outline.stage_outline`), placed by the tp
+    policy with the pipeline's tp options, without data-parallel communication."""
+    return PassContext(config=ctx.config, outline=stage_outline(ctx.outline), layout=layout or ctx.layout,
+                       inputs=inputs, fake_mode=fake_mode or compat.new_fake_mode(), sync_grads=False, stage_program=True,
+                       policy=place_stage(ctx.outline.pipeline.sequence_parallel), **fields)
 
 
-def plan_stages(ctx: PassContext, stages, planned: set[int], policy) -> dict[int, Plan]:
+def plan_stages(ctx: PassContext, stages, planned: set[int]) -> dict[int, Plan]:
     """The tp plan of each stage in ``planned`` (by index), on this rank's layout."""
     plans = {}
     fake_mode, memo = compat.new_fake_mode(), None     # (one mode: the stages' layers ask DTensor once)
     for stage in stages:
         if stage.index not in planned:
             continue
-        stage_ctx = PassContext(config=stage_config(ctx.config), layout=ctx.layout,
-                                inputs=stage_inputs(stage, ctx.inputs), fake_mode=fake_mode,
-                                sync_grads=False, policy=policy, op_memo=memo)
+        stage_ctx = stage_context(ctx, stage_inputs(stage, ctx.inputs), fake_mode, op_memo=memo)
         run_passes(copy_graph(stage.module), stage_ctx, PASSES[:PASSES.index(propagate_sharding) + 1])
         memo = stage_ctx.op_memo
         ctx.timings.extend((f"stage{stage.index}.{name}", t) for name, t in stage_ctx.timings)

@@ -234,7 +234,7 @@ class Config:
         cap = self.reducer_bucket_cap_mb
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0):
             raise ConfigError(f"dynshard: reducer_bucket_cap_mb must be None or a number >= 0, got {cap!r}")
-        object.__setattr__(self, "mixed_precision", _mixed_precision(self.mixed_precision))
+        object.__setattr__(self, "mixed_precision", mixed_precision_policy(self.mixed_precision))
         if not isinstance(self.recompute_modules, str):
             raise ConfigError(
                 "dynshard: recompute_modules is a comma-separated string of module class names or paths, "
@@ -322,13 +322,16 @@ class Config:
         from_env = _read_environment(environ)
         return cls(**{**from_env, **explicit})
 
-    def resolve(self, world_size: int) -> "Config":
-        """Fill runtime_ngpus from the world size and check that the world fits the plan."""
+    def resolve(self, world_size: int, plan_fields: bool = True) -> "Config":
+        """Fill runtime_ngpus from the world size and check that the world fits the plan (``plan_fields``
+        False: a given plan decides the factorisation and ZeRO groups, and was checked against the world)."""
         runtime = self.runtime_ngpus if self.runtime_ngpus is not None else world_size
         if runtime != world_size:
             raise ConfigError(
                 f"dynshard: runtime_ngpus={runtime} but the job has {world_size} ranks; launch with "
                 f"torchrun --nproc-per-node {runtime} or set runtime_ngpus={world_size}")
+        if not plan_fields:
+            return dataclasses.replace(self, runtime_ngpus=runtime)
         if world_size % self.plan_ngpus:
             raise ConfigError(
                 f"dynshard: plan_ngpus={self.plan_ngpus} does not divide the world size {world_size}")
@@ -464,7 +467,7 @@ def _dtype(name: str, value: Any) -> torch.dtype | None:
     return dtype
 
 
-def _mixed_precision(value: Any) -> MixedPrecisionPolicy | None:
+def mixed_precision_policy(value: Any) -> MixedPrecisionPolicy | None:
     """torch's MixedPrecisionPolicy from itself, a dict of its fields (dtypes by name), or None."""
     if value is None:
         return None

@@ -8,7 +8,7 @@ from torch.distributed.tensor import Placement
 
 from ..planning import ActivationChoice, Plan, PlanFileError, TensorChoice, decode_placement, encode_placement
 from ..planning.node_keys import node_keys
-from ..planning.plan import mesh_of, plan_settings
+from ..planning.plan import mesh_of
 from ..runtime.sharding import check_divisible, local_shape, placements_for
 from ..runtime.zero import ZeroSpec, zero_spec
 from .context import ActivationPlacement, PassContext
@@ -36,9 +36,9 @@ def zero_specs(ctx: PassContext, placements: dict[int, tuple[Placement, ...]],
         if inp.tag is not None:
             spec = inp.tag.zero
         elif inp.index in over_dp:
-            spec = zero_spec(ctx.config.zero, ctx.layout, ctx.config.zero_ngroups,
-                             local_shape(inp.shape, ctx.layout, placements[inp.index]),
-                             ctx.config.zero_use_reduce_scatter)
+            zero = ctx.outline.zero
+            spec = zero_spec(zero.level, ctx.layout, zero.ngroups,
+                             local_shape(inp.shape, ctx.layout, placements[inp.index]), zero.reduce_scatter)
         else:
             spec = None
         if spec is not None:
@@ -56,16 +56,11 @@ def record_plan(gm: fx.GraphModule, ctx: PassContext) -> Plan:
         readers = None if choice.readers is None else tuple(keys[by_name[r]] for r in choice.readers)
         activations[keys[by_name[name]]] = ActivationChoice(encode_placement(choice.placements[0]), readers)
     order = {key: i for i, key in enumerate(keys.values())}
-    given = ctx.given
-    settings = plan_settings(ctx.config)
-    if given is not None:
-        settings["recompute"] = given.recompute
-    elif ctx.recompute is not None:
-        settings["recompute"] = ctx.recompute
-    return Plan(made_for=ctx.made_for, policy=given.policy if given is not None else policy_name(ctx.config),
-                mesh=mesh_of(ctx.layout), tensors=tensor_choices(ctx), activations=dict(sorted(
-                    activations.items(), key=lambda item: order[item[0]])),
-                predicted=given.predicted if given is not None else None, **settings)
+    outline = ctx.outline
+    return Plan(made_for=ctx.made_for, policy=outline.policy, mesh=mesh_of(ctx.layout), zero=outline.zero,
+                tensors=tensor_choices(ctx), activations=dict(sorted(activations.items(), key=lambda item: order[item[0]])),
+                recompute=ctx.recompute if ctx.given is None and ctx.recompute is not None else outline.recompute,
+                mixed_precision=outline.mixed_precision, predicted=outline.predicted)
 
 
 def tensor_choices(ctx: PassContext) -> dict[str, TensorChoice]:
@@ -116,9 +111,3 @@ def install_plan(plan: Plan, gm: fx.GraphModule, ctx: PassContext) -> None:
             placements_for(layout, {"tp": decode_placement(choice.tp)}),
             None if choice.readers is None else tuple(by_key[r].name for r in choice.readers))
 
-
-def policy_name(config) -> str:
-    policy = config.policy
-    if isinstance(policy, str):
-        return policy
-    return getattr(policy, "__qualname__", None) or type(policy).__name__

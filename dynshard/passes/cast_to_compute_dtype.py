@@ -22,7 +22,7 @@ from .context import PassContext
 
 
 def cast_to_compute_dtype(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    policy = ctx.config.mixed_precision
+    policy = ctx.mixed_precision
     if policy is None or (policy.param_dtype is None and policy.output_dtype is None):
         return gm
     graph = gm.graph

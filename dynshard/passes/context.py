@@ -1,4 +1,5 @@
-"""What the passes share: the configuration, the world layout, the captured inputs and the plan so far."""
+"""What the passes share: the configuration, the plan's outline, the world layout, the captured inputs and the
+plan so far."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ from typing import Any
 
 from torch.distributed.tensor import Placement
 
-from ..runtime.graph_inputs import GraphInput, mesh_identity
 from ..config import Config
+from ..planning import Plan
+from ..planning.outline import mixed_precision_of
+from ..runtime.graph_inputs import GraphInput, mesh_identity
 from ..runtime.mesh import Layout
 from ..runtime.sharding import placements_for
 from ..runtime.zero import ZeroSpec
@@ -29,9 +32,11 @@ class PassContext:
     layout: Layout
     inputs: list[GraphInput]
     fake_mode: Any
+    outline: Plan                    # what the program is built from: the given plan, or the config's outline
     placements: dict[int, tuple[Placement, ...]] = dataclasses.field(default_factory=dict)
     over_dp: set[int] = dataclasses.field(default_factory=set)   # from a given plan: inputs ZeRO splits
     zero: dict[int, ZeroSpec] = dataclasses.field(default_factory=dict)   # inputs whose rows ZeRO splits
+    stage_program: bool = False      # a pipeline stage's: its outputs are what the next stage reads
     sync_grads: bool = True          # False: the no-sync variant (whole replicas in, local gradients out)
     propagation: Any = None          # passes.propagate_sharding.Propagation
     blocked: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # input -> (blocks, dim)
@@ -45,10 +50,15 @@ class PassContext:
     made_for: Any = None             # planning.plan.MadeFor: the graph, world and modes the plan is for
     given: Any = None                # a Plan to execute instead of running the policy (loaded, received, stored)
     policy: Any = None               # (gm, ctx) -> None: places the inputs when no plan is given (policies.place)
-    recompute: tuple[str, ...] | None = None   # modules the policy recomputes (None: the config's)
+    recompute: tuple[str, ...] | None = None   # modules the policy recomputes (None: the outline's)
     plan: Any = None                 # the Plan of this program, once placements are assigned
     node_keys: dict[str, str] = dataclasses.field(default_factory=dict)  # node name -> planning.node_keys key
     op_memo: Any = None              # passes.op_memo.OpMemo: DTensor's answers, shared by this mode's propagations
+
+    @property
+    def mixed_precision(self):
+        """The outline's mixed precision as torch's ``MixedPrecisionPolicy`` (None: none)."""
+        return mixed_precision_of(self.outline)
 
     def arrival(self, inp: GraphInput) -> tuple[Placement, ...]:
         """How a graph input arrives at the program on this rank.

@@ -150,7 +150,7 @@ def assign_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if "cuts" not in ctx.stage_info:
         ctx.stage_info = _cuts_of(given, nodes, keys, gm, ctx) if given is not None else _choose_cuts(gm, nodes, ctx)
     cuts = ctx.stage_info["cuts"]
-    nstages = ctx.config.pipeline.nsegments(ctx.config)
+    nstages = ctx.outline.pipeline.nsegments
     if len(cuts) != nstages - 1 or cuts != sorted(cuts) or not all(0 < c < len(nodes) for c in cuts) \
             or len(set(cuts)) != len(cuts):
         raise PlanFileError(f"dynshard: the plan's pipeline stages start at {ctx.stage_info.get('starts')}, which "
@@ -213,8 +213,8 @@ def _start_name(nodes: list[fx.Node], cut: int, keys: dict) -> str:
 def _choose_cuts(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> dict[str, Any]:
     """The policy: at pipe_split() markers, else before pivots, else before the repeated layers, balanced
     by FLOPs measured on FakeTensors."""
-    options = ctx.config.pipeline
-    nstages = options.nsegments(ctx.config)
+    options = ctx.config.pipeline      # (pivots: the pp policy's option)
+    nstages, all_device_first = ctx.outline.pipeline.nsegments, ctx.outline.pipeline.all_device_first
     markers = [i for i, n in enumerate(nodes) if _is_pipe_split(n)]
     flops = _node_flops(gm, ctx)
     weights = [flops.get(n, 0) for n in nodes]
@@ -222,10 +222,10 @@ def _choose_cuts(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> 
         weights = [1] * len(nodes)
     if markers:
         if len(markers) != nstages - 1:
-            extra = " (1f1b_plus: one more, ending the all-device segment)" if options.all_device_first else ""
+            extra = " (1f1b_plus: one more, ending the all-device segment)" if all_device_first else ""
             raise ValueError(f"dynshard: the model calls pipe_split() {len(markers)} time(s), which cuts it into "
                              f"{len(markers) + 1} segments, but {nstages} are needed{extra}; call it "
-                             f"{nstages - 1} time(s) or set pipeline_nstages={len(markers) + 1 - int(options.all_device_first)}")
+                             f"{nstages - 1} time(s) or set pipeline_nstages={len(markers) + 1 - int(all_device_first)}")
         cuts, how = markers, "at pipe_split()"
     else:
         if options.pivots:
@@ -244,7 +244,7 @@ def _choose_cuts(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> 
         if len(candidates) < nstages - 1:
             raise ValueError(f"dynshard: only {len(candidates) + 1} stage(s) can be cut {how}, but "
                              f"pipeline_nstages is {nstages}; lower pipeline_nstages or choose other pivots")
-        if options.all_device_first:    # the all-device segment: what runs before the first layer
+        if all_device_first:    # the all-device segment: what runs before the first layer
             first = candidates[0]
             weights = [0] * first + weights[first:]
             cuts = [first] + _balanced_cuts(weights, candidates[1:], nstages - 1)
@@ -258,7 +258,7 @@ def _choose_cuts(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> 
 
 def split_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """One GraphModule per stage (``ctx.staged``); the captured graph itself is returned unchanged."""
-    nstages = ctx.config.pipeline.nsegments(ctx.config)
+    nstages = ctx.outline.pipeline.nsegments
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     index_of = {n: i for i, n in enumerate(placeholders)}
     output = next(n for n in gm.graph.nodes if n.op == "output")

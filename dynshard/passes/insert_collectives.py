@@ -94,7 +94,7 @@ def grad_sync_for(inp, ctx: PassContext) -> GradSync | None:
     trainable = inp.kind == "parameter" and inp.requires_grad and not config.inference_only
     if layout.dp_group is None or (zero is None and not trainable):
         return None
-    policy = config.mixed_precision
+    policy = ctx.mixed_precision
     compute = policy.param_dtype if policy is not None and inp.dtype.is_floating_point else None
     sync = GradSync(dp_group=layout.dp_group.group_name, communicate=ctx.sync_grads,
                     compute_dtype=compute, reduce_dtype=(policy.reduce_dtype or compute) if policy else None)

@@ -14,7 +14,7 @@ def lower_to_aten(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Units of one rank (data parallelism, ZeRO) have nothing to place: their Dynamo graph only gains
     the data-parallel wrappers, and aot_autograd lowers it once, in the compile. Recompute tags need
     ATen ops, so ``recompute_modules`` lowers here too."""
-    if ctx.layout.tp_mesh is None and not ctx.config.recompute_names:
+    if ctx.layout.tp_mesh is None and not ctx.outline.recompute:
         return gm
     return lower(gm, ctx)
 

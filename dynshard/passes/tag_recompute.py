@@ -216,7 +216,7 @@ def tag_recompute(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     ``recompute_modules`` unless the policy or a plan file chose; see the module docstring). Without names
     only user-checkpointed ops that communicate lose their recompute tag. A no-op for inference programs."""
     if not ctx.config.inference_only:
-        names = ctx.plan.recompute if ctx.plan is not None else ctx.config.recompute_names
+        names = ctx.plan.recompute if ctx.plan is not None else ctx.outline.recompute
         tag_graph(gm, names, _communicating_nodes(ctx))
     return gm
 
@@ -225,7 +225,7 @@ def tag_single_process(gm: fx.GraphModule, example_inputs: Sequence[Any], ctx: P
     """The single-process program (no passes run): lowered to ATen and tagged when recompute is asked
     for, as it is; unchanged otherwise. Lowering without decompositions keeps the ops (and numbers)
     aot_autograd would trace from the Dynamo graph itself; it lets RNG ops be recognised by their tags."""
-    if not ctx.config.recompute_names or ctx.config.inference_only:
+    if not ctx.outline.recompute or ctx.config.inference_only:
         return gm
     fakes = [ctx.fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
     aten_gm = compat.trace_to_aten(gm, fakes, ctx.fake_mode)

@@ -29,7 +29,7 @@ FIX = ("pass use_cache=False to a transformers model while training, return only
 def warn_gathered_outputs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     # (a pipeline stage's outputs are what the next stage reads, not what the user is handed)
     if (ctx.layout.tp_mesh is None or not ctx.config.gather_outputs or ctx.propagation is None
-            or ctx.config.is_pipeline):
+            or ctx.stage_program):
         return gm
     output = next(n for n in gm.graph.nodes if n.op == "output")
     gathered = []

@@ -53,6 +53,7 @@ from typing import Any, Mapping
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from ..compat import StridedShard
+from ..config.pipeline import INFERENCE_SCHEDULES, TRAINING_SCHEDULES
 
 
 PLAN_VERSION = 1
@@ -118,6 +119,35 @@ class PipelineChoice:
     how: str = ""
     flops: tuple[int, ...] = ()
     sequence_parallel: bool = False
+
+    def check(self, mesh: MeshShape, zero_level: int) -> None:
+        """What a hand edit can break: the schedule, the counts and the ranks they need."""
+        if self.schedule not in TRAINING_SCHEDULES + INFERENCE_SCHEDULES:
+            raise PlanFileError(f"dynshard: the plan's pipeline schedule {self.schedule!r} is not one of "
+                                f"{', '.join(TRAINING_SCHEDULES + INFERENCE_SCHEDULES)}")
+        if min(self.nmicros, self.nstages, self.nchunks) < 1 or self.nstages % self.nchunks:
+            raise PlanFileError(f"dynshard: the plan's pipeline has nmicros={self.nmicros}, nstages={self.nstages}, "
+                                f"nchunks={self.nchunks}; each must be positive and nchunks must divide nstages")
+        if self.nstages // self.nchunks != mesh.pp:
+            raise PlanFileError(f"dynshard: the plan's pipeline runs {self.nstages} stages of {self.nchunks} chunk(s) "
+                                f"per rank on {self.nstages // self.nchunks} pipeline ranks, but its mesh has pp={mesh.pp}")
+        if self.nchunks > 1 and self.schedule != "1f1b_interleaved":
+            raise PlanFileError(f"dynshard: the plan's nchunks={self.nchunks} needs schedule '1f1b_interleaved'")
+        if self.schedule == "chimera_direct" and (self.nstages != 4 or self.nmicros % 2):
+            raise PlanFileError("dynshard: the plan's chimera_direct schedule runs exactly 4 stages and an even "
+                                "number of micro-batches")
+        if self.all_device_first and zero_level:
+            raise PlanFileError("dynshard: ZeRO with the schedule '1f1b_plus' is not built yet")
+
+    @property
+    def all_device_first(self) -> bool:
+        """1f1b_plus: the graph's first segment runs tensor parallel on every rank of the unit."""
+        return self.schedule == "1f1b_plus"
+
+    @property
+    def nsegments(self) -> int:
+        """The graphs the captured graph is cut into: the stages, and 1f1b_plus's all-device segment."""
+        return self.nstages + int(self.all_device_first)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,6 +259,11 @@ class Plan:
                                 f"world of {mesh.world} ranks")
         if self.zero.level not in (0, 1, 2, 3):
             raise PlanFileError(f"dynshard: the plan's zero level must be 0-3, got {self.zero.level!r}")
+        if not isinstance(self.zero.ngroups, int) or self.zero.ngroups < 1 or mesh.dp % self.zero.ngroups:
+            raise PlanFileError(f"dynshard: the plan's zero ngroups={self.zero.ngroups!r} does not divide its "
+                                f"dp={mesh.dp} units")
+        if self.pipeline is not None:
+            self.pipeline.check(mesh, self.zero.level)
         for name, tensor in self.tensors.items():
             if tensor.dp not in DP_CHOICES:
                 raise PlanFileError(f"dynshard: tensor {name!r} has dp {tensor.dp!r}; use one of {', '.join(DP_CHOICES)}")
@@ -357,39 +392,6 @@ def format_json(value: Any, indent: int = 0, lead: int = 0, width: int = 150) ->
 def mesh_of(layout: Any) -> MeshShape:
     """The factorisation a world layout (``runtime.mesh.Layout``) makes."""
     return MeshShape(world=layout.world_size, dp=layout.dp_size, pp=layout.pp_size, tp=layout.tp_size)
-
-
-def plan_settings(config: Any) -> dict[str, Any]:
-    """The plan's choices that a policy takes from the user's configuration as it is: ZeRO, recompute and
-    mixed precision (a policy that chooses them, e.g. an automatic one, sets them itself)."""
-    mp = config.mixed_precision
-    return {"zero": ZeroChoice(config.zero, config.zero_ngroups, config.zero_use_reduce_scatter),
-            "recompute": tuple(config.recompute_names),
-            "mixed_precision": None if mp is None else {f.name: _setting(getattr(mp, f.name))
-                                                        for f in dataclasses.fields(mp)}}
-
-
-def config_for(plan: Plan, config: Any) -> Any:
-    """The configuration that executes ``plan``: the plan's mesh, ZeRO, recompute, mixed precision and pipeline
-    replace the user's fields, and no policy runs (the plan is installed instead)."""
-    pipeline = plan.pipeline
-    changes: dict[str, Any] = dict(
-        plan_ngpus=plan.mesh.plan_ngpus, use_zero=plan.zero.level, zero_ngroups=plan.zero.ngroups,
-        zero_use_reduce_scatter=plan.zero.reduce_scatter, recompute_modules=",".join(plan.recompute),
-        mixed_precision=None if plan.mixed_precision is None else dict(plan.mixed_precision))
-    if pipeline is not None:
-        changes["policy"] = "hybrid" if plan.mesh.tp > 1 else "pp"
-        changes["pas_config"] = {"pipeline_nmicros": pipeline.nmicros, "pipeline_nstages": pipeline.nstages,
-                                 "pipeline_scheduler": pipeline.schedule, "pipeline_nchunks": pipeline.nchunks,
-                                 "sequence_parallel": pipeline.sequence_parallel}
-    else:
-        changes["policy"] = "dp" if plan.mesh.plan_ngpus == 1 else "tp"
-        changes["pas_config"] = {}
-    return dataclasses.replace(config, **changes)
-
-
-def _setting(value: Any) -> Any:
-    return str(value).replace("torch.", "") if value is not None and not isinstance(value, (bool, int, str)) else value
 
 
 def _plan_from_json(text: str) -> Plan:

@@ -72,7 +72,11 @@ class TensorParallelOptions:
 
 
 def tp(plan: PlanBuilder, config: Config) -> None:
-    options = TensorParallelOptions.from_pas_config(config.pas_config)
+    tensor_parallel_layers(plan, TensorParallelOptions.from_pas_config(config.pas_config))
+
+
+def tensor_parallel_layers(plan: PlanBuilder, options: TensorParallelOptions) -> None:
+    """Megatron's placements with ``options`` (the tp policy's, or a hybrid pipeline stage's)."""
     base = _split_columns(plan, plan.propagate())
     base = split_experts(plan, base)      # mixture of experts: 3-D expert weights, column then row
     base = _split_vocabulary(plan, base)

@@ -7,7 +7,8 @@ dimension (``plan.shard(name, dim)``) or whole on every rank (``plan.replicate(n
 where activations are redistributed (``plan.place_activation``) and which modules are recomputed
 (``plan.recompute``). ``plan.propagate()`` tells what the current choice costs. What it decides becomes the
 program's :class:`dynshard.Plan`. The world's factorisation (``plan_ngpus``, pipeline stages), the ZeRO level
-and mixed precision come from the Config (or a plan file) before a policy runs.
+and mixed precision are the plan's outline (``ctx.outline``: the Config's, or a given plan's) before a policy
+runs; a planner (``dynshard.planner``) decides those.
 
 Across units (mesh dimension "dp") each unit sees its own batch and gradients are averaged. With
 ``Config.use_zero`` every trainable parameter's rows are split over its zero group by default; a policy
@@ -131,7 +132,7 @@ class PlanBuilder:
     def shard_over_dp(self, name: str) -> None:
         """Split ``name``'s rows over its zero group (needs ``use_zero``): ZeRO storage."""
         inp = self._input(name)
-        if not self.config.zero:
+        if not self.ctx.outline.zero.level:
             raise PlanError(f"dynshard: shard_over_dp({name!r}) needs Config(use_zero=1, 2 or 3)")
         self._set_over_dp(inp, True)
 
@@ -142,7 +143,7 @@ class PlanBuilder:
     def recompute(self, *modules: str) -> None:
         """Recompute the activations of these modules (class names or module paths, as ``recompute_modules``)
         in the backward instead of keeping them; replaces the config's choice for this graph."""
-        if self.ctx.layout.tp_mesh is None and not self.config.recompute_names:
+        if self.ctx.layout.tp_mesh is None and not self.ctx.outline.recompute:
             raise PlanError("dynshard: a policy chooses recompute on the ATen graph, which a plan unit of one rank "
                             "does not lower; set Config(recompute_modules=...) for units of one rank")
         self.ctx.recompute = tuple(m.strip() for m in modules if m.strip())
@@ -207,7 +208,7 @@ class PlanBuilder:
         """A tensor already stored keeps its storage; otherwise ZeRO splits every trainable parameter."""
         if inp.tag is not None:
             return inp.tag.zero is not None
-        return bool(self.config.zero) and inp.kind == "parameter" and inp.requires_grad
+        return bool(self.ctx.outline.zero.level) and inp.kind == "parameter" and inp.requires_grad
 
     def _set_over_dp(self, inp: GraphInput, split: bool) -> None:
         if inp.tag is not None and (inp.tag.zero is not None) != split:

@@ -94,9 +94,9 @@ def take_ownership(args, plan) -> Ownership:
             readers.setdefault(index, []).append(stage.index)
     mine = set(plan.schedule.stages_of(groups.pp_rank))
     held, tie_sets, pending, zero = {}, {}, {}, set()
-    config = plan.config
-    if config.zero and groups.dp_size > 1:
-        zero_groups(groups.layout, config.zero_ngroups)    # collective: every rank, before any tensor
+    choice = plan.plan.zero
+    if choice.level and groups.dp_size > 1:
+        zero_groups(groups.layout, choice.ngroups)    # collective: every rank, before any tensor
     for inp in plan.inputs:
         if not inp.is_state or inp.index not in readers:
             continue
@@ -129,8 +129,8 @@ def take_ownership(args, plan) -> Ownership:
             pending[inp.index] = owner      # tagged once its stage's program has split it over tp
         else:
             # (the graph input's shape: a meta-built model's tensors of other ranks' stages are freed already)
-            spec = zero_spec(config.zero, groups.layout, config.zero_ngroups, inp.shape,
-                             config.zero_use_reduce_scatter) if owns and tensor.requires_grad else None
+            spec = zero_spec(choice.level, groups.layout, choice.ngroups, inp.shape,
+                             choice.reduce_scatter) if owns and tensor.requires_grad else None
             tag = ShardTag(fqn=inp.name, global_shape=inp.shape, global_stride=tuple(inp.stride),
                            placements=placements_for(plan.layout, {}), layout=plan.layout, zero=spec, owner=owner)
             if tag.is_split:     # another stage's, or ZeRO rows of this one's
@@ -149,8 +149,8 @@ def take_ownership(args, plan) -> Ownership:
                 if (unit, tp_rank) == (groups.dp_rank, groups.layout.tp_rank) and groups.pp_rank in owner_ranks:
                     shared.append((group, [i for i in indices if i in held]))
     pending_zero = None
-    if pending and config.zero and groups.dp_size > 1:
-        pending_zero = (config.zero, config.zero_ngroups, config.zero_use_reduce_scatter)
+    if pending and choice.level and groups.dp_size > 1:
+        pending_zero = (choice.level, choice.ngroups, choice.reduce_scatter)
     return Ownership(held, shared, pending, zero=zero, pending_zero=pending_zero)
 
 

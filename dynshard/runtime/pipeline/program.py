@@ -68,6 +68,7 @@ class PipelinePlan:
     input_check: Any = None          # runtime.unit_inputs.InputCheck: the unit's ranks were fed the same batch
     buffer_sync: Any = None          # runtime.buffer_sync.BufferSync: written buffers equal over the units
     plan: Any = None                 # planning.Plan: the decisions this pipeline executes
+    retrace_config: Any = None       # what a re-trace at the micro-batch shape compiles with: this plan again
     steps: int = 0                  # steps run (a plain call with autograd is one step: forward + backward)
     last_step: dict = dataclasses.field(default_factory=dict)   # sent bytes, idle fraction of the latest step
     _combine: list | None = None
@@ -87,7 +88,7 @@ class PipelinePlan:
 
     @property
     def nmicros(self) -> int:
-        return self.config.pipeline.pipeline_nmicros
+        return self.plan.pipeline.nmicros
 
     @property
     def combine(self) -> list[str]:
@@ -260,7 +261,7 @@ class PipelineProgram:
             self.plan.programs_for(mb_args)      # raises: the graph holds the whole batch's sizes
         with recording() as recorder:
             for mb in mb_args:
-                frame.call(self.plan.config, {i: mb[i] for i in frame.inputs})
+                frame.call(self.plan.retrace_config, {i: mb[i] for i in frame.inputs})
         plans = {id(call.program.plan) for call in recorder.calls}
         if len(recorder.calls) != len(mb_args) or len(plans) != 1:
             raise RuntimeError(f"dynshard: traced at the micro-batch shape, the model gave {len(recorder.calls)} "

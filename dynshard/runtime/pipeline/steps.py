@@ -44,7 +44,7 @@ def _loss_of(output: Any) -> torch.Tensor:
 def _check(samples: Sequence[Any], is_dummy_batch, config: Config | None) -> list[bool]:
     if is_dummy_batch is not None and len(is_dummy_batch) != len(samples):
         raise ValueError(f"dynshard: is_dummy_batch has {len(is_dummy_batch)} entries for {len(samples)} samples")
-    if config is not None and config.is_pipeline and len(samples) != config.pipeline.pipeline_nmicros:
+    if _runs_pipeline(config) and len(samples) != config.pipeline.pipeline_nmicros:
         raise ValueError(f"dynshard: train_step/infer_step got {len(samples)} samples but the pipeline runs "
                          f"pipeline_nmicros={config.pipeline.pipeline_nmicros} micro-batches per step; pass "
                          "exactly that many (pad with dummy samples flagged in is_dummy_batch)")
@@ -92,7 +92,7 @@ def train_step(model: torch.nn.Module, samples: Sequence[Any], is_dummy_batch: S
         loss = scale_fn(loss) if scale_fn is not None else loss
         return loss * 0.0 if dummy[mb] else loss
 
-    first = None
+    first, pipeline = None, _runs_pipeline(config)
     if config is not None and _plan_decides(config):
         # an automatic policy chooses a pipeline or not when the graph compiles, in this first call: a
         # pipeline program only records it; any other runs it, as the loop below would have
@@ -106,7 +106,7 @@ def train_step(model: torch.nn.Module, samples: Sequence[Any], is_dummy_batch: S
                 returned = [first] + [model(sample) for sample in samples[1:]]
             recorder.calls.extend(rest.calls)
             return _run_pipeline(recorder, returned, samples, scaled)
-    if config is None or not config.is_pipeline:
+    if not pipeline:
         outputs = [] if first is None else [_detach(first)]
         for mb, sample in enumerate(samples[len(outputs):], start=len(outputs)):
             last = mb == len(samples) - 1
@@ -122,8 +122,14 @@ def train_step(model: torch.nn.Module, samples: Sequence[Any], is_dummy_batch: S
 
 
 def _plan_decides(config: Config) -> bool:
-    """Whether the plan, made when the graph compiles, decides if the model runs as a pipeline."""
-    return (config.policy == "autodist" and config.autodist.explore_pipeline) or isinstance(config.policy, Planner)
+    """Whether the plan, made or read when the graph compiles, decides if the model runs as a pipeline."""
+    return (config.load_plan_path is not None or (config.policy == "autodist" and config.autodist.explore_pipeline)
+            or isinstance(config.policy, Planner))
+
+
+def _runs_pipeline(config: Config | None) -> bool:
+    """Whether the model is known to run as a pipeline before it compiles: a pipeline policy's outline."""
+    return config is not None and not _plan_decides(config) and config.is_pipeline
 
 
 def _run_pipeline(recorder, returned: list, samples: list, scaled) -> list[Any]:
@@ -151,11 +157,13 @@ def infer_step(model: torch.nn.Module, samples: Sequence[Any]) -> list[Any]:
     samples = list(samples)
     config = _config_of(model)
     _check(samples, None, config)
-    if config is None or not config.is_pipeline:
+    if not _runs_pipeline(config) and (config is None or not _plan_decides(config)):
         with torch.no_grad():
             return [model(sample) for sample in samples]
     with torch.no_grad(), recording() as recorder:
         returned = [model(sample) for sample in samples]
+    if not recorder.calls:          # the plan is not a pipeline's: each sample has run
+        return returned
     program = _recorded_program(recorder, samples)
     run = program.run(program.plan.forward_only, [call.args for call in recorder.calls], train=False)
     _fill(program, run, recorder, program.plan.forward_only)
