@@ -195,7 +195,7 @@ def test_why_not_says_what_rules_a_hand_plan_out():
 def test_exploring_pipelines_over_a_unit_of_four_prices_the_hybrid_pp_x_tp_factorisation():
     found = run_ranks(hybrid_candidates, 1, timeout=300)[0]
     rows = {c["plan"]: c for c in found["candidates"]}
-    for schedule in ("1f1b", "gpipe", "zb1p"):
+    for schedule in ("1f1b", "gpipe", "zb1p", "1f1b_interleaved"):     # (interleaved: two stages a pipeline rank)
         assert {f"pp {schedule}", f"hybrid pp 2 x tp 2 {schedule}", f"hybrid pp 2 x tp 2 {schedule} + ZeRO-3"} <= set(rows)
     hybrid, pp = rows["hybrid pp 2 x tp 2 1f1b"], rows["pp 1f1b"]
     # its stages' tp collectives are priced (pp has none), and recompute shrinks its peak

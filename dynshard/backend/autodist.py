@@ -28,6 +28,7 @@ from typing import Callable
 import torch.fx as fx
 
 from ..config import Config
+from ..config.autodist import INTERLEAVED_CHUNKS
 from ..planning import Plan
 from ..planning.cost_model import DeviceProfile, UnitCosts, load_profile, predict
 from ..policies.autodist.choices import choose
@@ -196,6 +197,8 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                    "pipeline_pivots": options.pipeline_pivots}
             if tp > 1:
                 pas["pipeline_nstages"] = pp
+            if schedule == "1f1b_interleaved":      # (the chunks: stages per pipeline rank)
+                pas.update(pipeline_nchunks=INTERLEAVED_CHUNKS, pipeline_nstages=pp * INTERLEAVED_CHUNKS)
             placement = Placement(f"pp {schedule}" if tp == 1 else f"hybrid pp {pp} x tp {tp} {schedule}",
                                   "pp" if tp == 1 else "hybrid", tuple(pas.items()))
             base = placement.config(config, 1 if dp > 1 else 0, options.recompute_modules or "")

@@ -24,7 +24,8 @@ task_name: a label carried into the plan's predictions.
 re_profile / parallel_profile: nnScaler re-times operators on the device; dynshard's profile is computed
     on FakeTensors each time (nothing is cached or timed), so both are accepted and change nothing.
 explore_pipeline: also price pipelines (policy "pp": every rank of a unit one stage) with the schedules
-    of ``pipeline_scheduler`` (default: 1f1b, gpipe and zb1p), ``update_freq`` micro-batches, stages cut
+    of ``pipeline_scheduler`` (default: 1f1b, gpipe, zb1p, and 1f1b_interleaved with two stages per pipeline
+    rank where ``update_freq`` allows it), ``update_freq`` micro-batches, stages cut
     before ``pipeline_pivots`` (module classes; default: the repeated layers). Needs ``use_end2end=True``
     and ``dynshard.train_step``. ZeRO levels are searched for pipelines too (uniform), and so is every
     factorisation of ``plan_ngpus`` into pp stages of tp ranks (the hybrid policy's pipelines).
@@ -40,7 +41,8 @@ from typing import Any, Mapping
 
 from .errors import ConfigError, check_option_names
 
-PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb1p")     # one stage per rank: what autodist prices
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "zb1p", "1f1b_interleaved")     # what autodist prices
+INTERLEAVED_CHUNKS = 2      # stages per rank of the 1f1b_interleaved candidates
 
 
 @dataclasses.dataclass(frozen=True)

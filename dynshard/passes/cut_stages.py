@@ -8,7 +8,8 @@ Where the cuts go, in order of precedence:
 3. before instances of the model's repeated layer (the module class with the most instances held in a
    ``ModuleList``/``Sequential``: a transformer's blocks), else between any two ops;
 
-choosing among the candidates of 2 and 3 the ones that balance the forward FLOPs (measured with
+choosing among the candidates of 2 and 3 the cut whose heaviest stage has the fewest forward FLOPs, and
+among those the closest to equal parts (exact: :mod:`dynshard.planning.stage_cuts`; FLOPs measured with
 ``FlopCounterMode`` on FakeTensors; ops without FLOPs count one each when the graph has no matmul).
 
 The result is one GraphModule per stage. A stage's placeholders are the captured graph's inputs it
@@ -32,6 +33,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from ..planning import PlanFileError
 from ..planning.node_keys import find_position, module_paths, node_keys
+from ..planning.stage_cuts import balanced_cuts
 from .context import PassContext
 
 _PIPE_SPLIT = "pippy._pipe_split"
@@ -119,22 +121,6 @@ def _repeated_layer(nodes: list[fx.Node]):
     if not instances:
         return None
     return instances.most_common(1)[0][0]
-
-
-def _balanced_cuts(weights: list[int], candidates: list[int], nstages: int) -> list[int]:
-    """``nstages - 1`` increasing positions from ``candidates`` whose prefix sums come closest to equal parts."""
-    prefix = [0]
-    for w in weights:
-        prefix.append(prefix[-1] + w)
-    total = prefix[-1]
-    cuts: list[int] = []
-    for k in range(1, nstages):
-        usable = [c for c in candidates if c > (cuts[-1] if cuts else 0) and
-                  len([d for d in candidates if d > c]) >= nstages - 1 - k]
-        if not usable:
-            break
-        cuts.append(min(usable, key=lambda c: abs(prefix[c] - total * k / nstages)))
-    return cuts
 
 
 def assign_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
@@ -247,10 +233,10 @@ def _choose_cuts(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> 
         if all_device_first:    # the all-device segment: what runs before the first layer
             first = candidates[0]
             weights = [0] * first + weights[first:]
-            cuts = [first] + _balanced_cuts(weights, candidates[1:], nstages - 1)
+            cuts = [first] + balanced_cuts(weights, candidates[1:], nstages - 1)
             how += "; the ops before the first cut run on every rank (1f1b_plus)"
         else:
-            cuts = _balanced_cuts(weights, candidates, nstages)
+            cuts = balanced_cuts(weights, candidates, nstages)
     bounds = [0, *cuts, len(nodes)]
     stage_flops = [sum(flops.get(n, 0) for n in nodes[a:b]) for a, b in zip(bounds, bounds[1:])]
     return {"cuts": list(cuts), "how": how, "flops": stage_flops}

@@ -48,7 +48,8 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
     ranks = []
     for rank in range(plan.mesh.pp):
         stages = {s for s, owners in enumerate(p.stage_ranks) if rank in owners}
-        activations = sum(shares[s] for s in stages) * saved * held[rank] + largest_block
+        # (each micro-batch held is one of its stages' forwards: with several stages a rank, the largest's)
+        activations = max(shares[s] for s in stages) * saved * held[rank] + largest_block
         # ZeRO under a pipeline: the stages' parameters gathered whole once per step, and their gradients
         # accumulated whole over the micro-batches before the reduce-scatter at the step's end
         replicas = 2 * sum(whole_bytes(plan, t) for t in plan.tensors.values()
