@@ -41,6 +41,11 @@ HAND = {
     "tp + recompute": ("dynshard:tp-recompute", 2, "tp + recompute Block"),
     "tp + sp + recompute": ("dynshard:tpsp-recompute", 2, "tp + sequence parallel + recompute Block"),
 }
+HAND_GPT = {     # (the GPT's module names)
+    "tp, wte whole": ("dynshard:tp-wte-whole", 2, "tp, wte whole"),
+    "tp, attention whole": ("dynshard:tp-attn-whole", 2, "tp, blocks.*.attn.{k,proj,q,v} whole"),
+    "tp, fc1/fc2 whole": ("dynshard:tp-fc-whole", 2, "tp, blocks.*.{fc1,fc2} whole"),
+}
 AUTODIST = {"autodist (plan_ngpus 2)": ("dynshard:autodist", 2), "autodist (plan_ngpus 1)": ("dynshard:autodist-dp", 1)}
 
 
@@ -205,7 +210,8 @@ def main() -> None:
     predicted = predictions(args, profile)
     environ = {"DYNSHARD_PAS_CONFIG": json.dumps({"device_profile": profile})}
     rows = []
-    for name, (system, n, candidate) in HAND.items():
+    hand_plans = {**HAND, **(HAND_GPT if args.model == "gpt" else {})}
+    for name, (system, n, candidate) in hand_plans.items():
         job = run_job(system, 2, args, results_dir)
         row = next(c for c in predicted[n]["autodist"]["candidates"] if c["plan"] == candidate.replace("Block", block))
         rows.append(dict(plan=name, measured_s=job.get("step_s"), predicted_s=row["step_seconds"],
@@ -214,7 +220,7 @@ def main() -> None:
         job = run_job(system, 2, args, results_dir, environ=environ)
         rows.append(dict(plan=name, chose=predicted[n]["autodist"]["chosen"], measured_s=job.get("step_s"),
                          predicted_s=predicted[n]["step_seconds"], predicted_peak=predicted[n]["bytes_per_rank"]["peak"]))
-    hand = [r for r in rows if r["plan"] in HAND and r["measured_s"] is not None]
+    hand = [r for r in rows if r["plan"] in hand_plans and r["measured_s"] is not None]
     rho = spearman([r["predicted_s"] for r in hand], [r["measured_s"] for r in hand])
     wrong = [(a["plan"], b["plan"]) for a in hand for b in hand
              if a["measured_s"] > 1.2 * b["measured_s"] and a["predicted_s"] <= b["predicted_s"]]

@@ -53,6 +53,12 @@ DYNSHARD = {
     "dynshard:tp-recompute": dict(policy="tp", plan_ngpus=2, recompute_modules="Block"),
     "dynshard:tpsp-recompute": dict(policy="tp", plan_ngpus=2, pas_config={"sequence_parallel": True},
                                     recompute_modules="Block"),
+    # tp with one kind of its split layers left whole (autodist's tp variants; the GPT's module names)
+    "dynshard:tp-wte-whole": dict(policy="tp", plan_ngpus=2, partition_constraints={"wte.weight": "replicate"}),
+    "dynshard:tp-attn-whole": dict(policy="tp", plan_ngpus=2, partition_constraints={
+        f"blocks.*.attn.{m}.*": "replicate" for m in ("q", "k", "v", "proj")}),
+    "dynshard:tp-fc-whole": dict(policy="tp", plan_ngpus=2, partition_constraints={
+        "blocks.*.fc1.*": "replicate", "blocks.*.fc2.*": "replicate"}),
     # autodist: its pas_config (the device profile) comes from DYNSHARD_PAS_CONFIG (bench_autodist.py sets it)
     "dynshard:autodist": dict(policy="autodist", plan_ngpus=2),
     "dynshard:autodist-dp": dict(policy="autodist"),

@@ -50,11 +50,14 @@ def test_nnscalers_plan_file_keys_map_onto_the_configs():
 
 @pytest.mark.slow       # (24 plans made twice: about 20 s)
 def test_every_candidate_is_the_plan_its_hand_policy_makes():
-    """tp, tp + sequence parallel and data, at every ZeRO level over 2 units, with and without recompute:
-    each candidate is byte for byte the plan that policy and config make (autodist's space holds them)."""
+    """tp, tp + sequence parallel, data, and tp with each kind of layer it splits left whole (pinned), at every
+    ZeRO level over 2 units, with and without recompute: each candidate is byte for byte the plan that policy
+    and config make (autodist's space holds them; a variant is read off tp's plan, and equals tp's with pins)."""
     rows = run_ranks(candidate_plans_beside_hand_plans, 1, 4, timeout=300)[0]
     names = [name for name, _, _ in rows]
-    assert len(names) == 3 * 4 * 2 and {"tp", "tp + sequence parallel + ZeRO-3", "data + ZeRO-1 + recompute Block"} <= set(names)
+    variants = {"tp, blocks.*.attn.{k,proj,q,v} whole", "tp, blocks.*.{fc1,fc2} whole", "tp, wte whole"}
+    assert len(names) == 6 * 4 * 2 and {"tp", "tp + sequence parallel + ZeRO-3", "data + ZeRO-1 + recompute Block",
+                                        "tp, wte whole + ZeRO-3 + recompute Block"} | variants <= set(names)
     for name, candidate, hand in rows:
         assert candidate == hand, name
 
@@ -91,6 +94,20 @@ def test_a_two_rank_job_trains_like_one_process_on_the_plan_autodist_chose_and_s
     assert plan["policy"] == "autodist" and plan["mesh"]["tp"] == 2
     assert plan["predicted"]["autodist"]["chosen"] in {c["plan"] for c in plan["predicted"]["autodist"]["candidates"]}
     assert "autodist chose" in results[0]["explain"]
+
+
+def test_under_a_budget_autodist_keeps_one_kind_of_layer_whole_and_the_job_trains_like_one_process(tmp_path):
+    """The test GPT on 2 ranks under 0.0005 GB: data does not fit, tp does, and tp with its vocabulary whole (the
+    embedding's three all-reduces gone, its rows held whole) fits and is predicted faster: autodist chooses it,
+    and the job runs that plan like one process."""
+    results = run_ranks(train_with_autodist, 2, str(tmp_path / "plan.json"), {"mem_constraint": 0.0005}, timeout=600)
+    for rank, result in enumerate(results):
+        assert_trains_like_one_process(result, f"rank {rank}")
+    plan = json.loads(results[0]["saved"])
+    assert plan["predicted"]["autodist"]["chosen"].startswith("tp, wte whole"), plan["predicted"]["autodist"]["chosen"]
+    assert plan["tensors"]["wte.weight"]["tp"] == "R" and plan["tensors"]["blocks.0.fc1.weight"]["tp"] == "S0"
+    rows = {c["plan"]: c for c in plan["predicted"]["autodist"]["candidates"]}
+    assert not rows["data"]["fits"] and rows["tp"]["fits"] and rows["tp"]["step_seconds"] > plan["predicted"]["step_seconds"]
 
 
 @pytest.mark.parametrize("mem_constraint", [0.00045, pytest.param(0.00055, marks=pytest.mark.slow)])

@@ -84,8 +84,9 @@ def _autodist_error(error: BaseException) -> str:
     return f"AutodistError: {cause}"
 
 
-def train_with_autodist(rank: int, world: int, path: str) -> dict:
-    result = train_parity(rank, world, "gpt", "autodist", 2, "aot_eager", 3, options={"save_plan_path": path})
+def train_with_autodist(rank: int, world: int, path: str, pas_config: dict | None = None) -> dict:
+    result = train_parity(rank, world, "gpt", "autodist", 2, "aot_eager", 3,
+                          options={"save_plan_path": path, "pas_config": pas_config or {}})
     dist.barrier()
     with open(path) as f:
         result["saved"] = f.read()

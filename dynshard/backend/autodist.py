@@ -35,7 +35,8 @@ from ..policies.autodist.choices import choose
 from ..policies.autodist.hybrid_stages import estimated_stages
 from ..policies.autodist.pipeline_costs import predict_pipeline, unit_at
 from ..policies.autodist.graph_costs import graph_costs, op_costs
-from ..policies.autodist.space import Candidate, Placement, placements, recompute_choices, with_choices, zero_levels
+from ..policies.autodist.space import (Candidate, Placement, left_whole, placements, recompute_choices, tp_variants,
+                                       with_choices, zero_levels)
 from ..runtime.mesh import planning_layout
 from ..runtime.pipeline.schedules import build_schedule
 from .agreement import from_rank0
@@ -140,14 +141,22 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
                                        made_for)
     ops = op_costs(lowered, inputs, lowered_ctx.fake_mode)       # (placement-free: once for every placement)
     skipped = {}
+    edits: dict[str, Plan] = {}       # a tp variant: tp's plan with a kind left whole, propagated as given
     for placement in choices:
         try:
-            base, ctx, graph = place_graph(lowered, lowered_ctx, placement.config(config, 1 if dp > 1 else 0, forced))
+            base, ctx, graph = place_graph(lowered, lowered_ctx, placement.config(config, 1 if dp > 1 else 0, forced),
+                                           edits.get(placement.name))
         except Exception as error:      # noqa: BLE001 - a placement its policy cannot make is not a candidate
             skipped[placement.name] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             log.info("autodist: no %s plan for this graph: %s", placement.name, skipped[placement.name])
             continue
         units.append((placement, base, graph_costs(graph, inputs, ops, layout.tp_size, ctx.propagation)))
+        if placement.name == "tp":      # (then each kind of the layers it splits, left whole: a choice per kind)
+            for variant in tp_variants(base):
+                choices.append(variant)
+                edited = left_whole(base, variant)
+                if edited is not None:
+                    edits[variant.name] = edited
     if not units:
         raise AutodistError("dynshard: autodist found no placement its policies can make for this graph: " + "; ".join(
             f"{name}: {reason}" for name, reason in skipped.items()))

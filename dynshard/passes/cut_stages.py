@@ -75,8 +75,24 @@ def _compute_nodes(gm: fx.GraphModule) -> list[fx.Node]:
     return [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
 
 
+_MEASURED: dict[tuple, tuple[int, ...]] = {}     # (graph code, input shapes) -> FLOPs per node, in graph order
+_MEASURED_KEPT = 8
+
+
 def _node_flops(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, int]:
-    flops: dict[fx.Node, int] = {}
+    """Each node's forward FLOPs, measured once per graph and input shapes (a search cuts the same graph into
+    several pipelines: their cuts read the same measurement)."""
+    key = (gm.code, tuple((tuple(i.shape), i.dtype) for i in ctx.inputs))
+    if key not in _MEASURED:
+        if len(_MEASURED) >= _MEASURED_KEPT:
+            _MEASURED.pop(next(iter(_MEASURED)))
+        measured = _measure_flops(gm, ctx)
+        _MEASURED[key] = tuple(measured[node] for node in gm.graph.nodes)
+    return dict(zip(gm.graph.nodes, _MEASURED[key]))
+
+
+def _measure_flops(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, int]:
+    flops: dict[fx.Node, int] = {node: 0 for node in gm.graph.nodes}
 
     counter = FlopCounterMode(display=False)      # (one counter, read before and after each node)
 

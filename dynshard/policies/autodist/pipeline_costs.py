@@ -17,6 +17,7 @@ the transient term.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ...planning import STAGE_SEPARATOR, Plan
 from ...planning.cost_model import DeviceProfile, UnitCosts, instance_seconds, parameter_seconds, round_seconds
@@ -39,9 +40,7 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
     # a transfer meets the neighbouring stage: it waits for its skew over the action before it
     transfer = profile.alpha_s["all_to_all"] + boundary / profile.bandwidth["all_to_all"] + \
         profile.meeting_seconds(1, f) if len(shares) > 1 else 0.0
-    schedule = build_schedule(p.schedule, p.nstages, p.nmicros, plan.mesh.pp)
-    simulated = simulate(schedule, f=f, b=b, comm=transfer)
-    held = _held(simulated, plan.mesh.pp)
+    simulated, held = _simulated(p.schedule, p.nstages, p.nmicros, plan.mesh.pp, f, b, transfer)
     rest = memory_at_rest(plan)
     saved = unit.saved_bytes - sum(i.saved_bytes - i.entry_bytes for i in recomputed)
     largest_block = max((i.saved_bytes for i in recomputed), default=0.0)
@@ -123,6 +122,14 @@ def unit_at(whole: UnitCosts, split: UnitCosts, ranks: int, tp: int) -> UnitCost
         forward_bytes=at(whole.forward_bytes, split.forward_bytes), saved_bytes=at(whole.saved_bytes, split.saved_bytes),
         largest_output=at(whole.largest_output, split.largest_output), instances=instances,
         replicated_grad_bytes=split.replicated_grad_bytes, replicated_grads=split.replicated_grads)
+
+
+@functools.lru_cache(maxsize=256)
+def _simulated(schedule: str, nstages: int, nmicros: int, nranks: int, f: float, b: float, comm: float):
+    """The schedule's simulation and the micro-batches each rank holds (the same for every ZeRO level of a
+    candidate: the search asks again for each)."""
+    simulated = simulate(build_schedule(schedule, nstages, nmicros, nranks), f=f, b=b, comm=comm)
+    return simulated, _held(simulated, nranks)
 
 
 def _held(simulated, nranks: int) -> list[int]:

@@ -10,24 +10,32 @@ make them; ZeRO levels and recompute change no placement and are applied to a pl
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 
 from ...config import Config
 from ...planning import Plan
 from ...planning.plan import ZeroChoice
+from ..repeated_layers import layer_pattern
 
 ZERO_LEVELS = (0, 1, 2, 3)
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """How a unit splits the graph: a built-in policy and its pas_config."""
+    """How a unit splits the graph: a built-in policy, its pas_config, and parameter patterns it leaves whole
+    (pins after the user's own)."""
     name: str
     policy: str
     pas_config: tuple[tuple[str, object], ...] = ()
+    whole: tuple[str, ...] = ()
 
     def config(self, user: Config, zero: int, recompute: str) -> Config:
+        pins = dict(user.partition_constraints)
+        for pattern in self.whole:
+            pins.setdefault(pattern, "replicate")
         return dataclasses.replace(user, policy=self.policy, pas_config=dict(self.pas_config), use_zero=zero,
-                                   recompute_modules=recompute, load_plan_path=None, save_plan_path=None)
+                                   recompute_modules=recompute, load_plan_path=None, save_plan_path=None,
+                                   partition_constraints=pins)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +61,42 @@ def placements(config: Config) -> list[Placement]:
         return [Placement("dp", "dp")]
     return [Placement("tp", "tp"), Placement("tp + sequence parallel", "tp", (("sequence_parallel", True),)),
             Placement("data", "data")]
+
+
+def tp_variants(tp: Plan) -> list[Placement]:
+    """The tp policy with one kind of the layers it splits left whole: per kind, a repeated layer's sibling
+    modules whose weights it splits by columns (``blocks.*.attn.{k,q,v}``, ``blocks.*.fc1``, the vocabulary
+    ``wte``), tied across the layers. Pinning a pair's column side whole leaves its row side whole too (it no
+    longer reads a split activation), so each variant keeps that kind's matmuls and collectives off the tp
+    ranks: fewer collectives for more memory and compute, a choice between tp's and data's, made per kind.
+    None when tp splits one kind only (its variant would split nothing)."""
+    kinds: dict[str, set[str]] = {}
+    for split in ("S0", "S1"):      # (a row side joins the kind of its column side: the modules' parent)
+        for name, choice in tp.tensors.items():
+            if choice.kind == "parameter" and choice.tp == split:
+                pattern = layer_pattern(name).replace("#", "*")
+                kind = pattern.rpartition(".")[0].rpartition(".")[0]
+                if split == "S0" or kind in kinds:
+                    kinds.setdefault(kind, set()).add(pattern)
+    if len(kinds) < 2:
+        return []
+    variants = []
+    for kind, patterns in sorted(kinds.items()):
+        modules = sorted({p.rpartition(".")[0] for p in patterns})
+        leaves = [m.rpartition(".")[2] for m in modules]
+        label = modules[0] if len(modules) == 1 else f"{kind + '.' if kind else ''}{{{','.join(leaves)}}}"
+        variants.append(Placement(f"tp, {label} whole", "tp", (), tuple(sorted(patterns))))
+    return variants
+
+
+def left_whole(tp: Plan, variant: Placement) -> Plan | None:
+    """tp's plan with ``variant``'s parameters whole: what the tp policy makes with them pinned, read off its
+    plan instead of planned again (None: the plan places activations, which an edit could strand)."""
+    if tp.activations:
+        return None
+    return dataclasses.replace(tp, tensors={
+        name: dataclasses.replace(t, tp="R") if any(fnmatch.fnmatchcase(name, p) for p in variant.whole) else t
+        for name, t in tp.tensors.items()})
 
 
 def zero_levels(dp: int) -> tuple[int, ...]:
