@@ -19,7 +19,7 @@ import torch
 from .backend.autodist import AutodistError
 from .backend.offline import plan as make_plans
 from .config import Config
-from .config.pins import check_pins
+from .config.pins import check_pins, pin_of
 from .planning import Plan
 from .planning.cost_model import DeviceProfile
 
@@ -48,6 +48,7 @@ def why_not(model: torch.nn.Module, args: Sequence[Any], config: Config | Mappin
         lines.append(f"program {index}: {_describe(plan)}")
         lines.append(f"  with {what}: {_describe(other, plan)}")
         moved = [name for name, t in other.tensors.items() if name in plan.tensors and plan.tensors[name].tp != t.tp]
+        moved.sort(key=lambda name: pin_of(name, pins) is None)      # (the pinned tensors first, then the rest)
         lines.append(f"  {len(moved)} tensor(s) placed otherwise" + (f": {', '.join(moved[:8])}" + (
             ", ..." if len(moved) > 8 else "") if moved else ""))
     return "\n".join(lines)

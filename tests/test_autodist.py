@@ -189,6 +189,17 @@ def test_exploring_pipelines_autodist_runs_the_pipeline_it_chose_through_train_s
         assert result["modules"] and len(result["modules"][0]) == 2        # it ran as 2 pipeline stages
 
 
+def test_autodists_interleaved_pipeline_runs_two_stages_a_rank_through_train_step_like_one_process():
+    """Restricted to 1f1b_interleaved (pas_config's pipeline_scheduler), the search prices two stages per
+    pipeline rank, cut where the slowest stage is lightest, and the job runs the four stages it chose."""
+    results = run_ranks(pipeline_parity, 2, "gpt", 2, {"explore_pipeline": True, "update_freq": 4,
+                                                       "pipeline_scheduler": "1f1b_interleaved"},
+                        "train_step", 2, 8, "autodist", timeout=600)
+    for rank, result in enumerate(results):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert result["modules"] and len(result["modules"][0]) == 4        # 4 stages, 2 on each rank
+
+
 def test_a_plan_without_a_pipeline_still_trains_through_train_step_when_pipelines_are_explored():
     """The same search with 2 units of one rank (no pipeline possible): train_step's first call runs the plain
     program, and the others accumulate as without autodist."""
