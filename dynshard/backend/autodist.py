@@ -161,6 +161,8 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
         raise AutodistError("dynshard: autodist found no placement its policies can make for this graph: " + "; ".join(
             f"{name}: {reason}" for name, reason in skipped.items()))
     return units, graph_costs(lowered, inputs, ops, 1, None)
+
+
 def hand_plans(units, config: Config, world: int, profile: DeviceProfile) -> list[tuple[Candidate, Plan, dict]]:
     """The plans the hand policies make in the same space (uniform choices), each with its prediction."""
     options = config.autodist
