@@ -117,7 +117,7 @@ _PIPELINE = {"schedule": "1f1b", "nmicros": 2, "nstages": 1, "nchunks": 1, "star
     (lambda d: d["zero"].update(ngroups=3), "does not divide its dp=1 units"),
     (lambda d: d.update(pipeline=_PIPELINE | {"schedule": "2f2b"}), "schedule '2f2b' is not one of"),
     (lambda d: d.update(pipeline=_PIPELINE | {"nstages": 2}), "but its mesh has pp=1"),
-    (lambda d: d.update(pipeline=_PIPELINE | {"nstages": 2, "nchunks": 2}), "needs schedule '1f1b_interleaved'"),
+    (lambda d: d.update(pipeline=_PIPELINE | {"nstages": 2, "nchunks": 2}), "needs pipeline_scheduler '1f1b_interleaved'"),
 ])
 def test_a_plan_that_cannot_work_is_refused_when_read(change, message):
     import json

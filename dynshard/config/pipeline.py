@@ -64,24 +64,9 @@ class PipelineOptions:
         """Pipeline ranks in a unit: every rank under pp; stages / chunks under hybrid."""
         return config.plan_ngpus if config.policy == "pp" else self.nstages(config) // self.pipeline_nchunks
 
-    @property
-    def tp_options(self) -> dict[str, Any]:
-        """The tp policy's pas_config for each stage of a hybrid plan."""
-        return {"sequence_parallel": self.sequence_parallel}
-
     def nstages(self, config) -> int:
         """Pipeline stages (not counting 1f1b_plus's all-device segment)."""
         return self.pipeline_nstages if self.pipeline_nstages is not None else config.plan_ngpus * self.pipeline_nchunks
-
-    @property
-    def all_device_first(self) -> bool:
-        """1f1b_plus: the graph's first segment (before the first stage's layers) runs on every rank of the
-        unit, tensor parallel, and the pipeline stages follow it."""
-        return self.pipeline_scheduler == "1f1b_plus"
-
-    def nsegments(self, config) -> int:
-        """The graphs the captured graph is cut into: the stages, and 1f1b_plus's all-device segment."""
-        return self.nstages(config) + int(self.all_device_first)
 
     def check(self, config) -> None:
         """nnScaler's rules, and what dynshard does not build yet, as errors that say what to change."""
@@ -112,17 +97,9 @@ class PipelineOptions:
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"dynshard: pas_config['sequence_parallel'] must be True or False, "
                               f"got {self.sequence_parallel!r}")
-        if name == "chimera_direct" and (nstages != 4 or self.pipeline_nmicros % 2):
-            raise ConfigError(
-                f"dynshard: chimera_direct runs exactly 4 stages (each on two ranks, in two directions) and sends "
-                f"micro-batches down and up in pairs; got pipeline_nstages={nstages}, pipeline_nmicros="
-                f"{self.pipeline_nmicros}. Use 4 stages and an even pipeline_nmicros, or another schedule")
-        if self.pipeline_nchunks > 1 and name != "1f1b_interleaved":
-            raise ConfigError(f"dynshard: pipeline_nchunks={self.pipeline_nchunks} needs pipeline_scheduler "
-                              f"'1f1b_interleaved' ({name!r} runs one stage per rank)")
-        if name == "1f1b_plus" and config.use_zero:
-            raise ConfigError("dynshard: use_zero with pipeline_scheduler '1f1b_plus' is not built yet (its "
-                              "all-device segment is tensor parallel over the unit); use '1f1b' with use_zero")
+        broken = broken_schedule_rule(name, nstages, self.pipeline_nmicros, self.pipeline_nchunks, config.use_zero)
+        if broken is not None:
+            raise ConfigError(f"dynshard: {broken}")
 
     def _check_hybrid(self, config) -> None:
         if self.pipeline_nstages is None:
@@ -136,3 +113,19 @@ class PipelineOptions:
             raise ConfigError(f"dynshard: policy 'hybrid' runs {ranks} pipeline ranks (pipeline_nstages / "
                               f"pipeline_nchunks), which does not divide plan_ngpus={config.plan_ngpus}; use a "
                               f"multiple of {ranks}")
+
+
+def broken_schedule_rule(schedule: str, nstages: int, nmicros: int, nchunks: int, zero_level: int) -> str | None:
+    """The rule of ``schedule`` these counts break, said with ``pas_config``'s keys (None: none); a
+    configuration and a plan file are held to the same rules."""
+    if schedule == "chimera_direct" and (nstages != 4 or nmicros % 2):
+        return (f"chimera_direct runs exactly 4 stages (each on two ranks, in two directions) and sends micro-batches "
+                f"down and up in pairs; got pipeline_nstages={nstages}, pipeline_nmicros={nmicros}. Use 4 stages and "
+                "an even pipeline_nmicros, or another schedule")
+    if nchunks > 1 and schedule != "1f1b_interleaved":
+        return (f"pipeline_nchunks={nchunks} needs pipeline_scheduler '1f1b_interleaved' ({schedule!r} runs one stage "
+                "per rank)")
+    if schedule == "1f1b_plus" and zero_level:
+        return ("use_zero with pipeline_scheduler '1f1b_plus' is not built yet (its all-device segment is tensor "
+                "parallel over the unit); use '1f1b' with use_zero")
+    return None

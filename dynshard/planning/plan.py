@@ -53,7 +53,7 @@ from typing import Any, Mapping
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from ..compat import StridedShard
-from ..config.pipeline import INFERENCE_SCHEDULES, TRAINING_SCHEDULES
+from ..config.pipeline import INFERENCE_SCHEDULES, TRAINING_SCHEDULES, broken_schedule_rule
 
 
 PLAN_VERSION = 1
@@ -131,13 +131,9 @@ class PipelineChoice:
         if self.nstages // self.nchunks != mesh.pp:
             raise PlanFileError(f"dynshard: the plan's pipeline runs {self.nstages} stages of {self.nchunks} chunk(s) "
                                 f"per rank on {self.nstages // self.nchunks} pipeline ranks, but its mesh has pp={mesh.pp}")
-        if self.nchunks > 1 and self.schedule != "1f1b_interleaved":
-            raise PlanFileError(f"dynshard: the plan's nchunks={self.nchunks} needs schedule '1f1b_interleaved'")
-        if self.schedule == "chimera_direct" and (self.nstages != 4 or self.nmicros % 2):
-            raise PlanFileError("dynshard: the plan's chimera_direct schedule runs exactly 4 stages and an even "
-                                "number of micro-batches")
-        if self.all_device_first and zero_level:
-            raise PlanFileError("dynshard: ZeRO with the schedule '1f1b_plus' is not built yet")
+        broken = broken_schedule_rule(self.schedule, self.nstages, self.nmicros, self.nchunks, zero_level)
+        if broken is not None:
+            raise PlanFileError(f"dynshard: the plan's pipeline breaks a rule of its schedule: {broken}")
 
     @property
     def all_device_first(self) -> bool:

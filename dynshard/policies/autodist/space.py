@@ -10,9 +10,9 @@ make them; ZeRO levels and recompute change no placement and are applied to a pl
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 
 from ...config import Config
+from ...config.pins import pin_of
 from ...planning import Plan
 from ...planning.plan import ZeroChoice
 from ..repeated_layers import layer_pattern
@@ -94,9 +94,9 @@ def left_whole(tp: Plan, variant: Placement) -> Plan | None:
     plan instead of planned again (None: the plan places activations, which an edit could strand)."""
     if tp.activations:
         return None
-    return dataclasses.replace(tp, tensors={
-        name: dataclasses.replace(t, tp="R") if any(fnmatch.fnmatchcase(name, p) for p in variant.whole) else t
-        for name, t in tp.tensors.items()})
+    whole = dict.fromkeys(variant.whole, "R")
+    return dataclasses.replace(tp, tensors={name: dataclasses.replace(t, tp="R") if pin_of(name, whole) else t
+                                            for name, t in tp.tensors.items()})
 
 
 def zero_levels(dp: int) -> tuple[int, ...]:

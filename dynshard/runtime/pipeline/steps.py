@@ -157,7 +157,7 @@ def infer_step(model: torch.nn.Module, samples: Sequence[Any]) -> list[Any]:
     samples = list(samples)
     config = _config_of(model)
     _check(samples, None, config)
-    if not _runs_pipeline(config) and (config is None or not _plan_decides(config)):
+    if config is None or not (_runs_pipeline(config) or _plan_decides(config)):
         with torch.no_grad():
             return [model(sample) for sample in samples]
     with torch.no_grad(), recording() as recorder:
