@@ -21,8 +21,8 @@ from workers_pipeline import pipeline_parity
 from workers_transformers import train_transformers
 from workers_autodist import (candidate_plans_beside_hand_plans, hand_predictions_beside_autodists, hybrid_candidates,
                               within_partition_degree, measured_peaks, memory_budget_sweep, nothing_fits, offline_autodist,
-                              pipeline_candidates_beside_hand_plans, planned_units_of, train_step_without_pipeline,
-                              train_with_autodist)
+                              pipeline_candidates_beside_hand_plans, planned_units_of, stage_cut_under_a_budget,
+                              train_step_without_pipeline, train_with_autodist)
 
 
 @pytest.mark.parametrize("pas_config, message", [
@@ -198,6 +198,29 @@ def test_autodists_interleaved_pipeline_runs_two_stages_a_rank_through_train_ste
     for rank, result in enumerate(results):
         assert_trains_like_one_process(result, f"rank {rank}")
         assert result["modules"] and len(result["modules"][0]) == 4        # 4 stages, 2 on each rank
+
+
+def test_under_a_budget_the_balanced_cut_misses_autodist_moves_the_stage_cut_and_trains_like_one_process():
+    """An 8-layer GPT in 2 stages under 1F1B: the first rank holds two micro-batches, the last one. One byte
+    under the FLOPs-balanced cut's peak (4 | 4 layers), autodist cuts where the slowest stage is lightest among
+    the cuts whose ranks fit: it is the fastest fitting of the pp policy's plans cut before each layer
+    (pipe_split(), priced by the same model), and train_step runs it like one process."""
+    found = run_ranks(stage_cut_under_a_budget, 1, timeout=300)[0]
+    free, tight, budget, every = (Plan.from_json(found["free"]), Plan.from_json(found["tight"]), found["budget"],
+                                  found["every"])
+    assert free.pipeline.starts == ("blocks.4",) and every["blocks.4"][1] == free.predicted["bytes_per_rank"]["peak"]
+    fitting = {start: cost for start, cost in every.items() if cost[1] <= budget}
+    best = min(fitting, key=lambda start: fitting[start])
+    assert tight.pipeline.starts == (best,) != free.pipeline.starts
+    assert tight.predicted["bytes_per_rank"]["peak"] == every[best][1] <= budget
+    assert tight.predicted["step_seconds"] == pytest.approx(every[best][0], rel=1e-5)
+    assert "within mem_constraint" in tight.pipeline.how
+    results = run_ranks(pipeline_parity, 2, "gpt8", 2, {
+        "explore_pipeline": True, "update_freq": 4, "max_partition_degree": 1, "pipeline_scheduler": "1f1b",
+        "recompute_modules": "", "mem_constraint": budget / 1024 ** 3}, "train_step", 2, 8, "autodist", timeout=600)
+    for rank, result in enumerate(results):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert result["modules"][0][1][0] == best           # the second stage starts where autodist cut
 
 
 def test_a_plan_without_a_pipeline_still_trains_through_train_step_when_pipelines_are_explored():

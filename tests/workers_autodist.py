@@ -272,3 +272,55 @@ def measured_peaks(rank: int, world: int, mem_constraint: float | None) -> dict:
         peaks.append((measured.at_start, measured.during))
     plan, = dynshard.explain(compiled).plans
     return {"peaks": peaks, "predicted": plan.predicted["bytes_per_rank"], "chosen": plan.predicted["autodist"]["chosen"]}
+
+
+class CutGPT:
+    """The end-to-end test GPT of ``layers`` layers with the user's ``pipe_split()`` before layer ``at``: the
+    pp policy's plan with that stage cut, made without autodist."""
+
+    def __new__(cls, layers: int, at: int):
+        from torch.distributed.pipelining import pipe_split
+        from workers_pipeline import EndToEndGPT
+
+        class Cut(EndToEndGPT):
+            def forward(self, batch):
+                idx = batch["idx"]
+                x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+                for i, block in enumerate(self.blocks):
+                    if i == at:
+                        pipe_split()
+                    x = block(x)
+                logits = self.lm_head(self.ln_f(x))
+                return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["tgt"].reshape(-1))
+
+        torch.manual_seed(0)
+        return Cut(GPTConfig(layers=layers))
+
+
+def stage_cut_under_a_budget(rank: int, world: int, layers: int = 8) -> dict:
+    """In a plain process, for 2 ranks, 1F1B over 4 micro-batches of 2 rows, no recompute: autodist's plan
+    without a budget and one byte under its peak, and the pp policy's plan (priced by the same cost model)
+    with the stage cut before each layer."""
+    from workers_pipeline import build
+
+    model, make = build("gpt8" if layers == 8 else "gpt")
+    batch = make(2, 0)
+    pas = {"explore_pipeline": True, "update_freq": 4, "max_partition_degree": 1, "pipeline_scheduler": "1f1b",
+           "recompute_modules": ""}
+
+    def autodist_plan(**more):
+        plan, = dynshard.plan(model, (batch,), dynshard.Config(policy="autodist", plan_ngpus=2, use_end2end=True,
+                                                              pas_config={**pas, **more}), world_size=2)
+        return plan
+
+    free = autodist_plan()
+    budget = free.predicted["bytes_per_rank"]["peak"] - 1
+    tight = autodist_plan(mem_constraint=budget / 1024 ** 3)
+    every = {}
+    for at in range(1, layers):
+        plan, = dynshard.plan(CutGPT(layers, at), (batch,), dynshard.Config(
+            policy="pp", plan_ngpus=2, use_end2end=True, pas_config={"pipeline_nmicros": 4,
+                                                                      "pipeline_scheduler": "1f1b"}),
+            world_size=2, device_profile="cpu")
+        every[f"blocks.{at}"] = (plan.predicted["step_seconds"], plan.predicted["bytes_per_rank"]["peak"])
+    return {"free": free.to_json(), "tight": tight.to_json(), "budget": budget, "every": every}

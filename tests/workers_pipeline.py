@@ -72,7 +72,7 @@ def build(name: str):
         return model, lambda n, seed: dict(zip(("x", "y"), mlp_batch(n, seed)))
     if name == "skip":
         return SkipMLP(), lambda n, seed: dict(zip(("x", "y"), mlp_batch(n, seed)))
-    cfg = GPTConfig(layers=4)
+    cfg = GPTConfig(layers=8 if name == "gpt8" else 4)
     if name == "untied_gpt":
         return UntiedEndToEndGPT(cfg), lambda n, seed: dict(zip(("idx", "tgt"), gpt_batch(cfg, n, seed)))
     return EndToEndGPT(cfg), lambda n, seed: dict(zip(("idx", "tgt"), gpt_batch(cfg, n, seed)))

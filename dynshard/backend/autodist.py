@@ -34,6 +34,7 @@ from ..planning.cost_model import DeviceProfile, UnitCosts, load_profile, predic
 from ..policies.autodist.choices import choose
 from ..policies.autodist.hybrid_stages import estimated_stages
 from ..policies.autodist.pipeline_costs import predict_pipeline, unit_at
+from ..policies.autodist.stage_memory import cut_for_memory
 from ..policies.autodist.graph_costs import graph_costs, op_costs
 from ..policies.autodist.space import (Candidate, Placement, left_whole, placements, recompute_choices, tp_variants,
                                        with_choices, zero_levels)
@@ -202,7 +203,8 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
         layout = planning_layout(world, config.plan_ngpus, device_type, pp_size=pp)
         tp = config.plan_ngpus // pp
         unit = unit_at(whole, tp_unit[1], config.plan_ngpus, tp) if tp > 1 else whole
-        planned, estimated = None, False
+        planned, estimated, cut = None, False, None
+        moved: dict[tuple[str, ...], Plan] = {}     # the pp policy's plans with a stage cut under the budget
         for schedule in options.schedules:
             pas = {"pipeline_nmicros": options.update_freq, "pipeline_scheduler": schedule,
                    "pipeline_pivots": options.pipeline_pivots}
@@ -213,11 +215,12 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
             placement = Placement(f"pp {schedule}" if tp == 1 else f"hybrid pp {pp} x tp {tp} {schedule}",
                                   "pp" if tp == 1 else "hybrid", tuple(pas.items()))
             base = placement.config(config, 1 if dp > 1 else 0, options.recompute_modules or "")
-            if planned is not None and _same_stages(planned, schedule):
+            if planned is not None and _same_stages(planned, schedule, pas.get("pipeline_nstages", pp)):
                 plan = _rescheduled(planned, schedule)      # (the policy's plan with that schedule: tested equal)
             else:
                 try:        # (at ZeRO level 1 when there are units: which tensors take rows)
-                    plan, _, _ = plan_graph(gm, inputs, base, layout, made_for, place_stages=tp == 1)
+                    plan, cut_ctx, cut_graph = plan_graph(gm, inputs, base, layout, made_for, place_stages=tp == 1)
+                    cut = (cut_graph, cut_ctx) if tp == 1 else None
                     estimated = False
                     if tp > 1:
                         guess = estimated_stages(plan, tp_unit[0], instances)
@@ -231,7 +234,19 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
             for zero in zero_levels(dp):
                 for recompute in recompute_choices(config, whole.recompute_class):
                     candidate = Candidate(placement, zero, recompute)
-                    rows.append((candidate, *_priced(plan, zero, recompute, config, unit, profile)))
+                    staged, predicted = _priced(plan, zero, recompute, config, unit, profile)
+                    rows.append((candidate, staged, predicted))
+                    budget = options.mem_constraint_bytes
+                    if cut is not None and budget is not None and predicted["bytes_per_rank"]["peak"] > budget:
+                        starts = cut_for_memory(staged, *cut, unit, predicted["micro_batches_held"], budget,
+                                                options.transient_mem_coef)
+                        if starts is not None and tuple(starts) != plan.pipeline.starts:
+                            if tuple(starts) not in moved:
+                                moved[tuple(starts)] = _with_starts(gm, inputs, base, layout, made_for, plan, starts)
+                            again = Placement(f"{placement.name}, stages at {', '.join(starts)}", placement.policy,
+                                              placement.pas_config)
+                            rows.append((Candidate(again, zero, recompute), *_priced(
+                                _rescheduled(moved[tuple(starts)], schedule), zero, recompute, config, unit, profile)))
                     if estimated:
                         exact[candidate.name] = functools.partial(
                             _planned_for_real, gm, inputs, base, layout, made_for, zero, recompute, config, unit,
@@ -244,6 +259,14 @@ def _priced(plan: Plan, zero: int, recompute, config: Config, unit: UnitCosts,
     """A pipeline plan at a ZeRO level and recompute choice, and its prediction."""
     staged = with_choices(plan, zero, recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
     return staged, predict_pipeline(staged, unit, profile, config.autodist.transient_mem_coef)
+
+
+def _with_starts(gm, inputs, base: Config, layout, made_for, plan: Plan, starts: list[str]) -> Plan:
+    """The pp policy's plan with its stages starting at ``starts`` (as a plan file with that cut runs)."""
+    how = plan.pipeline.how.replace(", balanced by FLOPs", "") + ", the slowest stage lightest within mem_constraint"
+    edited = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, starts=tuple(starts), flops=(),
+                                                                    how=how))
+    return plan_graph(gm, inputs, base, layout, made_for, given_pipeline=edited)[0]
 
 
 def _planned_for_real(gm, inputs, base: Config, layout, made_for, zero: int, recompute, config: Config,
@@ -270,10 +293,13 @@ def _fastest_fitting(rows: list, exact: dict, budget: float | None, hand: list, 
                 hand[i] = (candidate, plan, predicted)
 
 
-def _same_stages(plan: Plan, schedule: str) -> bool:
-    """Whether ``schedule`` runs ``plan``'s stages on the same pipeline ranks (then the stage cut, measured
-    by FLOPs before the repeated layers, and every placement are the same: only the schedule differs)."""
+def _same_stages(plan: Plan, schedule: str, nstages: int) -> bool:
+    """Whether ``schedule`` over ``nstages`` stages runs ``plan``'s stages on the same pipeline ranks (then the
+    stage cut, measured by FLOPs before the repeated layers, and every placement are the same: only the
+    schedule differs)."""
     p = plan.pipeline
+    if nstages != p.nstages:
+        return False
     other = build_schedule(schedule, p.nstages, p.nmicros, plan.mesh.pp)
     return other.nstages == p.nstages and tuple(other.ranks_of(s) for s in range(p.nstages)) == p.stage_ranks
 

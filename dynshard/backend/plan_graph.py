@@ -21,13 +21,14 @@ from .plan_and_compile import copy_graph
 
 
 def plan_graph(gm: fx.GraphModule, inputs, config: Config, layout: Layout, made_for,
-               place_stages: bool = True) -> tuple[Plan, PassContext, fx.GraphModule]:
+               place_stages: bool = True, given_pipeline: Plan | None = None) -> tuple[Plan, PassContext, fx.GraphModule]:
     """``config``'s Plan for ``gm`` (described by ``inputs``), the context the passes filled, and the graph
     they left (the propagated ATen graph of a planned unit). ``place_stages=False``: a hybrid pipeline's
-    stages are not planned (:func:`.pipeline.pipeline_plan`)."""
+    stages are not planned (:func:`.pipeline.pipeline_plan`). ``given_pipeline``: a pipeline plan of this
+    config whose stage starts are taken as they are (an edited cut), the rest made as the policy makes it."""
     outline = outline_of(config, layout.world_size, made_for)
     ctx = PassContext(config=config, outline=outline, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
-                      made_for=made_for, policy=place)
+                      made_for=made_for, policy=place, given=given_pipeline)
     graph = copy_graph(gm)
     if outline.pipeline is not None:
         pipeline = outline.pipeline

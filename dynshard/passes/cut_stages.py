@@ -212,9 +212,19 @@ def _start_name(nodes: list[fx.Node], cut: int, keys: dict) -> str:
     return keys[nodes[cut]]
 
 
-def _choose_cuts(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> dict[str, Any]:
-    """The policy: at pipe_split() markers, else before pivots, else before the repeated layers, balanced
-    by FLOPs measured on FakeTensors."""
+@dataclasses.dataclass(frozen=True)
+class CutSpace:
+    """Where the pp policy may start a stage in a graph (positions among its ops), each op's weight (forward
+    FLOPs, or one each when the graph has no matmul), and how the positions were found."""
+    weights: list[int]
+    candidates: list[int]
+    how: str
+    markers: bool                   # the user's pipe_split() calls: the cut is theirs
+
+
+def cut_space(gm: fx.GraphModule, ctx: PassContext, nodes: list[fx.Node] | None = None) -> CutSpace:
+    """At pipe_split() markers, else before pivots, else before the repeated layers, else any op."""
+    nodes = _compute_nodes(gm) if nodes is None else nodes
     options = ctx.config.pipeline      # (pivots: the pp policy's option)
     nstages, all_device_first = ctx.outline.pipeline.nsegments, ctx.outline.pipeline.all_device_first
     markers = [i for i, n in enumerate(nodes) if _is_pipe_split(n)]
@@ -228,34 +238,61 @@ def _choose_cuts(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> 
             raise ValueError(f"dynshard: the model calls pipe_split() {len(markers)} time(s), which cuts it into "
                              f"{len(markers) + 1} segments, but {nstages} are needed{extra}; call it "
                              f"{nstages - 1} time(s) or set pipeline_nstages={len(markers) + 1 - int(all_device_first)}")
-        cuts, how = markers, "at pipe_split()"
+        return CutSpace(weights, markers, "at pipe_split()", True)
+    if options.pivots:
+        candidates, names = _instance_starts(nodes, lambda path, cls: cls.__name__ in options.pivots)
+        how = f"before pivots ({names})"
+        if names is None:
+            raise ValueError(f"dynshard: no module of the classes in pipeline_pivots "
+                             f"({options.pipeline_pivots}) runs in the compiled graph")
     else:
-        if options.pivots:
-            candidates, names = _instance_starts(nodes, lambda path, cls: cls.__name__ in options.pivots)
-            how = f"before pivots ({names})"
-            if names is None:
-                raise ValueError(f"dynshard: no module of the classes in pipeline_pivots "
-                                 f"({options.pipeline_pivots}) runs in the compiled graph")
-        else:
-            layer = _repeated_layer(nodes)
-            candidates, names = _instance_starts(nodes, lambda path, cls: cls is layer) if layer else ([], None)
-            how = f"before layers ({names}), balanced by FLOPs" if names else "balanced by FLOPs"
-            if len(candidates) < nstages - 1:
-                candidates, how = list(range(1, len(nodes))), "balanced by FLOPs"
-        candidates = [c for c in candidates if c > 0]
+        layer = _repeated_layer(nodes)
+        candidates, names = _instance_starts(nodes, lambda path, cls: cls is layer) if layer else ([], None)
+        how = f"before layers ({names}), balanced by FLOPs" if names else "balanced by FLOPs"
         if len(candidates) < nstages - 1:
-            raise ValueError(f"dynshard: only {len(candidates) + 1} stage(s) can be cut {how}, but "
-                             f"pipeline_nstages is {nstages}; lower pipeline_nstages or choose other pivots")
-        if all_device_first:    # the all-device segment: what runs before the first layer
-            first = candidates[0]
-            weights = [0] * first + weights[first:]
-            cuts = [first] + balanced_cuts(weights, candidates[1:], nstages - 1)
-            how += "; the ops before the first cut run on every rank (1f1b_plus)"
-        else:
-            cuts = balanced_cuts(weights, candidates, nstages)
+            candidates, how = list(range(1, len(nodes))), "balanced by FLOPs"
+    candidates = [c for c in candidates if c > 0]
+    if len(candidates) < nstages - 1:
+        raise ValueError(f"dynshard: only {len(candidates) + 1} stage(s) can be cut {how}, but "
+                         f"pipeline_nstages is {nstages}; lower pipeline_nstages or choose other pivots")
+    return CutSpace(weights, candidates, how, False)
+
+
+def _choose_cuts(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> dict[str, Any]:
+    """The policy: the cut of :func:`cut_space` whose heaviest stage is lightest (FLOPs measured on
+    FakeTensors)."""
+    nstages, all_device_first = ctx.outline.pipeline.nsegments, ctx.outline.pipeline.all_device_first
+    space = cut_space(gm, ctx, nodes)
+    weights, candidates, how = space.weights, space.candidates, space.how
+    if space.markers:
+        cuts = candidates
+    elif all_device_first:    # the all-device segment: what runs before the first layer
+        first = candidates[0]
+        weights = [0] * first + weights[first:]
+        cuts = [first] + balanced_cuts(weights, candidates[1:], nstages - 1)
+        how += "; the ops before the first cut run on every rank (1f1b_plus)"
+    else:
+        cuts = balanced_cuts(weights, candidates, nstages)
+    flops = _node_flops(gm, ctx)
     bounds = [0, *cuts, len(nodes)]
     stage_flops = [sum(flops.get(n, 0) for n in nodes[a:b]) for a, b in zip(bounds, bounds[1:])]
     return {"cuts": list(cuts), "how": how, "flops": stage_flops}
+
+
+def stage_start_names(gm: fx.GraphModule, cuts: list[int]) -> list[str]:
+    """How a plan names stages starting at ``cuts`` (positions among the ops): module paths, else node keys."""
+    nodes, keys = _compute_nodes(gm), node_keys(gm.graph)
+    return [_start_name(nodes, cut, keys) for cut in cuts]
+
+
+def input_read_positions(gm: fx.GraphModule) -> list[list[int]]:
+    """Per graph input (placeholder order), the positions among the ops that read it (the graph's output
+    counts as the last op: the last stage returns it)."""
+    nodes = _compute_nodes(gm)
+    position = {n: i for i, n in enumerate(nodes)}
+    return [sorted({len(nodes) - 1 if user.op == "output" else position[user] for user in placeholder.users
+                    if user.op == "output" or user in position})
+            for placeholder in gm.graph.nodes if placeholder.op == "placeholder"]
 
 
 def split_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

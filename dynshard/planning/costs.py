@@ -85,6 +85,12 @@ def memory_at_rest(plan: Plan) -> list[RankBytes]:
     return rows
 
 
+def tensor_bytes(plan: Plan, tensor: TensorChoice) -> int:
+    """What holding ``tensor`` at rest costs a rank: its shard, and for a parameter its gradient and Adam's
+    state (the terms of :func:`memory_at_rest`)."""
+    return _bytes_of(plan, [tensor], "").total
+
+
 def _bytes_of(plan: Plan, tensors: list[TensorChoice], ranks: str) -> RankBytes:
     totals: dict[str, int] = defaultdict(int)
     exact = True

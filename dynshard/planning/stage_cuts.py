@@ -8,68 +8,101 @@ minimum, it takes the one closest to equal parts (the least sum of ``|weight bef
 the total|``), so that stages the heaviest does not constrain are balanced too, and a cut into equal layers
 is the even one.
 
+Under a memory budget a stage may also be refused: ``fits(stage, starts, end)`` says, for stage ``stage``
+running from each position of ``starts`` to ``end``, whether its rank's bytes fit. The same two passes then
+range over the cuts whose every stage fits (a stage's bytes depend on the stage, e.g. 1F1B's first stage
+holds the most micro-batches, so the test is per stage), and there is no cut when none fits.
+
 Both passes are O(nstages x positions^2) comparisons, vectorised per position (numpy): a graph of 3,000 ops
 cut anywhere into 8 stages takes well under a second.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import numpy as np
 
+Fits = Callable[[int, np.ndarray, int], np.ndarray]
+_INF = np.iinfo(np.int64).max // 4
 
-def balanced_cuts(weights: list[int], candidates: list[int], nstages: int) -> list[int]:
+
+def balanced_cuts(weights: list[int], candidates: list[int], nstages: int,
+                  fits: Fits | None = None) -> list[int] | None:
     """``nstages - 1`` increasing positions from ``candidates`` (a stage starts before the op there) that
-    minimise the heaviest stage, then the distance from equal parts; fewer when too few positions exist."""
+    minimise the heaviest stage, then the distance from equal parts; fewer when too few positions exist.
+    With ``fits``: only cuts whose every stage fits, None when there is none."""
     n = len(weights)
-    points = [0] + sorted({c for c in candidates if 0 < c < n}) + [n]
+    points = np.asarray([0] + sorted({c for c in candidates if 0 < c < n}) + [n], dtype=np.int64)
     if nstages <= 1 or len(points) - 1 < nstages:
-        return points[1:-1][:max(nstages - 1, 0)]
+        if fits is not None and not _all_fit(fits, [int(p) for p in points[:nstages]] + [n]):
+            return None
+        return [int(p) for p in points[1:-1][:max(nstages - 1, 0)]]
     prefix = np.concatenate([[0], np.cumsum(np.asarray(weights, dtype=np.int64))])
     at = prefix[points]                 # the weight before each allowed position
-    heaviest = _least_heaviest(at, nstages)
-    return [points[i] for i in _closest_to_equal(at, nstages, heaviest)]
+    allowed = _allowed(fits, points)
+    heaviest = _least_heaviest(at, nstages, allowed)
+    if heaviest >= _INF:
+        return None
+    return [int(points[i]) for i in _closest_to_equal(at, nstages, heaviest, allowed)]
 
 
-def _least_heaviest(at: np.ndarray, nstages: int) -> int:
+def _allowed(fits: Fits | None, points: np.ndarray) -> Callable[[int, np.ndarray, int], np.ndarray]:
+    """Per stage, which start indices (into ``points``) may run it up to an end index."""
+    if fits is None:
+        return lambda stage, earlier, j: np.ones(len(earlier), dtype=bool)
+    return lambda stage, earlier, j: np.asarray(fits(stage, points[earlier], int(points[j])), dtype=bool)
+
+
+def _all_fit(fits: Fits, bounds: list[int]) -> bool:
+    return all(bool(fits(s, np.asarray([a]), b)[0]) for s, (a, b) in enumerate(zip(bounds, bounds[1:])))
+
+
+def _least_heaviest(at: np.ndarray, nstages: int, allowed) -> int:
     """The least possible weight of the heaviest stage (positions ``at``: prefix weights, first 0, last the
-    total)."""
+    total), ``_INF`` when no cut has every stage allowed."""
     m = len(at)
-    inf = np.iinfo(np.int64).max
-    best = at - at[0]                   # one stage: everything up to each position
-    best[0] = inf
+    best = np.full(m, _INF, dtype=np.int64)     # one stage: everything up to each position
+    first = np.zeros(1, dtype=np.int64)
+    for j in range(1, m):
+        if allowed(0, first, j)[0]:
+            best[j] = at[j] - at[0]
     for stages in range(2, nstages + 1):
-        current = np.full(m, inf, dtype=np.int64)
+        current = np.full(m, _INF, dtype=np.int64)
         for j in range(stages, m):
             earlier = np.arange(stages - 1, j)
-            current[j] = np.maximum(best[earlier], at[j] - at[earlier]).min()
+            ok = allowed(stages - 1, earlier, j) & (best[earlier] < _INF)
+            if ok.any():
+                current[j] = np.maximum(best[earlier], at[j] - at[earlier])[ok].min()
         best = current
     return int(best[m - 1])
 
 
-def _closest_to_equal(at: np.ndarray, nstages: int, heaviest: int) -> list[int]:
-    """The indices of the cut positions whose stages all weigh at most ``heaviest`` and whose prefix weights
-    are closest to equal parts (the least sum of |nstages x prefix - k x total|, exact in integers)."""
+def _closest_to_equal(at: np.ndarray, nstages: int, heaviest: int, allowed) -> list[int]:
+    """The indices of the cut positions whose stages all weigh at most ``heaviest`` (and are allowed) and
+    whose prefix weights are closest to equal parts (the least sum of |nstages x prefix - k x total|, exact
+    in integers)."""
     m, total = len(at), int(at[-1])
-    inf = np.iinfo(np.int64).max // 4
-    cost = np.full(m, inf, dtype=np.int64)
+    cost = np.full(m, _INF, dtype=np.int64)
     cost[0] = 0                         # no cut yet: the first stage starts at position 0
     back: list[np.ndarray] = []
     for k in range(1, nstages):
-        current = np.full(m, inf, dtype=np.int64)
+        current = np.full(m, _INF, dtype=np.int64)
         came = np.zeros(m, dtype=np.int64)
         for j in range(k, m - 1):
             earlier = np.arange(k - 1, j)
-            fits = (at[j] - at[earlier] <= heaviest) & (cost[earlier] < inf)
-            if not fits.any():
+            ok = (at[j] - at[earlier] <= heaviest) & (cost[earlier] < _INF) & allowed(k - 1, earlier, j)
+            if not ok.any():
                 continue
-            options = np.where(fits, cost[earlier], inf)
+            options = np.where(ok, cost[earlier], _INF)
             i = int(np.argmin(options))
             current[j] = options[i] + abs(nstages * int(at[j]) - k * total)
             came[j] = earlier[i]
         cost = current
         back.append(came)
-    last = np.where(total - at <= heaviest, cost, inf)
-    last[m - 1] = inf
+    starts = np.arange(m)
+    last = np.where((total - at <= heaviest) & allowed(nstages - 1, starts, m - 1), cost, _INF)
+    last[m - 1] = _INF
     j = int(np.argmin(last))
     cuts = [j]
     for came in reversed(back[1:]):

@@ -42,17 +42,13 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
         profile.meeting_seconds(1, f) if len(shares) > 1 else 0.0
     simulated, held = _simulated(p.schedule, p.nstages, p.nmicros, plan.mesh.pp, f, b, transfer)
     rest = memory_at_rest(plan)
-    saved = unit.saved_bytes - sum(i.saved_bytes - i.entry_bytes for i in recomputed)
-    largest_block = max((i.saved_bytes for i in recomputed), default=0.0)
+    saved, largest_block = activation_terms(plan, unit)
     ranks = []
     for rank in range(plan.mesh.pp):
         stages = {s for s, owners in enumerate(p.stage_ranks) if rank in owners}
         # (each micro-batch held is one of its stages' forwards: with several stages a rank, the largest's)
         activations = max(shares[s] for s in stages) * saved * held[rank] + largest_block
-        # ZeRO under a pipeline: the stages' parameters gathered whole once per step, and their gradients
-        # accumulated whole over the micro-batches before the reduce-scatter at the step's end
-        replicas = 2 * sum(whole_bytes(plan, t) for t in plan.tensors.values()
-                           if t.kind == "parameter" and t.dp == "zero" and stages & set(t.stages or ()))
+        replicas = sum(gathered_bytes(plan, t) for t in plan.tensors.values() if stages & set(t.stages or ()))
         ranks.append((rest[rank], activations + replicas, replicas))
     transient = transient_mem_coef * unit.largest_output
     busiest, during, replicas = max(ranks, key=lambda r: r[0].total + r[1])
@@ -81,6 +77,21 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
                            "optimizer": busiest.optimizer, "gathered": int(replicas), "activations": int(activations),
                            "transient": int(transient), "peak": int(peak)},
     }
+
+
+def activation_terms(plan: Plan, unit: UnitCosts) -> tuple[float, float]:
+    """The bytes one micro-batch's forward leaves saved for its backward (the whole graph's, less what the
+    recomputed blocks drop: their inputs stay), and the largest recomputed block's, which exists again in its
+    backward."""
+    recomputed = unit.recomputed(plan.recompute)
+    saved = unit.saved_bytes - sum(i.saved_bytes - i.entry_bytes for i in recomputed)
+    return saved, max((i.saved_bytes for i in recomputed), default=0.0)
+
+
+def gathered_bytes(plan: Plan, tensor) -> int:
+    """ZeRO under a pipeline: a parameter in rows is gathered whole once per step, and its gradient
+    accumulated whole over the micro-batches before the reduce-scatter at the step's end."""
+    return 2 * whole_bytes(plan, tensor) if tensor.kind == "parameter" and tensor.dp == "zero" else 0
 
 
 def stage_tp_seconds(plan: Plan, profile: DeviceProfile, compute: list[float]) -> list[float]:
