@@ -348,16 +348,6 @@ def fake_process_group(world_size: int, rank: int = 0) -> None:
 _DECOMPOSITIONS: dict | None = None
 
 
-def _contiguous_output(decomposition):
-    """The CPU flash-attention kernel returns a contiguous output, but its decomposition lays the output
-    out as the CUDA kernel does ((L, N, H, E) in memory); user code that ``view``s after a transpose
-    relies on the kernel's strides, so keep them."""
-    def run(*args, **kwargs):
-        output, *rest = decomposition(*args, **kwargs)
-        return (output.contiguous(), *rest)
-    return run
-
-
 def sharding_decompositions() -> dict:
     """ATen decompositions for the ops DTensor cannot shard (e.g. CPU flash attention), so that
     tracing lowers them to ops it can; ops DTensor shards directly are kept whole."""
@@ -374,9 +364,12 @@ def sharding_decompositions() -> dict:
         batch_norm = torch.ops.aten.native_batch_norm.default
         if batch_norm in decomposition_table:
             _DECOMPOSITIONS[batch_norm] = decomposition_table[batch_norm]
-        sdpa_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-        if sdpa_cpu in _DECOMPOSITIONS:
-            _DECOMPOSITIONS[sdpa_cpu] = _contiguous_output(_DECOMPOSITIONS[sdpa_cpu])
+        from . import cpu_attention
+
+        cpu_attention.register_cpu_attention()
+        if cpu_attention.FORWARD in decomposition_table:
+            _DECOMPOSITIONS[cpu_attention.FORWARD] = cpu_attention.decomposed_only_with_a_mask(
+                decomposition_table[cpu_attention.FORWARD])
     return _DECOMPOSITIONS
 
 
