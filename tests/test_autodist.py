@@ -117,7 +117,7 @@ def test_the_chosen_plans_measured_peak_stays_under_mem_constraint_and_its_predi
     upper bound: the activations predicted are the eager autograd's saved set)."""
     for rank, result in enumerate(run_ranks(measured_peaks, 2, mem_constraint, timeout=300)):
         predicted = result["predicted"]
-        assert "recompute" in result["chosen"], result["chosen"]      # a budget that binds
+        assert result["binds"], result["chosen"]        # (the fastest plan is over the budget)
         for at_start, during in result["peaks"][1:]:
             # at rest: the parameters and Adam's moments as predicted, and Adam's step counters (4 bytes each)
             assert 0 < at_start - predicted["parameters"] - predicted["optimizer"] < 1024, (rank, result)
@@ -217,7 +217,7 @@ def test_under_a_budget_the_balanced_cut_misses_autodist_moves_the_stage_cut_and
     assert "within mem_constraint" in tight.pipeline.how
     results = run_ranks(pipeline_parity, 2, "gpt8", 2, {
         "explore_pipeline": True, "update_freq": 4, "max_partition_degree": 1, "pipeline_scheduler": "1f1b",
-        "recompute_modules": "", "mem_constraint": budget / 1024 ** 3}, "train_step", 2, 8, "autodist", timeout=600)
+        "recompute_modules": "", "mem_constraint": budget / 1024 ** 3}, "train_step", 2, 16, "autodist", timeout=600)
     for rank, result in enumerate(results):
         assert_trains_like_one_process(result, f"rank {rank}")
         assert result["modules"][0][1][0] == best           # the second stage starts where autodist cut

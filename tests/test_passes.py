@@ -314,17 +314,17 @@ activations placed by the policy
   embedding          tp=S(1)    every reader
   getitem            tp=R       view, view_2, view_3
   reshape_default_2  tp=S(1)    every reader
-  getitem_3          tp=R       view_13
+  getitem_5          tp=R       view_11
   reshape_default_4  tp=S(1)    every reader
-  getitem_6          tp=R       view_17
+  getitem_8          tp=R       view_15
 forward communication (predicted)
   node               collective      group  bytes
   embedding          reduce_scatter  tp     4096
   getitem            all_gather      tp     4096
   reshape_default_2  reduce_scatter  tp     4096
-  getitem_3          all_gather      tp     4096
+  getitem_5          all_gather      tp     4096
   reshape_default_4  reduce_scatter  tp     4096
-  getitem_6          all_gather      tp     4096
+  getitem_8          all_gather      tp     4096
   nll_loss_forward   all_reduce      tp     128
   nll_loss_forward   all_reduce      tp     128
   nll_loss_forward   all_reduce      tp     128""")
@@ -396,7 +396,9 @@ def test_tp_splits_query_heads_of_multi_query_attention_and_keeps_key_value_whol
     for i in range(layers):
         assert [placements[f"{i}.{name}.weight"] for name in ("q", "k", "v", "proj", "fc1", "fc2")] == \
             ["S(0)", "R", "R", "S(1)", "S(0)", "S(1)"], format_plan(plan)
-    assert len(plan.propagation.matched_slices) == 2 * layers, format_plan(plan)   # k and v of each layer
+    # k and v of each layer: sliced by the matched-slice rule before attention written as matmuls; CPU flash
+    # attention is one op, whose heads strategy slices them itself (a local reshard, gradients kept sliced)
+    assert len(plan.propagation.matched_slices) == (2 * layers if by_hand else 0), format_plan(plan)
     assert not plan.propagation.fallbacks and [c.kind for c in plan.propagation.collectives] == \
         ["all_reduce"] * 2 * layers, format_plan(plan)
 

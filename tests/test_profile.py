@@ -37,7 +37,8 @@ def test_fake_costs_equal_real_ones_module_by_module():
     report = dynshard.profile(model, *batch)
     forward, both, saved = _real_costs(model, batch)
     assert report[""].forward_flops == forward["Global"] > 0
-    assert report[""].backward_flops == both["Global"] - forward["Global"] == 2 * forward["Global"]
+    # (more than twice the forward: attention's backward is 2.5 times its forward, the matmuls' twice theirs)
+    assert report[""].backward_flops == both["Global"] - forward["Global"] > 2 * forward["Global"]
     for path in ("blocks.0", "blocks.1.fc1", "lm_head"):
         assert report[path].forward_flops == forward[f"GPT.{path}"], path
         assert report[path].backward_flops == both[f"GPT.{path}"] - forward[f"GPT.{path}"], path

@@ -271,7 +271,9 @@ def measured_peaks(rank: int, world: int, mem_constraint: float | None) -> dict:
             opt.zero_grad()
         peaks.append((measured.at_start, measured.during))
     plan, = dynshard.explain(compiled).plans
-    return {"peaks": peaks, "predicted": plan.predicted["bytes_per_rank"], "chosen": plan.predicted["autodist"]["chosen"]}
+    fastest = min(plan.predicted["autodist"]["candidates"], key=lambda c: c["step_seconds"])
+    return {"peaks": peaks, "predicted": plan.predicted["bytes_per_rank"], "chosen": plan.predicted["autodist"]["chosen"],
+            "binds": not fastest["fits"]}
 
 
 class CutGPT:
@@ -298,13 +300,13 @@ class CutGPT:
 
 
 def stage_cut_under_a_budget(rank: int, world: int, layers: int = 8) -> dict:
-    """In a plain process, for 2 ranks, 1F1B over 4 micro-batches of 2 rows, no recompute: autodist's plan
+    """In a plain process, for 2 ranks, 1F1B over 4 micro-batches of 4 rows, no recompute: autodist's plan
     without a budget and one byte under its peak, and the pp policy's plan (priced by the same cost model)
     with the stage cut before each layer."""
     from workers_pipeline import build
 
     model, make = build("gpt8" if layers == 8 else "gpt")
-    batch = make(2, 0)
+    batch = make(4, 0)
     pas = {"explore_pipeline": True, "update_freq": 4, "max_partition_degree": 1, "pipeline_scheduler": "1f1b",
            "recompute_modules": ""}
 

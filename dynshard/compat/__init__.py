@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 
 # how each rank's program is compiled
+from .cpu_attention import register_cpu_attention
 from .cpu_isa import start_cpu_isa_probe, wait_cpu_isa_probe  # noqa: F401
 from .inductor import bucketing_patches, compile_per_rank, gather_buckets_copied_out  # noqa: F401
 from .mask_partial import mask_offsets_read_at_run_time  # noqa: F401
@@ -344,6 +345,7 @@ def fake_process_group(world_size: int, rank: int = 0) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
+register_cpu_attention()    # (at import: FLOP counts must not depend on whether a compile ran first)
 
 _DECOMPOSITIONS: dict | None = None
 
@@ -366,7 +368,6 @@ def sharding_decompositions() -> dict:
             _DECOMPOSITIONS[batch_norm] = decomposition_table[batch_norm]
         from . import cpu_attention
 
-        cpu_attention.register_cpu_attention()
         if cpu_attention.FORWARD in decomposition_table:
             _DECOMPOSITIONS[cpu_attention.FORWARD] = cpu_attention.decomposed_only_with_a_mask(
                 decomposition_table[cpu_attention.FORWARD])
