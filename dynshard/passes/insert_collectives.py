@@ -52,8 +52,18 @@ class ReduceGradPartials(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         if isinstance(grad, DTensor) and tuple(reduced_placements(grad.placements)) != tuple(grad.placements):
+            if _transposed(grad):
+                # a weight's gradient that autograd computed as the transpose of a matmul: the collective
+                # would first copy it to row-major, element by element; reduce the product as it lies
+                flipped = grad.t()
+                return flipped.redistribute(grad.device_mesh, reduced_placements(flipped.placements)).t()
             grad = grad.redistribute(grad.device_mesh, reduced_placements(grad.placements))
         return grad
+
+
+def _transposed(grad: DTensor) -> bool:
+    local = grad.to_local()
+    return local.dim() == 2 and not local.is_contiguous() and local.t().is_contiguous()
 
 
 class SliceKeepingGradient(torch.autograd.Function):
