@@ -198,6 +198,7 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                                       if config.plan_ngpus % pp == 0 and config.plan_ngpus // pp <= limit]
                                      if tp_unit is not None else [])
     instances = tuple(i.path for i in whole.instances)
+    budget = options.mem_constraint_bytes
     rows, exact = [], {}
     for pp in factors:
         layout = planning_layout(world, config.plan_ngpus, device_type, pp_size=pp)
@@ -236,7 +237,6 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                     candidate = Candidate(placement, zero, recompute)
                     staged, predicted = _priced(plan, zero, recompute, config, unit, profile)
                     rows.append((candidate, staged, predicted))
-                    budget = options.mem_constraint_bytes
                     if cut is not None and budget is not None and predicted["bytes_per_rank"]["peak"] > budget:
                         starts = cut_for_memory(staged, *cut, unit, predicted["micro_batches_held"], budget,
                                                 options.transient_mem_coef)

@@ -22,6 +22,7 @@ between neighbours. A parameter read by two stages (a tied embedding and LM head
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import re
 from collections import Counter
@@ -158,7 +159,7 @@ def assign_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         raise PlanFileError(f"dynshard: the plan's pipeline stages start at {ctx.stage_info.get('starts')}, which "
                             f"does not cut this graph ({len(nodes)} ops) into {nstages} stages in graph order")
     ctx.stage_info["starts"] = [_start_name(nodes, cut, keys) for cut in cuts]
-    ctx.stage_info["input_stages"] = _input_stages(gm, cuts, nodes, nstages)
+    ctx.stage_info["input_stages"] = _input_stages(gm, cuts)
     stage = 0
     for position, node in enumerate(nodes):
         while stage < len(cuts) and position >= cuts[stage]:
@@ -187,20 +188,9 @@ def _cuts_of(given, nodes: list[fx.Node], keys: dict, gm: fx.GraphModule, ctx: P
     return {"cuts": cuts, "how": given.how or "as the plan says", "flops": flops, "starts": list(given.starts)}
 
 
-def _input_stages(gm: fx.GraphModule, cuts: list[int], nodes: list[fx.Node], nstages: int) -> list[list[int]]:
+def _input_stages(gm: fx.GraphModule, cuts: list[int]) -> list[list[int]]:
     """Per graph input, the stages that read it (the last stage returns what the graph outputs)."""
-    position = {n: i for i, n in enumerate(nodes)}
-    bounds = [0, *cuts]
-    stages = []
-    for placeholder in (n for n in gm.graph.nodes if n.op == "placeholder"):
-        read = set()
-        for user in placeholder.users:
-            if user.op == "output":
-                read.add(nstages - 1)
-            elif user in position:
-                read.add(max(s for s, b in enumerate(bounds) if position[user] >= b))
-        stages.append(sorted(read))
-    return stages
+    return [sorted({bisect.bisect_right(cuts, p) for p in positions}) for positions in input_read_positions(gm)]
 
 
 def _start_name(nodes: list[fx.Node], cut: int, keys: dict) -> str:
