@@ -98,33 +98,56 @@ def collective_fit(kind: str, device: torch.device) -> tuple[float, float, float
     return alpha, 1 / slope, error
 
 
-def meeting_skew(device: torch.device, repeats: int = 30) -> float:
-    """``skew``: the mean excess wait of an all-reduce after ``t`` seconds of compute on every rank, over sqrt(t)
-    (two segment lengths, averaged)."""
+def meeting_skew(device: torch.device, repeats: int = 5, meetings: int = 16) -> float:
+    """``skew``: what a collective waits for the slowest rank beyond its idle latency, after ``t`` seconds of the
+    same compute on every rank, over sqrt(t).
+
+    A step's collectives are many and each waits a little, so the wait is measured the same way: ``meetings``
+    segments of 1, 4 or 16 ms of a step's mix of work (a matmul and a memory-bound add; matmuls alone jitter
+    less), each followed by a 4 KB all-reduce, against the same work without them, run in turn so that both
+    see the same machine. Per segment length, the median over ``repeats`` of the excess per meeting, averaged
+    over the ranks (a step waits on all of them), fitted by least squares to ``skew * sqrt(segment)``. One wait
+    varies from nothing to several milliseconds; docs/design.md has the spread of this mean."""
     x = torch.ones(1024, device=device)
     a, b = torch.randn(256, 256, device=device), torch.randn(256, 256, device=device)
-    mm = _timed(lambda: torch.mm(a, b), device)
-    idle = _timed(lambda: dist.all_reduce(x), device)
-    fits = []
-    for seconds in (3e-3, 12e-3):
-        count = max(int(seconds / mm), 1)
+    u, v, w = (torch.randn(1 << 20, device=device) for _ in range(3))
 
-        def after_compute():
-            for _ in range(count):
-                torch.mm(a, b)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            dist.all_reduce(x)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            return time.perf_counter() - start
+    def work():         # a step's mix: a matmul and a memory-bound op (the jitter grows with memory traffic)
+        torch.mm(a, b)
+        torch.add(u, v, out=w)
 
-        for _ in range(WARMUP):
-            after_compute()
-        waits = [after_compute() for _ in range(repeats)]
-        fits.append(max(statistics.mean(waits) - idle, 0.0) / (count * mm) ** 0.5)
-    return statistics.mean(fits)
+    unit = torch.tensor(_timed(work, device), dtype=torch.float64, device=device)
+    dist.broadcast(unit, 0)        # (every rank must run as many all-reduces)
+    unit = unit.item()
+    idle = _timed(lambda: dist.all_reduce(x), device, repeats=50)      # (one outlier is a millisecond)
+
+    def segments(count: int, per: int, meet: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(count):
+            for _ in range(per):
+                work()
+            if meet:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                dist.all_reduce(x)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    lengths, excess = [], []
+    for seconds in (1e-3, 4e-3, 16e-3):
+        per = max(round(seconds / unit), 1)
+        segments(meetings, per, True)
+        runs = [(segments(meetings, per, True) - segments(meetings, per, False)) / meetings - idle
+                for _ in range(repeats)]
+        lengths.append(per * unit)
+        excess.append(statistics.median(runs))
+    mean = torch.tensor(excess, dtype=torch.float64, device=device)
+    dist.all_reduce(mean)
+    excess = (mean / dist.get_world_size()).tolist()
+    roots = [t ** 0.5 for t in lengths]
+    return max(sum(e * r for e, r in zip(excess, roots)) / sum(r * r for r in roots), 0.0)
 
 
 __all__ = ["calibrate", "main"]
@@ -138,7 +161,7 @@ def calibrate(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple
     if dist.is_initialized() and dist.get_world_size() > 1:
         for kind in KINDS:
             alpha[kind], links[kind], errors[kind] = collective_fit(kind, device)
-        skew = meeting_skew(device)
+        skew = statistics.median(meeting_skew(device) for _ in range(3))     # (one in twenty reads 0)
     world = dist.get_world_size() if dist.is_initialized() else 1
     backend = dist.get_backend() if dist.is_initialized() else "none"
     name = f"calibrated {device.type}/{backend}, {world} rank(s), {str(dtype).replace('torch.', '')}"

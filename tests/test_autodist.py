@@ -8,6 +8,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 import dynshard
 from dynshard.config import ConfigError
@@ -20,7 +21,7 @@ from parity import assert_trains_like_one_process
 from workers_pipeline import pipeline_parity
 from workers_transformers import train_transformers
 from workers_autodist import (candidate_plans_beside_hand_plans, hand_predictions_beside_autodists, hybrid_candidates,
-                              within_partition_degree, measured_peaks, memory_budget_sweep, nothing_fits, offline_autodist,
+                              hybrid_stage_cut_under_a_budget, within_partition_degree, measured_peaks, memory_budget_sweep, nothing_fits, offline_autodist,
                               pipeline_candidates_beside_hand_plans, planned_units_of, stage_cut_under_a_budget,
                               train_step_without_pipeline, train_with_autodist)
 
@@ -168,6 +169,25 @@ def test_the_ilp_finds_what_trying_every_recompute_and_zero_choice_finds(level):
     assert len(chosen) >= 2         # (the budgets move the choice)
 
 
+def test_a_recomputed_block_is_priced_as_its_whole_forward_again_keeping_only_its_input():
+    """Both partitioners re-run every op the recompute tags mark, matmuls and attention included (test_recompute
+    counts the backward's matmuls): a recomputed block costs its forward's FLOPs again, as FlopCounterMode
+    counts them on real tensors, and keeps only its input."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from models import GPT, GPTConfig
+
+    (placement, _, unit), = run_ranks(planned_units_of, 1, "gpt", 2, 1, timeout=300)[0]
+    cfg = GPTConfig()
+    x = torch.randn(4, cfg.seq, cfg.d_model)        # (a rank's micro-batch: the batch of 4 rows on each rank)
+    with FlopCounterMode(display=False) as counter:
+        GPT(cfg).blocks[0](x)
+    assert placement.name == "dp" and len(unit.instances) == cfg.layers
+    for instance in unit.instances:
+        assert instance.flops == counter.get_total_flops() > 0
+        assert instance.entry_bytes == x.numel() * x.element_size()
+
+
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_autodists_plan_of_a_transformers_llama_trains_like_one_process(world):
     """SGD with momentum, strict parity; at 4 ranks the plan is split over tp and replicated (or ZeRO) over
@@ -221,6 +241,28 @@ def test_under_a_budget_the_balanced_cut_misses_autodist_moves_the_stage_cut_and
     for rank, result in enumerate(results):
         assert_trains_like_one_process(result, f"rank {rank}")
         assert result["modules"][0][1][0] == best           # the second stage starts where autodist cut
+
+
+def test_under_a_budget_a_hybrid_pipelines_stage_cut_moves_where_the_hybrid_policys_fastest_fitting_cut_is():
+    """The same 8-layer GPT in 2 stages of tp 2 (4 ranks): one byte under the balanced hybrid candidate's peak,
+    autodist offers the hybrid with its cut moved, priced from the tp plan as every hybrid candidate is. That
+    candidate is the fastest fitting of the hybrid policy's plans cut before each layer (pipe_split(), planned
+    for real and priced by the same model), at the same price."""
+    found = run_ranks(hybrid_stage_cut_under_a_budget, 1, timeout=300)[0]
+    budget, every, tight = found["budget"], found["every"], Plan.from_json(found["tight"])
+    assert found["free"]["hybrid pp 2 x tp 2 1f1b"]["fits"]
+    rows = {c["plan"]: c for c in tight.predicted["autodist"]["candidates"]}
+    assert not rows["hybrid pp 2 x tp 2 1f1b"]["fits"]
+    fitting = {start: cost for start, cost in every.items() if cost[1] <= budget}
+    best = min(fitting, key=lambda start: fitting[start])
+    moved = rows[f"hybrid pp 2 x tp 2 1f1b, stages at {best}"]
+    assert moved["fits"] and moved["peak_bytes"] == every[best][1]
+    assert moved["step_seconds"] == pytest.approx(every[best][0], rel=1e-5)
+    # chosen (nothing else fits), it is planned for real: the hybrid policy's stages with that cut
+    assert tight.predicted["autodist"]["chosen"] == f"hybrid pp 2 x tp 2 1f1b, stages at {best}"
+    assert tight.pipeline.starts == (best,) and "within mem_constraint" in tight.pipeline.how
+    assert all(t.tp is not None for t in tight.tensors.values())
+    assert tight.predicted["bytes_per_rank"]["peak"] == every[best][1]
 
 
 def test_a_plan_without_a_pipeline_still_trains_through_train_step_when_pipelines_are_explored():

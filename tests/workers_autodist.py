@@ -303,26 +303,49 @@ def stage_cut_under_a_budget(rank: int, world: int, layers: int = 8) -> dict:
     """In a plain process, for 2 ranks, 1F1B over 4 micro-batches of 4 rows, no recompute: autodist's plan
     without a budget and one byte under its peak, and the pp policy's plan (priced by the same cost model)
     with the stage cut before each layer."""
-    from workers_pipeline import build
-
-    model, make = build("gpt8" if layers == 8 else "gpt")
-    batch = make(4, 0)
-    pas = {"explore_pipeline": True, "update_freq": 4, "max_partition_degree": 1, "pipeline_scheduler": "1f1b",
-           "recompute_modules": ""}
-
-    def autodist_plan(**more):
-        plan, = dynshard.plan(model, (batch,), dynshard.Config(policy="autodist", plan_ngpus=2, use_end2end=True,
-                                                              pas_config={**pas, **more}), world_size=2)
-        return plan
-
+    autodist_plan, every = _cuts_beside_autodist("gpt8" if layers == 8 else "gpt", layers, "pp", 2)
     free = autodist_plan()
     budget = free.predicted["bytes_per_rank"]["peak"] - 1
     tight = autodist_plan(mem_constraint=budget / 1024 ** 3)
-    every = {}
-    for at in range(1, layers):
-        plan, = dynshard.plan(CutGPT(layers, at), (batch,), dynshard.Config(
-            policy="pp", plan_ngpus=2, use_end2end=True, pas_config={"pipeline_nmicros": 4,
-                                                                      "pipeline_scheduler": "1f1b"}),
-            world_size=2, device_profile="cpu")
-        every[f"blocks.{at}"] = (plan.predicted["step_seconds"], plan.predicted["bytes_per_rank"]["peak"])
-    return {"free": free.to_json(), "tight": tight.to_json(), "budget": budget, "every": every}
+    return {"free": free.to_json(), "tight": tight.to_json(), "budget": budget, "every": every()}
+
+
+def hybrid_stage_cut_under_a_budget(rank: int, world: int) -> dict:
+    """In a plain process, for one unit of 4 ranks: the 8-layer GPT in 2 stages of tp 2 under 1F1B over 4
+    micro-batches of 4 rows, no recompute. autodist's candidates with no budget and one byte under its hybrid
+    candidate's peak, the plan it chooses then, and the hybrid policy's plan cut by ``pipe_split()`` before
+    each layer (priced by the same cost model)."""
+    autodist_plan, every = _cuts_beside_autodist("gpt8", 8, "hybrid", 4)
+    free = {c["plan"]: c for c in autodist_plan().predicted["autodist"]["candidates"]}
+    budget = free["hybrid pp 2 x tp 2 1f1b"]["peak_bytes"] - 1
+    tight = autodist_plan(mem_constraint=budget / 1024 ** 3)
+    return {"free": free, "tight": tight.to_json(), "budget": budget, "every": every()}
+
+
+def _cuts_beside_autodist(name: str, layers: int, policy: str, ranks: int):
+    """For one unit of ``ranks`` in 2 stages (1F1B, 4 micro-batches of 4 rows, no recompute): autodist's plan
+    with more ``pas_config``, and ``policy``'s plans with ``pipe_split()`` before each layer: their (step, peak)
+    by the stage's first layer."""
+    from workers_pipeline import build
+
+    model, make = build(name)
+    batch = make(4, 0)
+    pas = {"explore_pipeline": True, "update_freq": 4, "max_partition_degree": ranks // 2,
+           "pipeline_scheduler": "1f1b", "recompute_modules": ""}
+
+    def autodist_plan(**more):
+        plan, = dynshard.plan(model, (batch,), dynshard.Config(policy="autodist", plan_ngpus=ranks, use_end2end=True,
+                                                              pas_config={**pas, **more}), world_size=ranks)
+        return plan
+
+    def every():
+        found = {}
+        for at in range(1, layers):
+            plan, = dynshard.plan(CutGPT(layers, at), (batch,), dynshard.Config(
+                policy=policy, plan_ngpus=ranks, use_end2end=True, pas_config={
+                    "pipeline_nstages": 2, "pipeline_nmicros": 4, "pipeline_scheduler": "1f1b"}),
+                world_size=ranks, device_profile="cpu")
+            found[f"blocks.{at}"] = (plan.predicted["step_seconds"], plan.predicted["bytes_per_rank"]["peak"])
+        return found
+
+    return autodist_plan, every

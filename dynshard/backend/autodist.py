@@ -8,7 +8,8 @@ The search, on rank 0 (the others receive its plan, or its error), for one captu
    (:mod:`policies.autodist.graph_costs`);
 2. every ZeRO level and recompute choice of it is priced (:func:`planning.cost_model.predict`); with
    ``explore_pipeline``, every pipeline of the unit's ranks too, a hybrid's stages priced from the tp plan of
-   step 1 (:mod:`policies.autodist.hybrid_stages`);
+   step 1 (:mod:`policies.autodist.hybrid_stages`), and a pipeline over ``mem_constraint`` again with the
+   stage cut that fits (:mod:`policies.autodist.stage_memory`);
 3. the fastest candidate whose peak fits wins (ties: the smaller peak, then the name); a hybrid priced from
    the tp plan is planned for real before it can win, and priced again. The space is enumerated whole, so
    the choice is optimal in it under the cost model (``gap`` 0); the plan records every candidate's
@@ -205,7 +206,7 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
         tp = config.plan_ngpus // pp
         unit = unit_at(whole, tp_unit[1], config.plan_ngpus, tp) if tp > 1 else whole
         planned, estimated, cut = None, False, None
-        moved: dict[tuple[str, ...], Plan] = {}     # the pp policy's plans with a stage cut under the budget
+        moved: dict[tuple[str, ...], tuple[Plan, bool]] = {}     # plans with a stage cut under the budget
         for schedule in options.schedules:
             pas = {"pipeline_nmicros": options.update_freq, "pipeline_scheduler": schedule,
                    "pipeline_pivots": options.pipeline_pivots}
@@ -216,17 +217,13 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
             placement = Placement(f"pp {schedule}" if tp == 1 else f"hybrid pp {pp} x tp {tp} {schedule}",
                                   "pp" if tp == 1 else "hybrid", tuple(pas.items()))
             base = placement.config(config, 1 if dp > 1 else 0, options.recompute_modules or "")
+            stages = functools.partial(_staged_plan, gm, inputs, base, layout, made_for,
+                                       tp_unit[0] if tp > 1 else None, instances)
             if planned is not None and _same_stages(planned, schedule, pas.get("pipeline_nstages", pp)):
                 plan = _rescheduled(planned, schedule)      # (the policy's plan with that schedule: tested equal)
             else:
                 try:        # (at ZeRO level 1 when there are units: which tensors take rows)
-                    plan, cut_ctx, cut_graph = plan_graph(gm, inputs, base, layout, made_for, place_stages=tp == 1)
-                    cut = (cut_graph, cut_ctx) if tp == 1 else None
-                    estimated = False
-                    if tp > 1:
-                        guess = estimated_stages(plan, tp_unit[0], instances)
-                        estimated = guess is not None
-                        plan = guess or plan_graph(gm, inputs, base, layout, made_for)[0]
+                    plan, estimated, cut = stages()
                 except Exception as error:      # noqa: BLE001 - a pipeline this graph cannot be cut into is not a candidate
                     log.info("autodist: no %s plan for this graph: %s", placement.name,
                              str(error).strip().splitlines()[0])
@@ -237,20 +234,27 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                     candidate = Candidate(placement, zero, recompute)
                     staged, predicted = _priced(plan, zero, recompute, config, unit, profile)
                     rows.append((candidate, staged, predicted))
-                    if cut is not None and budget is not None and predicted["bytes_per_rank"]["peak"] > budget:
-                        starts = cut_for_memory(staged, *cut, unit, predicted["micro_batches_held"], budget,
-                                                options.transient_mem_coef)
-                        if starts is not None and tuple(starts) != plan.pipeline.starts:
-                            if tuple(starts) not in moved:
-                                moved[tuple(starts)] = _with_starts(gm, inputs, base, layout, made_for, plan, starts)
-                            again = Placement(f"{placement.name}, stages at {', '.join(starts)}", placement.policy,
-                                              placement.pas_config)
-                            rows.append((Candidate(again, zero, recompute), *_priced(
-                                _rescheduled(moved[tuple(starts)], schedule), zero, recompute, config, unit, profile)))
                     if estimated:
                         exact[candidate.name] = functools.partial(
                             _planned_for_real, gm, inputs, base, layout, made_for, zero, recompute, config, unit,
                             profile)
+                    if budget is None or predicted["bytes_per_rank"]["peak"] <= budget:
+                        continue
+                    starts = cut_for_memory(staged, *cut[1:], unit, predicted["micro_batches_held"], budget,
+                                            options.transient_mem_coef)
+                    if starts is None or tuple(starts) == plan.pipeline.starts:
+                        continue
+                    if tuple(starts) not in moved:
+                        moved[tuple(starts)] = stages(_with_starts(cut[0], starts))[:2]
+                    again = Candidate(Placement(f"{placement.name}, stages at {', '.join(starts)}", placement.policy,
+                                                placement.pas_config), zero, recompute)
+                    moved_plan, moved_estimated = moved[tuple(starts)]
+                    rows.append((again, *_priced(_rescheduled(moved_plan, schedule), zero, recompute, config, unit,
+                                                 profile)))
+                    if moved_estimated:
+                        exact[again.name] = functools.partial(
+                            _planned_for_real, gm, inputs, base, layout, made_for, zero, recompute, config, unit,
+                            profile, _with_starts(cut[0], starts))
     return rows, exact
 
 
@@ -261,17 +265,34 @@ def _priced(plan: Plan, zero: int, recompute, config: Config, unit: UnitCosts,
     return staged, predict_pipeline(staged, unit, profile, config.autodist.transient_mem_coef)
 
 
-def _with_starts(gm, inputs, base: Config, layout, made_for, plan: Plan, starts: list[str]) -> Plan:
-    """The pp policy's plan with its stages starting at ``starts`` (as a plan file with that cut runs)."""
+def _staged_plan(gm, inputs, base: Config, layout, made_for, tp_plan: Plan | None, instances: tuple[str, ...],
+                 given: Plan | None = None) -> tuple[Plan, bool, tuple]:
+    """A pipeline candidate's plan (its stage cut the policy's, or ``given``'s), whether a hybrid's stages were
+    priced from the tp plan ``tp_plan`` (:mod:`policies.autodist.hybrid_stages`) rather than planned, and the
+    cut: (its stages' tensors unplaced, the cut graph, its context)."""
+    plan, ctx, graph = plan_graph(gm, inputs, base, layout, made_for, place_stages=tp_plan is None,
+                                  given_pipeline=given)
+    cut = (plan, graph, ctx)
+    if tp_plan is None:
+        return plan, False, cut
+    guess = estimated_stages(plan, tp_plan, instances)
+    if guess is not None:
+        return guess, True, cut
+    return plan_graph(gm, inputs, base, layout, made_for, given_pipeline=given)[0], False, cut
+
+
+def _with_starts(plan: Plan, starts: list[str]) -> Plan:
+    """``plan`` (a pipeline, its hybrid stages unplaced) with its stages starting at ``starts``: a given plan
+    for :func:`.plan_graph.plan_graph`, as a plan file with that cut is."""
     how = plan.pipeline.how.replace(", balanced by FLOPs", "") + ", the slowest stage lightest within mem_constraint"
-    edited = dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, starts=tuple(starts), flops=(),
-                                                                    how=how))
-    return plan_graph(gm, inputs, base, layout, made_for, given_pipeline=edited)[0]
+    return dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, starts=tuple(starts), flops=(),
+                                                                  how=how))
 
 
 def _planned_for_real(gm, inputs, base: Config, layout, made_for, zero: int, recompute, config: Config,
-                      unit: UnitCosts, profile: DeviceProfile) -> tuple[Plan, dict]:
-    return _priced(plan_graph(gm, inputs, base, layout, made_for)[0], zero, recompute, config, unit, profile)
+                      unit: UnitCosts, profile: DeviceProfile, given: Plan | None = None) -> tuple[Plan, dict]:
+    return _priced(plan_graph(gm, inputs, base, layout, made_for, given_pipeline=given)[0], zero, recompute, config,
+                   unit, profile)
 
 
 def _fastest_fitting(rows: list, exact: dict, budget: float | None, hand: list, mem_constraint: float):

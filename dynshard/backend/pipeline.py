@@ -163,7 +163,9 @@ def pipeline_plan(ctx: PassContext, schedule, place_stages: bool = True) -> Plan
                 pipeline=pipeline, predicted=outline.predicted)
     if not hybrid:
         return plan
-    if given is not None:           # the stages' placements as given (null: each stage's tp policy decides)
+    # the stages' placements as given; a given cut that leaves every stage to its tp policy (null) is placed
+    # below, as each stage's tp policy will place it when it compiles
+    if given is not None and any(given.tensors[n].tp is not None for n, t in tensors.items() if t.kind != "input"):
         return dataclasses.replace(plan, tensors={n: dataclasses.replace(t, tp=given.tensors[n].tp if t.kind != "input"
                                                                           else t.tp) for n, t in tensors.items()},
                                    activations=given.activations)

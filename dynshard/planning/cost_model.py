@@ -126,8 +126,8 @@ class InstanceCosts:
     path: str
     saved_bytes: float          # what its forward keeps for the backward
     entry_bytes: float          # what a recompute keeps instead: its inputs from outside, and the outputs of
-                                # the compute-intensive ops the partitioner does not recompute
-    flops: float                # FLOPs run again when recomputed (0: matmuls are not recomputed)
+                                # the tp reductions inside it (collectives are not recomputed)
+    flops: float                # FLOPs run again when recomputed (its forward's: matmuls run again too)
     bytes: float                # bytes the memory-bound ops move again
     input_bytes: float = 0.0    # its activations from outside it (what a pipeline stage boundary sends)
 

@@ -103,13 +103,14 @@ def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int, propagat
         by_op = {op.name: op for op in ops}
         for path, names in _instances(gm, recompute).items():
             inside = [by_op[n] for n in names if n in by_op]
-            # recompute tags ask the partitioner to recompute, and it never recomputes a compute-intensive
-            # op (matmuls, attention): what the backward reads of their outputs stays saved, and only the
-            # memory-bound ops run again
-            kept = sum(op.saved_bytes * written[op.name] for op in inside if op.flops)
+            # the recompute tags (PREFER_RECOMPUTE) make both partitioners re-run every tagged op, matmuls and
+            # attention included; what stays saved is the instance's input and the output of each tp
+            # reduction inside it (dynshard's collectives are not tagged, and their outputs are saved)
+            kept = sum(_reduced_bytes(op, tp, propagation) for op in inside)
             entry = _entry_bytes(gm, names, tp, propagation)
             instances.append(InstanceCosts(
-                path, sum(op.saved_bytes * written[op.name] for op in inside), entry + kept, 0.0,
+                path, sum(op.saved_bytes * written[op.name] for op in inside), entry + kept,
+                sum(op.flops * split[op.name] for op in inside),
                 sum(op.bytes * split[op.name] for op in inside if not op.flops), entry))
     grads = _replicated_grads(gm, inputs, tp, propagation)
     return UnitCosts(flops, moved, saved, largest, sum(grads), recompute, tuple(instances), len(grads))
@@ -146,6 +147,18 @@ def _split(name: str, tp: int, propagation) -> float:
 def _written(name: str, tp: int, propagation) -> float:
     """The share of an op's output one rank holds."""
     return 1 / tp if any(isinstance(p, Shard) for p in _placements(name, propagation)) else 1.0
+
+
+def _reduced_bytes(op: OpCost, tp: int, propagation) -> float:
+    """The bytes of ``op``'s output after its tp reduction: whole when all-reduced, 1/tp when its partial sum
+    is reduce-scattered (sequence parallel); 0 when nothing reduces it."""
+    if propagation is None or tp == 1:
+        return 0.0
+    if op.name in propagation.reduced_partials:
+        return float(op.out_bytes)
+    if any(isinstance(p, Partial) for p in _placements(op.name, propagation)):
+        return op.out_bytes / tp
+    return 0.0
 
 
 def _recompute_class(gm: fx.GraphModule) -> str | None:

@@ -13,10 +13,11 @@ plan with more communication. The same exact search takes a memory row: a stage 
 
 where ``held[r]`` is the most micro-batches rank ``r`` holds in the simulated schedule (a schedule's
 structure: it does not move with the cut). A tensor two stages read (a tied embedding and LM head) is held by
-both. Only schedules with one stage per pipeline rank are cut this way (an interleaved rank's peak sums the
-tensors of several stages, which a per-stage row cannot see). The plan is then made by the pp policy with
-these stage starts, as a plan file with an edited cut is, and priced again, so what the search compares is
-the cost model's price of the plan that runs.
+both; under hybrid a tensor's bytes are its tp shard's, as the candidate's (estimated) placement says. Only
+schedules with one stage per pipeline rank are cut this way (an interleaved rank's peak sums the tensors of
+several stages, which a per-stage row cannot see). The plan is then made with these stage starts, as a plan
+file with an edited cut is (a hybrid's stages priced from the tp plan again, and planned for real if it
+wins), and priced again, so what the search compares is the cost model's price of the plan that runs.
 """
 
 from __future__ import annotations
