@@ -21,7 +21,8 @@ from parity import assert_trains_like_one_process
 from workers_pipeline import pipeline_parity
 from workers_transformers import train_transformers
 from workers_autodist import (candidate_plans_beside_hand_plans, hand_predictions_beside_autodists, hybrid_candidates,
-                              hybrid_stage_cut_under_a_budget, within_partition_degree, measured_peaks, memory_budget_sweep, nothing_fits, offline_autodist,
+                              hybrid_stage_cut_under_a_budget, interleaved_stage_cut_under_a_budget,
+                              within_partition_degree, measured_peaks, memory_budget_sweep, nothing_fits, offline_autodist,
                               pipeline_candidates_beside_hand_plans, planned_units_of, stage_cut_under_a_budget,
                               train_step_without_pipeline, train_with_autodist)
 
@@ -263,6 +264,18 @@ def test_under_a_budget_a_hybrid_pipelines_stage_cut_moves_where_the_hybrid_poli
     assert tight.pipeline.starts == (best,) and "within mem_constraint" in tight.pipeline.how
     assert all(t.tp is not None for t in tight.tensors.values())
     assert tight.predicted["bytes_per_rank"]["peak"] == every[best][1]
+
+
+def test_under_a_budget_an_interleaved_pipelines_cut_moves_by_a_row_per_rank():
+    """The 8-layer GPT in 4 stages, 2 a rank (1F1B interleaved): a rank holds two stages' tensors, so every cut
+    is tried against a row per pipeline rank. One byte under the balanced candidate's peak, autodist offers
+    a cut whose ranks fit, priced as the pp policy's plan with pipe_split() at that cut is."""
+    found = run_ranks(interleaved_stage_cut_under_a_budget, 1, timeout=300)[0]
+    rows = {c["plan"]: c for c in Plan.from_json(found["tight"]).predicted["autodist"]["candidates"]}
+    assert found["free"]["pp 1f1b_interleaved"]["fits"] and not rows["pp 1f1b_interleaved"]["fits"]
+    moved = rows[found["moved"]]
+    assert moved["fits"] and moved["peak_bytes"] == found["cut"][1] <= found["budget"]
+    assert moved["step_seconds"] == pytest.approx(found["cut"][0], rel=1e-5)
 
 
 def test_a_plan_without_a_pipeline_still_trains_through_train_step_when_pipelines_are_explored():

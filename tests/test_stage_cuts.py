@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 
-from dynshard.planning.stage_cuts import balanced_cuts
+from dynshard.planning.stage_cuts import balanced_cuts, enumerated_cuts
 
 
 def _stages(weights, cuts):
@@ -90,3 +90,44 @@ def test_under_a_memory_budget_the_cut_is_the_best_of_every_cut_whose_stages_fit
         assert (max(_stages(weights, cuts)), _distance_from_equal(weights, cuts)) == best
         moved += cuts != balanced_cuts(weights, candidates, nstages)
     assert none > 100 and moved > 100       # (the budgets bind: some graphs have no cut, others a moved one)
+
+
+def test_a_row_per_rank_of_interleaved_stages_finds_the_best_of_every_cut_whose_ranks_fit():
+    """Interleaved: stage s on rank s % ranks, and a rank holds the bytes of all its stages. Against
+    enumerating every cut of 1,000 random graphs: the best of the cuts whose every rank fits, None when none
+    does; with no budget, the cut the per-stage search makes."""
+    rng = random.Random(2)
+    tried = none = 0
+    while tried < 1000:
+        n, ranks = rng.randint(4, 12), 2
+        nstages = ranks * rng.randint(1, 2)
+        weights = [rng.choice([0, 1, 2, 3, 5, 8]) for _ in range(n)]
+        held = [rng.choice([0, 1, 2, 5]) for _ in range(n)]
+        budget = rng.randint(5, 40)
+        candidates = sorted(rng.sample(range(1, n), rng.randint(0, n - 1)))
+        if len(candidates) < nstages - 1:
+            continue
+        tried += 1
+
+        def rank_bytes(bounds):
+            return [sum(sum(held[a:b]) for s, (a, b) in enumerate(zip(bounds, bounds[1:])) if s % ranks == r)
+                    for r in range(ranks)]
+
+        def fits_all(rows):
+            return [max(rank_bytes([int(x) for x in row])) <= budget for row in rows]
+
+        cuts = enumerated_cuts(weights, candidates, nstages, fits_all)
+        fitting = [c for c in itertools.combinations(candidates, nstages - 1) if fits_all([[0, *c, n]])[0]]
+        if not fitting:
+            assert cuts is None
+            none += 1
+            continue
+        best = min((max(_stages(weights, c)), _distance_from_equal(weights, c)) for c in fitting)
+        assert cuts is not None and fits_all([[0, *cuts, n]])[0] and set(cuts) <= set(candidates)
+        assert (max(_stages(weights, cuts)), _distance_from_equal(weights, cuts)) == best
+        free = enumerated_cuts(weights, candidates, nstages, lambda rows: [True] * len(rows))
+        assert (max(_stages(weights, free)), _distance_from_equal(weights, free)) == (
+            max(_stages(weights, balanced_cuts(weights, candidates, nstages))),
+            _distance_from_equal(weights, balanced_cuts(weights, candidates, nstages)))
+    assert none > 50
+    assert enumerated_cuts([1] * 40, list(range(1, 40)), 8, lambda rows: [True] * len(rows), limit=1000) is None

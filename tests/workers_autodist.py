@@ -277,10 +277,10 @@ def measured_peaks(rank: int, world: int, mem_constraint: float | None) -> dict:
 
 
 class CutGPT:
-    """The end-to-end test GPT of ``layers`` layers with the user's ``pipe_split()`` before layer ``at``: the
-    pp policy's plan with that stage cut, made without autodist."""
+    """The end-to-end test GPT of ``layers`` layers with the user's ``pipe_split()`` before layer ``at`` (or
+    each layer of a tuple): the pp policy's plan with that stage cut, made without autodist."""
 
-    def __new__(cls, layers: int, at: int):
+    def __new__(cls, layers: int, at: int | tuple[int, ...]):
         from torch.distributed.pipelining import pipe_split
         from workers_pipeline import EndToEndGPT
 
@@ -289,7 +289,7 @@ class CutGPT:
                 idx = batch["idx"]
                 x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
                 for i, block in enumerate(self.blocks):
-                    if i == at:
+                    if i in (at if isinstance(at, tuple) else (at,)):
                         pipe_split()
                     x = block(x)
                 logits = self.lm_head(self.ln_f(x))
@@ -322,14 +322,14 @@ def hybrid_stage_cut_under_a_budget(rank: int, world: int) -> dict:
     return {"free": free, "tight": tight.to_json(), "budget": budget, "every": every()}
 
 
-def _cuts_beside_autodist(name: str, layers: int, policy: str, ranks: int):
-    """For one unit of ``ranks`` in 2 stages (1F1B, 4 micro-batches of 4 rows, no recompute): autodist's plan
-    with more ``pas_config``, and ``policy``'s plans with ``pipe_split()`` before each layer: their (step, peak)
-    by the stage's first layer."""
+def _cuts_beside_autodist(name: str, layers: int, policy: str, ranks: int, rows: int = 4):
+    """For one unit of ``ranks`` in 2 stages (1F1B, 4 micro-batches of ``rows`` rows, no recompute):
+    autodist's plan with more ``pas_config``, and ``policy``'s plans with ``pipe_split()`` before each layer:
+    their (step, peak) by the stage's first layer."""
     from workers_pipeline import build
 
     model, make = build(name)
-    batch = make(4, 0)
+    batch = make(rows, 0)
     pas = {"explore_pipeline": True, "update_freq": 4, "max_partition_degree": ranks // 2,
            "pipeline_scheduler": "1f1b", "recompute_modules": ""}
 
@@ -349,3 +349,27 @@ def _cuts_beside_autodist(name: str, layers: int, policy: str, ranks: int):
         return found
 
     return autodist_plan, every
+
+
+def interleaved_stage_cut_under_a_budget(rank: int, world: int) -> dict:
+    """In a plain process, for 2 ranks: the 8-layer GPT in 4 stages, 2 a rank (1F1B interleaved over 4
+    micro-batches of 16 rows: activations outweigh the parameters), no recompute. autodist's plan one byte
+    under its interleaved candidate's peak, and the pp policy's plan cut by ``pipe_split()`` where that plan's
+    moved candidate cuts."""
+    autodist_plan, _ = _cuts_beside_autodist("gpt8", 8, "pp", 2, rows=16)
+    interleaved = {"pipeline_scheduler": "1f1b_interleaved"}
+    free = {c["plan"]: c for c in autodist_plan(**interleaved).predicted["autodist"]["candidates"]}
+    budget = free["pp 1f1b_interleaved"]["peak_bytes"] - 1
+    tight = autodist_plan(mem_constraint=budget / 1024 ** 3, **interleaved)
+    rows = {c["plan"]: c for c in tight.predicted["autodist"]["candidates"]}
+    moved = next(name for name in rows if name.startswith("pp 1f1b_interleaved, stages at "))
+    starts = tuple(int(s.split(".")[1]) for s in moved.split(" at ")[1].split(", "))
+    from workers_pipeline import build
+
+    _, make = build("gpt8")
+    cut, = dynshard.plan(CutGPT(8, starts), (make(16, 0),), dynshard.Config(
+        policy="pp", plan_ngpus=2, use_end2end=True, pas_config={
+            "pipeline_nstages": 4, "pipeline_nchunks": 2, "pipeline_nmicros": 4,
+            "pipeline_scheduler": "1f1b_interleaved"}), world_size=2, device_profile="cpu")
+    return {"free": free, "tight": tight.to_json(), "budget": budget, "moved": moved,
+            "cut": [cut.predicted["step_seconds"], cut.predicted["bytes_per_rank"]["peak"]]}
