@@ -12,8 +12,8 @@ this is an upper bound):
   one of the same bytes (Megatron's f/g pairs; sequence parallel's all-gather/reduce-scatter pairs), and the
   all-reduce of every replicated parameter's gradient that split ops leave partial (in buckets);
 - dp communication, per step: each parameter's gradient and ZeRO collectives (``costs.tensor_collectives``),
-  their latency once per kind and once per ``BUCKET_BYTES`` (Inductor's buckets); ZeRO-3's once per block
-  and kind, as it gathers and reduces block by block.
+  their latency once per kind and program region (each block's run in the block) and once per
+  ``BUCKET_BYTES`` (Inductor's buckets).
 A collective of ``kind`` over ``p`` ranks moving ``n`` bytes (the whole buffer) costs
 ``alpha + ring(kind, p) * n / bandwidth``: ring = 2(p-1)/p for an all-reduce, (p-1)/p otherwise.
 
@@ -161,18 +161,15 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
     tp_comm = tp_seconds(plan, unit, profile)
     parameters = [t for t in plan.tensors.values() if t.kind == "parameter"]
     dp_kinds = {(k, w) for t in parameters for k, _, _, w in tensor_collectives(plan, t)}
-    dp_comm = sum(parameter_seconds(plan, t, profile) for t in parameters) + sum(
+    dp_comm = sum(parameter_seconds(plan, t, profile) for t in parameters) + regions(unit) * sum(
         profile.alpha_s[kind] for kind, what in dp_kinds)
-    # waiting for the slowest rank: the tp collectives spread over each micro-batch, and the data-parallel
-    # ones back to back after the step's compute (one meeting: the first absorbs the ranks' skew), except
-    # ZeRO-3's, spread over it (zero3_seconds). Priced on the compute without recompute, so that the ILP's
-    # choices leave it a constant
+    # waiting for the slowest rank: the tp collectives spread over each micro-batch, the data-parallel ones
+    # region by region (dp_waits). Priced on the compute without recompute, so that the ILP's choices leave
+    # it a constant
     if plan.mesh.tp > 1:
         tp_comm += profile.meeting_seconds(tp_calls(plan, unit), 3 * forward)
     if dp_kinds:
-        dp_comm += profile.meeting_seconds(1, nmicros * 3 * forward)
-    if any(t.dp == "zero" for t in parameters):
-        dp_comm += zero3_seconds(plan, unit, nmicros, profile)
+        dp_comm += dp_waits(plan, unit, nmicros, profile, any(t.dp == "zero" for t in parameters))
     rest = memory_at_rest(plan)[0]
     gathered = sum(gathered_bytes(plan, t, nmicros, unit.blocks) for t in parameters)
     activations = unit.saved_bytes - sum(i.saved_bytes - i.entry_bytes for i in recomputed) + max(
@@ -215,17 +212,23 @@ def tp_seconds(plan: Plan, unit: UnitCosts, profile: DeviceProfile) -> float:
     return seconds + profile.collective_seconds("all_reduce", unit.replicated_grad_bytes, tp, buckets)
 
 
-def zero3_seconds(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile) -> float:
-    """What ZeRO-3 rows add to the step's one data-parallel meeting: without accumulation each block's
-    parameters are gathered in its forward and again in its backward, and its gradients reduce-scattered
-    there, so its collectives are ``3 x blocks`` calls spread over the step's compute (one meeting each over
-    the compute between them) rather than one latency per kind after it. Accumulating, whole replicas are
-    gathered once a step: nothing more."""
-    if plan.zero.level != 3 or nmicros > 1 or plan.mesh.dp == 1:
-        return 0.0
+def regions(unit: UnitCosts) -> int:
+    """The program regions a step's data-parallel collectives are issued from: each parameter's run in the
+    region that reads it (regional compilation moves a repeated block's into the block, ``passes/grad_sync``),
+    so a kind of collective is one call per block and one for the rest of the program."""
+    return unit.blocks + 1
+
+
+def dp_waits(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, rows: bool) -> float:
+    """How long a step's data-parallel collectives wait for the slowest unit. Each phase is one collective a
+    region (:func:`regions`), spread over the compute of the micro-batch that synchronises: the gradients'
+    reduction in the backward; with ZeRO ``rows``, the parameters' gather in the forward, and under ZeRO-3
+    again in the backward (15 calls a step for a 4-block GPT under ZeRO-3, 10 under ZeRO-1, 5 under dp,
+    counted in a profile). The first also absorbs the skew of the micro-batches accumulated before it."""
     forward = unit.forward_flops / profile.flops_per_s + unit.forward_bytes / profile.bytes_per_s
-    calls = (unit.blocks - 1) * (2 * profile.alpha_s["all_gather"] + profile.alpha_s["reduce_scatter"])
-    return calls + profile.meeting_seconds(3 * unit.blocks, 3 * forward) - profile.meeting_seconds(1, 3 * forward)
+    phases = 1 + ((2 if plan.zero.level == 3 else 1) if rows else 0)
+    return profile.meeting_seconds(phases * regions(unit), 3 * forward) + profile.meeting_seconds(
+        1, (nmicros - 1) * 3 * forward)
 
 
 def parameter_seconds(plan: Plan, tensor, profile: DeviceProfile) -> float:

@@ -6,8 +6,8 @@ rows) and the cost model of :mod:`dynshard.planning.cost_model`:
 
 Variables (0/1 unless said): ``r_i`` recompute instance ``i``; ``z_p`` parameter ``p`` in ZeRO rows (else
 replicated over dp; only at a ZeRO level > 0); ``y_rep`` / ``y_zero`` some parameter is replicated / in rows
-(each kind of collective pays its latency once, and ZeRO-3's rows their meetings block by block); ``T >= 0``
-continuous, the largest recomputed instance's
+(each kind of collective pays its latency once a program region, and the rows' gathers their meetings);
+``T >= 0`` continuous, the largest recomputed instance's
 activations (they exist again while its backward runs).
 
     minimise   sum_i m * t_i * r_i + sum_p (zero_p - rep_p) * z_p + a_rep * y_rep + a_zero * y_zero
@@ -32,8 +32,8 @@ import dataclasses
 import numpy as np
 
 from ...planning import Plan
-from ...planning.cost_model import (DeviceProfile, UnitCosts, gathered_bytes, instance_seconds, parameter_seconds,
-                                    predict, rest_bytes, zero3_seconds)
+from ...planning.cost_model import (DeviceProfile, UnitCosts, dp_waits, gathered_bytes, instance_seconds,
+                                    parameter_seconds, predict, regions, rest_bytes)
 from ...planning.costs import tensor_collectives
 from ...planning.solver import Solution, solve
 
@@ -81,9 +81,11 @@ def choose(base: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, tr
         upper.append(0.0)
     if zero_vars:
         y_rep, y_zero = size - 2, size - 1
-        cost[y_rep] = _latency(replicated, dataclasses.replace(base.tensors[rows_eligible[0]], dp="replicate"), profile)
-        cost[y_zero] = _latency(base, base.tensors[rows_eligible[0]], profile) + zero3_seconds(
-            base, unit, nmicros, profile)
+        cost[y_rep] = regions(unit) * _latency(
+            replicated, dataclasses.replace(base.tensors[rows_eligible[0]], dp="replicate"), profile)
+        # (the gathers' phases: their meetings beyond the reduction's, which every choice has)
+        cost[y_zero] = regions(unit) * _latency(base, base.tensors[rows_eligible[0]], profile) + dp_waits(
+            base, unit, nmicros, profile, True) - dp_waits(base, unit, nmicros, profile, False)
         for k in range(n_z):
             row = np.zeros(size)
             row[n_r + k], row[y_zero] = 1.0, -1.0
