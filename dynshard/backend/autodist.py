@@ -244,8 +244,9 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                                             options.transient_mem_coef)
                     if starts is None or tuple(starts) == plan.pipeline.starts:
                         continue
+                    given = _with_starts(cut[0], starts)
                     if tuple(starts) not in moved:
-                        moved[tuple(starts)] = stages(_with_starts(cut[0], starts))[:2]
+                        moved[tuple(starts)] = stages(given)[:2]
                     again = Candidate(Placement(f"{placement.name}, stages at {', '.join(starts)}", placement.policy,
                                                 placement.pas_config), zero, recompute)
                     moved_plan, moved_estimated = moved[tuple(starts)]
@@ -254,7 +255,7 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                     if moved_estimated:
                         exact[again.name] = functools.partial(
                             _planned_for_real, gm, inputs, base, layout, made_for, zero, recompute, config, unit,
-                            profile, _with_starts(cut[0], starts))
+                            profile, given)
     return rows, exact
 
 

@@ -156,7 +156,7 @@ class UnitCosts:
 def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, transient_mem_coef: float) -> dict:
     """``plan``'s step seconds and peak bytes per rank (the dict ``Plan.predicted`` keeps)."""
     recomputed = unit.recomputed(plan.recompute)
-    forward = unit.forward_flops / profile.flops_per_s + unit.forward_bytes / profile.bytes_per_s
+    forward = forward_seconds(unit, profile)
     compute = nmicros * (3 * forward + sum(instance_seconds(i, profile) for i in recomputed))
     tp_comm = tp_seconds(plan, unit, profile)
     parameters = [t for t in plan.tensors.values() if t.kind == "parameter"]
@@ -193,6 +193,12 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
     }
 
 
+def forward_seconds(unit: UnitCosts, profile: DeviceProfile) -> float:
+    """One micro-batch's forward on one rank: its FLOPs at the device's rate, its memory-bound bytes at its
+    bandwidth."""
+    return unit.forward_flops / profile.flops_per_s + unit.forward_bytes / profile.bytes_per_s
+
+
 def instance_seconds(instance: InstanceCosts, profile: DeviceProfile) -> float:
     return instance.flops / profile.flops_per_s + instance.bytes / profile.bytes_per_s
 
@@ -225,7 +231,7 @@ def dp_waits(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, 
     reduction in the backward; with ZeRO ``rows``, the parameters' gather in the forward, and under ZeRO-3
     again in the backward (15 calls a step for a 4-block GPT under ZeRO-3, 10 under ZeRO-1, 5 under dp,
     counted in a profile). The first also absorbs the skew of the micro-batches accumulated before it."""
-    forward = unit.forward_flops / profile.flops_per_s + unit.forward_bytes / profile.bytes_per_s
+    forward = forward_seconds(unit, profile)
     phases = 1 + ((2 if plan.zero.level == 3 else 1) if rows else 0)
     return profile.meeting_seconds(phases * regions(unit), 3 * forward) + profile.meeting_seconds(
         1, (nmicros - 1) * 3 * forward)
@@ -233,7 +239,7 @@ def dp_waits(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, 
 
 def parameter_seconds(plan: Plan, tensor, profile: DeviceProfile) -> float:
     """The bandwidth part of a parameter's data-parallel collectives per step (their latency is paid once
-    per bucket: ``alpha`` per ``BUCKET_BYTES``, and once per kind in :func:`predict`)."""
+    per bucket: ``alpha`` per ``BUCKET_BYTES``, and once per kind and region in :func:`predict`)."""
     seconds = 0.0
     for kind, _, size, what in tensor_collectives(plan, tensor):
         group = group_of(plan, "dp", what)

@@ -40,7 +40,7 @@ def balanced_cuts(weights: list[int], candidates: list[int], nstages: int,
     minimise the heaviest stage, then the distance from equal parts; fewer when too few positions exist.
     With ``fits``: only cuts whose every stage fits, None when there is none."""
     n = len(weights)
-    points = np.asarray([0] + sorted({c for c in candidates if 0 < c < n}) + [n], dtype=np.int64)
+    points = _positions(candidates, n)
     if nstages <= 1 or len(points) - 1 < nstages:
         if fits is not None and not _all_fit(fits, [int(p) for p in points[:nstages]] + [n]):
             return None
@@ -60,7 +60,7 @@ def enumerated_cuts(weights: list[int], candidates: list[int], nstages: int,
     of a (cuts, nstages + 1) array of stage bounds (0, the starts, ``len(weights)``), which fit. Every cut is
     tried; None when none fits, or when there are more than ``limit``."""
     n = len(weights)
-    points = np.asarray([0] + sorted({c for c in candidates if 0 < c < n}) + [n], dtype=np.int64)
+    points = _positions(candidates, n)
     if nstages <= 1 or len(points) - 1 < nstages or math.comb(len(points) - 2, nstages - 1) > limit:
         return None
     inner = np.asarray(list(itertools.combinations(range(1, len(points) - 1), nstages - 1)), dtype=np.int64)
@@ -77,6 +77,11 @@ def enumerated_cuts(weights: list[int], candidates: list[int], nstages: int,
     distance = np.abs(nstages * at[inner] - k * int(at[-1])).sum(axis=1)
     best = int(np.argmin(np.where(ok & (heaviest == least), distance, _INF)))      # (ties: the first cut)
     return [int(points[i]) for i in inner[best]]
+
+
+def _positions(candidates: list[int], n: int) -> np.ndarray:
+    """0, the allowed stage starts inside the graph in order, and ``n``."""
+    return np.asarray([0] + sorted({c for c in candidates if 0 < c < n}) + [n], dtype=np.int64)
 
 
 def _allowed(fits: Fits | None, points: np.ndarray) -> Callable[[int, np.ndarray, int], np.ndarray]:

@@ -20,7 +20,8 @@ import dataclasses
 import functools
 
 from ...planning import STAGE_SEPARATOR, Plan
-from ...planning.cost_model import DeviceProfile, UnitCosts, instance_seconds, parameter_seconds, round_seconds
+from ...planning.cost_model import (DeviceProfile, UnitCosts, forward_seconds, instance_seconds, parameter_seconds,
+                                    round_seconds)
 from ...planning.costs import memory_at_rest, tensor_collectives, whole_bytes
 from ...runtime.pipeline.schedules import build_schedule
 from ...runtime.pipeline.simulate import simulate
@@ -31,7 +32,7 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
     total = sum(p.flops) or 1
     shares = [f / total for f in p.flops]
     recomputed = unit.recomputed(plan.recompute)
-    forward = unit.forward_flops / profile.flops_per_s + unit.forward_bytes / profile.bytes_per_s
+    forward = forward_seconds(unit, profile)
     again = sum(instance_seconds(i, profile) for i in recomputed)
     tp = stage_tp_seconds(plan, profile, [share * 3 * forward for share in shares])  # (hybrid), mirrored backward
     boundary = max((i.input_bytes for i in unit.instances), default=0.0)
