@@ -20,8 +20,10 @@ peak a candidate reaches and what dominates it, before anything is compiled.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import gc
 import logging
 import time
 from typing import Callable
@@ -37,8 +39,9 @@ from ..policies.autodist.hybrid_stages import estimated_stages
 from ..policies.autodist.pipeline_costs import predict_pipeline, unit_at
 from ..policies.autodist.stage_memory import cut_for_memory
 from ..policies.autodist.graph_costs import graph_costs, op_costs
-from ..policies.autodist.space import (Candidate, Placement, left_whole, placements, recompute_choices, tp_variants,
-                                       with_choices, zero_levels)
+from ..policies.autodist.space import (SEQUENCE_PARALLEL, Candidate, Placement, left_whole, placements,
+                                       recompute_choices, tp_variants, with_choices, with_sequence_parallel,
+                                       zero_levels)
 from ..runtime.mesh import planning_layout
 from ..runtime.pipeline.schedules import build_schedule
 from .agreement import from_rank0
@@ -67,7 +70,26 @@ def device_profile(config: Config, device_type: str) -> DeviceProfile:
         raise AutodistError(f"{error} (pas_config['device_profile'])") from error
 
 
+@contextlib.contextmanager
+def _cycle_collector_paused():
+    """The search copies, propagates and drops a graph of thousands of fx nodes per candidate, reference
+    cycles that the cyclic collector would walk again and again: a sixth of a 32-layer search. Their memory
+    is freed when the search ends (torch.distributed.checkpoint's state_dict pauses it the same way)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str) -> Plan:
+    with _cycle_collector_paused():
+        return _search(gm, inputs, config, world, made_for, device_type)
+
+
+def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str) -> Plan:
     start = time.perf_counter()
     options = config.autodist
     profile = device_profile(config, device_type)
@@ -154,6 +176,9 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
             continue
         units.append((placement, base, graph_costs(graph, inputs, ops, layout.tp_size, ctx.propagation)))
         if placement.name == "tp":      # (then each kind of the layers it splits, left whole: a choice per kind)
+            sequence_parallel = with_sequence_parallel(base, graph.graph, ctx.propagation, layout.tp_size, ctx.node_keys)
+            if sequence_parallel is not None:
+                edits[SEQUENCE_PARALLEL.name] = sequence_parallel
             for variant in tp_variants(base):
                 choices.append(variant)
                 edited = left_whole(base, variant)

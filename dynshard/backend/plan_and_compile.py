@@ -56,7 +56,7 @@ def _bucket_cap_mb(config: Config) -> float | None:
 def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
     graph = fx.Graph()
     graph.output(graph.graph_copy(gm.graph, {}))
-    return fx.GraphModule(gm, graph)
+    return compat.graph_module(gm, graph)
 
 
 def _reshard_pass(ctx: PassContext):

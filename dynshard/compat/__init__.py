@@ -233,6 +233,13 @@ def around_dynamo_compiles(start: Callable[[], None], end: Callable[[], None],
     handler.register_end_callback(on_end)
 
 
+def graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
+    """A GraphModule whose Python code is generated when first read or run, not on every ``recompile()``:
+    planning copies and rewrites graphs that it never runs (Dynamo's own graphs are lazy the same way)."""
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    return _LazyGraphModule(root, graph)
+
+
 def keep_shapes_static() -> None:
     """dynshard plans static shapes: a new batch size recompiles instead of going symbolic."""
     torch._dynamo.config.automatic_dynamic_shapes = False

@@ -32,6 +32,7 @@ import torch
 import torch.fx as fx
 from torch.utils.flop_counter import FlopCounterMode
 
+from .. import compat
 from ..planning import PlanFileError
 from ..planning.node_keys import find_position, module_paths, node_keys
 from ..planning.stage_cuts import balanced_cuts
@@ -83,7 +84,8 @@ _MEASURED_KEPT = 8
 def _node_flops(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, int]:
     """Each node's forward FLOPs, measured once per graph and input shapes (a search cuts the same graph into
     several pipelines: their cuts read the same measurement)."""
-    key = (gm.code, tuple((tuple(i.shape), i.dtype) for i in ctx.inputs))
+    key = (tuple((n.op, n.name, n.target, repr(n.args), repr(n.kwargs)) for n in gm.graph.nodes),
+           tuple((tuple(i.shape), i.dtype) for i in ctx.inputs))     # (not gm.code: generating it costs more)
     if key not in _MEASURED:
         if len(_MEASURED) >= _MEASURED_KEPT:
             _MEASURED.pop(next(iter(_MEASURED)))
@@ -334,7 +336,7 @@ def split_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         for node in own:
             env[node] = graph.node_copy(node, lambda n: env[n])
         graph.output(tuple(env[by_name[name]] for name in produced))
-        stages.append(Stage(s, fx.GraphModule(gm, graph), tuple(index_of[n] for n in read_inputs), tuple(received),
+        stages.append(Stage(s, compat.graph_module(gm, graph), tuple(index_of[n] for n in read_inputs), tuple(received),
                             tuple(produced), _modules(own)))
     outputs = [_output_ref(v, index_of) for v in _flat_outputs(output.args[0])]
     ctx.staged = StagedGraph(stages, boundaries, outputs, ctx.stage_info["flops"], ctx.stage_info["how"])

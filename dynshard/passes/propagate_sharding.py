@@ -253,11 +253,7 @@ class ShardingInterpreter(fx.Interpreter):
             return self.vocab_parallel_loss(node, args)
         flat = pytree.arg_tree_leaves(*args, **kwargs)
         if not any(isinstance(a, DTensor) for a in flat):
-            out = target(*args, **kwargs)
-            if any(isinstance(o, torch.Tensor) for o in pytree.tree_leaves(out)):
-                self.result.replicated_constants.add(node.name)
-                return pytree.tree_map_only(torch.Tensor, self.replicate, out)
-            return out
+            return self.replicated_constant(node, target, args, kwargs)
         if not compat.has_sharding_strategy(target):
             return self.fallback(node, target, args, kwargs, f"DTensor has no sharding strategy for {target}")
         key = op_key(target, args, kwargs)
@@ -278,6 +274,23 @@ class ShardingInterpreter(fx.Interpreter):
         self.record_redistributions(node, args, redistributions)
         out = target(*args, **kwargs)
         self.memo.keep(key, redistributions, out)
+        return out
+
+    def replicated_constant(self, node: fx.Node, target, args, kwargs):
+        """An op on plain values (``arange``, ``full``, a mask): its tensors, whole on every rank."""
+        key = op_key(target, args, kwargs)
+        key = key and ("constant", *key)
+        if key in self.memo.answers:
+            out, tensors = self.memo.answers[key]
+        else:
+            out = target(*args, **kwargs)
+            tensors = any(isinstance(o, torch.Tensor) for o in pytree.tree_leaves(out))
+            if tensors:
+                out = pytree.tree_map_only(torch.Tensor, self.replicate, out)
+            if key is not None:
+                self.memo.answers[key] = out, tensors
+        if tensors:
+            self.result.replicated_constants.add(node.name)
         return out
 
     def record_redistributions(self, node: fx.Node, args, redistributions) -> None:

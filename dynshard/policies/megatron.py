@@ -40,7 +40,7 @@ from typing import Any, Mapping
 
 import torch
 import torch.fx as fx
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Placement, Replicate, Shard
 
 from ..compat import OpOverload
 from ..config import Config, ConfigError
@@ -151,14 +151,26 @@ def _try_column_split(plan: PlanBuilder, base: Propagation, group: list[tuple[st
 
 
 def _split_sequence(plan: PlanBuilder, base: Propagation) -> None:
-    roots = set(matmul_input_roots(plan.graph, base))
-    for node in plan.graph.nodes:     # in graph order, so that plans print the same on every run
+    for node, placement, readers in sequence_parallel_activations(plan.graph, base, plan.tp_size):
+        plan.place_activation(node, placement, readers=readers)
+
+
+def sequence_parallel_activations(graph: fx.Graph, base: Propagation, tp_size: int
+                                  ) -> list[tuple[fx.Node, Placement, list[fx.Node] | None]]:
+    """Megatron's sequence parallelism on the tp placements propagated as ``base``: each partial sum it reduces
+    is reduce-scattered along the sequence instead, and gathered again before the matmuls that read it. Each
+    activation's placement and its readers (None: every reader), in graph order (plans print the same on
+    every run)."""
+    roots = set(matmul_input_roots(graph, base))
+    placed = []
+    for node in graph.nodes:
         value = node.meta.get("val")
         if node in roots:      # gathered for its matmuls only; a residual add that reads it stays split
-            plan.place_activation(node, Replicate(), readers=_matmul_readers(node))
+            placed.append((node, Replicate(), _matmul_readers(node)))
         elif node.name in base.reduced_partials and isinstance(value, torch.Tensor) and value.dim() >= 2 \
-                and value.shape[-2] % plan.tp_size == 0:
-            plan.place_activation(node, Shard(value.dim() - 2))
+                and value.shape[-2] % tp_size == 0:
+            placed.append((node, Shard(value.dim() - 2), None))
+    return placed
 
 
 def _split_vocabulary(plan: PlanBuilder, base: Propagation) -> Propagation:

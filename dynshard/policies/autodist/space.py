@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch.fx as fx
+
 from ...config import Config
 from ...config.pins import pin_of
-from ...planning import Plan
+from ...passes.propagate_sharding import Propagation
+from ...planning import ActivationChoice, Plan, encode_placement
 from ...planning.plan import ZeroChoice
+from ..megatron import sequence_parallel_activations
 from ..repeated_layers import layer_pattern
 
 ZERO_LEVELS = (0, 1, 2, 3)
@@ -38,6 +42,9 @@ class Placement:
                                    partition_constraints=pins)
 
 
+SEQUENCE_PARALLEL = Placement("tp + sequence parallel", "tp", (("sequence_parallel", True),))
+
+
 @dataclasses.dataclass(frozen=True)
 class Candidate:
     placement: Placement
@@ -59,8 +66,7 @@ def placements(config: Config) -> list[Placement]:
     ``max_partition_degree`` below it they are costed, for the pipelines' stages, but not candidates)."""
     if config.plan_ngpus == 1:
         return [Placement("dp", "dp")]
-    return [Placement("tp", "tp"), Placement("tp + sequence parallel", "tp", (("sequence_parallel", True),)),
-            Placement("data", "data")]
+    return [Placement("tp", "tp"), SEQUENCE_PARALLEL, Placement("data", "data")]
 
 
 def tp_variants(tp: Plan) -> list[Placement]:
@@ -97,6 +103,19 @@ def left_whole(tp: Plan, variant: Placement) -> Plan | None:
     whole = dict.fromkeys(variant.whole, "R")
     return dataclasses.replace(tp, tensors={name: dataclasses.replace(t, tp="R") if pin_of(name, whole) else t
                                             for name, t in tp.tensors.items()})
+
+
+def with_sequence_parallel(tp: Plan, graph: fx.Graph, propagation: Propagation, tp_size: int,
+                           keys: dict[str, str]) -> Plan | None:
+    """tp's plan with Megatron's sequence parallelism, as the tp policy places it with ``sequence_parallel``
+    on tp's own placements, read off tp's propagated ``graph`` (node ``keys`` by name) instead of planned
+    again (None: tp's plan places activations already)."""
+    if tp.activations:
+        return None
+    activations = {keys[node.name]: ActivationChoice(encode_placement(placement), None if readers is None else
+                                                     tuple(keys[r.name] for r in readers))
+                   for node, placement, readers in sequence_parallel_activations(graph, propagation, tp_size)}
+    return dataclasses.replace(tp, activations=activations)
 
 
 def zero_levels(dp: int) -> tuple[int, ...]:
