@@ -119,6 +119,9 @@ def _assert_same_step(results: list[dict]) -> None:
         assert_losses_close(outlined["loss"], unrolled["loss"], "loss", rtol=1e-6)
         assert_tensors_close(outlined["grads"], unrolled["grads"], "grads", rtol=1e-5, atol=1e-7)
         assert outlined["collectives"] == unrolled["collectives"]
+        # what explain measures as saved for the backward: each call of the block keeps its own (the calls'
+        # fake outputs share storages, which had counted one call's)
+        assert outlined["saved"] == unrolled["saved"]
 
 
 def test_a_blocks_own_parameters_communicate_inside_it_once_per_call():

@@ -39,6 +39,7 @@ def one_step(model: GPT, cfg: GPTConfig, rank: int, world: int, split_batch: boo
         "block_weights": sum(1 for name, _ in model.named_parameters()       # (read by a backward formula)
                              if name.startswith("blocks.") and not name.endswith(".bias")),
         "compiled_once": program.compiled_once,
+        "saved": (program.saved_bytes, program.saved_count),
         "explain": str(report),
     }
 

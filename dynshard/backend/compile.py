@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+from collections import Counter, defaultdict
 from typing import Any, Sequence
 
 import torch
@@ -66,16 +67,24 @@ def program_code(graph: fx.GraphModule) -> str:
 def saved_activations(backward: fx.GraphModule, forward_storages: set) -> tuple[int, int]:
     """(bytes, tensors) the forward keeps alive for the backward: the backward graph's placeholders that
     are not tangents, counted once per storage (views of one tensor share it), without the storages of
-    the forward's inputs (a parameter, or a view of one, saved for its matmul costs no memory)."""
-    storages = {}
+    the forward's inputs (a parameter, or a view of one, saved for its matmul costs no memory).
+
+    A storage is counted as many times as it is saved as the same view: every call of an outlined block
+    (``invoke_subgraph``) answers with the same fake outputs (torch caches them by the call's inputs), so
+    the values each call saves share their fake storages; two placeholders of one view are two tensors
+    (the partitioner saves a tensor once)."""
+    views: dict = defaultdict(Counter)
+    sizes = {}
     for node in backward.graph.nodes:
         value = node.meta.get("val")
         if node.op != "placeholder" or node.name.startswith("tangents") or not isinstance(value, torch.Tensor):
             continue
         storage = StorageWeakRef(value.untyped_storage())
         if storage not in forward_storages:
-            storages[storage] = int(value.untyped_storage().nbytes())
-    return sum(storages.values()), len(storages)
+            views[storage][str((value.storage_offset(), tuple(value.shape), value.stride()))] += 1   # (SymInts)
+            sizes[storage] = int(value.untyped_storage().nbytes())
+    copies = {storage: max(seen.values()) for storage, seen in views.items()}
+    return sum(sizes[s] * n for s, n in copies.items()), sum(copies.values())
 
 
 def _input_storages(forward: fx.GraphModule) -> set:
