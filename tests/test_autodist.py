@@ -170,6 +170,32 @@ def test_the_ilp_finds_what_trying_every_recompute_and_zero_choice_finds(level):
     assert len(chosen) >= 2         # (the budgets move the choice)
 
 
+def test_repeated_layers_tied_choose_as_fast_a_plan_as_a_variable_for_each_instance_and_parameter():
+    """A 6-layer GPT over 2 units at each ZeRO level, at 9 budgets from the tightest to the loosest: the
+    ILP with each repeated layer's instances and parameters as counts has far fewer variables and reaches
+    the same optimum as the ILP with a 0/1 variable each; its plan fits and is predicted at its objective."""
+    (placement, base, unit), = run_ranks(planned_units_of, 1, "gpt, 6 layers", 2, 1, timeout=300)[0]
+    profile = DEFAULT_PROFILES["cpu"]
+    chosen = set()
+    for level in (1, 2, 3):
+        plan = with_choices(Plan.from_json(base), level, (), False, 1)
+        peaks = [predict(with_choices(plan, level, recompute, False, 1), unit, 1, profile, 2.0)["bytes_per_rank"]["peak"]
+                 for recompute in ((), (unit.recompute_class,))]     # (every parameter in rows)
+        low, high = min(peaks) + 1, max(peaks) * 1.2      # (+1: the predicted peak is rounded down to bytes)
+        for budget in [low + (high - low) * k / 8 for k in range(9)]:
+            tied, untied = (choose(plan, unit, 1, profile, 2.0, budget, search_recompute=True, tie=tie)
+                            for tie in (True, False))
+            assert tied.solution.status == untied.solution.status == "optimal", (level, budget)
+            assert len(tied.solution.x) < len(untied.solution.x) / 4
+            assert tied.solution.objective == pytest.approx(untied.solution.objective, rel=1e-9), (level, budget)
+            got = predict(tied.plan, unit, 1, profile, 2.0)
+            assert got["bytes_per_rank"]["peak"] <= budget
+            assert got["step_seconds"] == pytest.approx(tied.solution.objective, rel=1e-6), (level, budget)
+            chosen.add((len(tied.plan.recompute), sum(t.dp == "zero" for t in tied.plan.tensors.values())))
+    # (the budgets move both choices: some instances recomputed, not all; parameters in rows or not)
+    assert any(0 < n < 6 for n, _ in chosen) and {rows > 0 for _, rows in chosen} == {True, False}, chosen
+
+
 def test_a_recomputed_block_is_priced_as_its_whole_forward_again_keeping_only_its_input():
     """Both partitioners re-run every op the recompute tags mark, matmuls and attention included (test_recompute
     counts the backward's matmuls): a recomputed block costs its forward's FLOPs again, as FlopCounterMode

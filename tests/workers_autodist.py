@@ -113,6 +113,8 @@ def planned_units_of(rank: int, world: int, model_name: str, world_size: int, pl
     torch.manual_seed(0)
     if model_name == "mlp":
         model, batch = MLP(layers=2), mlp_batch(4, 0)
+    elif model_name == "gpt, 6 layers":
+        model, batch = GPT(GPTConfig(layers=6)), gpt_batch(GPTConfig(layers=6), 4, 0)
     else:
         model, batch = GPT(GPTConfig()), gpt_batch(GPTConfig(), 4, 0)
     config = dynshard.Config(policy="autodist", plan_ngpus=plan_ngpus)

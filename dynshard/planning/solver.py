@@ -34,16 +34,16 @@ class Solution:
                 "bound": _round(self.bound), "gap": _round(self.gap), "lp_integral": self.lp_integral}
 
 
-def solve(cost, rows, upper, integer, time_limit: float = 30.0) -> Solution:
-    """Minimise ``cost @ x`` subject to ``rows @ x <= upper``, ``0 <= x <= 1`` where ``integer`` (a 0/1
-    mask) and ``x >= 0`` elsewhere."""
+def solve(cost, rows, upper, integer, time_limit: float = 30.0, counts=None) -> Solution:
+    """Minimise ``cost @ x`` subject to ``rows @ x <= upper``, ``x`` an integer in ``0..counts`` (1 when not
+    given) where ``integer`` (a 0/1 mask) and ``x >= 0`` elsewhere."""
     from scipy.optimize import Bounds, LinearConstraint, linprog, milp
 
     start = time.perf_counter()
     cost = np.asarray(cost, dtype=float)
     rows = np.asarray(rows, dtype=float).reshape(-1, len(cost))
     integer = np.asarray(integer, dtype=int)
-    upper_x = np.where(integer == 1, 1.0, np.inf)
+    upper_x = np.where(integer == 1, 1.0 if counts is None else np.asarray(counts, dtype=float), np.inf)
     upper = np.asarray(upper, dtype=float)
     constraints = [LinearConstraint(rows, -np.inf, upper)] if len(rows) else []
     lp = linprog(cost, A_ub=rows if len(rows) else None, b_ub=upper if len(rows) else None,
