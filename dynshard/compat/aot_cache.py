@@ -273,10 +273,15 @@ def aot_keys_seen() -> Iterator[list[str]]:
         _seen.keys = previous
 
 
+# what the records hold and how they were counted: a change makes older records unread (their programs
+# compile once more), e.g. 2: activations saved by each call of an outlined block counted
+RECORDS_VERSION = 2
+
+
 def _records_path(key: str) -> str:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-    return os.path.join(cache_dir(), "dynshard_compiles", f"{key}.records")
+    return os.path.join(cache_dir(), "dynshard_compiles", f"{key}.v{RECORDS_VERSION}.records")
 
 
 def remember(key: str, records: Any, replace: bool = True) -> None:
