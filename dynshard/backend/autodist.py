@@ -5,7 +5,8 @@ The search, on rank 0 (the others receive its plan, or its error), for one captu
 1. each placement of :func:`policies.autodist.space.placements` is planned by its policy on a layout with no
    process group behind it (``runtime.mesh.PlanningLayout``), at ZeRO level 1 when there are several
    units (which tensors take ZeRO rows), and costed per micro-batch on one rank
-   (:mod:`policies.autodist.graph_costs`);
+   (:mod:`policies.autodist.graph_costs`); tp + sequence parallel and tp's variants are read off tp's plan
+   (the plans their policy makes, tested byte for byte, without planning tp again);
 2. every ZeRO level and recompute choice of it is priced (:func:`planning.cost_model.predict`); with
    ``explore_pipeline``, every pipeline of the unit's ranks too, a hybrid's stages priced from the tp plan of
    step 1 (:mod:`policies.autodist.hybrid_stages`), and a pipeline over ``mem_constraint`` again with the
