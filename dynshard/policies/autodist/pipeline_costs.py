@@ -44,19 +44,21 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
     simulated, held = _simulated(p.schedule, p.nstages, p.nmicros, plan.mesh.pp, f, b, transfer)
     rest = memory_at_rest(plan)
     saved, largest_block = activation_terms(plan, unit)
+    rank_stages = [{s for s, owners in enumerate(p.stage_ranks) if rank in owners} for rank in range(plan.mesh.pp)]
+    on_stages = [(t, set(t.stages or ())) for t in plan.tensors.values()]
+    replicas_of = [(gathered_bytes(plan, t), on) for t, on in on_stages if on]
     ranks = []
-    for rank in range(plan.mesh.pp):
-        stages = {s for s, owners in enumerate(p.stage_ranks) if rank in owners}
+    for rank, stages in enumerate(rank_stages):
         # (each micro-batch held is one of its stages' forwards: with several stages a rank, the largest's)
         activations = max(shares[s] for s in stages) * saved * held[rank] + largest_block
-        replicas = sum(gathered_bytes(plan, t) for t in plan.tensors.values() if stages & set(t.stages or ()))
+        replicas = sum(size for size, on in replicas_of if stages & on)
         ranks.append((rest[rank], activations + replicas, replicas))
     transient = transient_mem_coef * unit.largest_output
     busiest, during, replicas = max(ranks, key=lambda r: r[0].total + r[1])
     activations = during - replicas
     params = [t for t in plan.tensors.values() if t.kind == "parameter"]
-    dp_comm = max((sum(parameter_seconds(plan, t, profile) for t in params if t.stages and set(t.stages) & set(
-        s for s, owners in enumerate(p.stage_ranks) if rank in owners)) for rank in range(plan.mesh.pp)), default=0.0)
+    seconds_of = [(parameter_seconds(plan, t, profile), on) for t, on in on_stages if t.kind == "parameter" and on]
+    dp_comm = max((sum(seconds for seconds, on in seconds_of if on & stages) for stages in rank_stages), default=0.0)
     dp_kinds = {(k, w) for t in params for k, _, _, w in tensor_collectives(plan, t)}
     dp_comm += sum(profile.alpha_s[kind] for kind, what in dp_kinds)
     busy = max(simulated.busy)
