@@ -21,10 +21,11 @@ from parity import assert_trains_like_one_process
 from workers_pipeline import pipeline_parity
 from workers_transformers import train_transformers
 from workers_autodist import (candidate_plans_beside_hand_plans, hand_predictions_beside_autodists, hybrid_candidates,
-                              hybrid_stage_cut_under_a_budget, interleaved_stage_cut_under_a_budget,
-                              within_partition_degree, measured_peaks, memory_budget_sweep, nothing_fits, offline_autodist,
-                              pipeline_candidates_beside_hand_plans, planned_units_of, stage_cut_under_a_budget,
-                              train_step_without_pipeline, train_with_autodist)
+                              hybrid_stage_cut_under_a_budget, interleaved_stage_cut_under_a_budget, measured_peaks,
+                              memory_budget_sweep, nothing_fits, offline_autodist,
+                              pipeline_candidates_beside_hand_plans, planned_units_of, predicted_tp_collectives,
+                              stage_cut_under_a_budget, traced_tp_collectives, train_step_without_pipeline,
+                              train_with_autodist, within_partition_degree)
 
 
 @pytest.mark.parametrize("pas_config, message", [
@@ -310,6 +311,18 @@ def test_a_plan_without_a_pipeline_still_trains_through_train_step_when_pipeline
     results = run_ranks(train_step_without_pipeline, 2, timeout=600)
     for rank, result in enumerate(results):
         assert_trains_like_one_process(result, f"rank {rank}")
+
+
+@pytest.mark.slow       # (Inductor compiles 2 programs on 2 ranks: about 90 s)
+def test_the_plan_predicts_the_tp_collectives_its_program_issues():
+    """tp and tp + sequence parallel: count and bytes per micro-batch, as explain traces them under Inductor:
+    Megatron's pairs and sequence parallelism's mirrored in the backward, a vocabulary-parallel loss's
+    all-reduces not, and one all-reduce for each gradient that the split leaves partial (a position embedding
+    read on sequence shards included). (aot_eager's program keeps one more all-reduce of the loss's in the
+    backward, which Inductor drops.)"""
+    predicted = run_ranks(predicted_tp_collectives, 1, timeout=600)[0]
+    traced = run_ranks(traced_tp_collectives, 2, "inductor", timeout=900)[0]
+    assert predicted == traced
 
 
 def test_why_not_says_what_rules_a_hand_plan_out():

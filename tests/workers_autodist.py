@@ -375,3 +375,37 @@ def interleaved_stage_cut_under_a_budget(rank: int, world: int) -> dict:
             "pipeline_scheduler": "1f1b_interleaved"}), world_size=2, device_profile="cpu")
     return {"free": free, "tight": tight.to_json(), "budget": budget, "moved": moved,
             "cut": [cut.predicted["step_seconds"], cut.predicted["bytes_per_rank"]["peak"]]}
+
+
+_TP_PLACEMENTS = (("tp", dict(policy="tp")),
+                  ("tp + sequence parallel", dict(policy="tp", pas_config={"sequence_parallel": True})))
+
+
+def predicted_tp_collectives(rank: int, world: int) -> dict:
+    """Per tp placement of the 2-layer test GPT over 2 ranks, planned offline by its hand policy and priced:
+    the tp collectives (count, bytes) it predicts for a micro-batch."""
+    cfg = GPTConfig(layers=2)
+    found = {}
+    for name, options in _TP_PLACEMENTS:
+        with torch.device("meta"):
+            model = GPT(cfg)
+        plan, = dynshard.plan(model, gpt_batch(cfg, 4, 0), dynshard.Config(plan_ngpus=2, **options), world_size=2,
+                              device_profile="cpu")
+        predicted = plan.predicted["tp_collectives_per_micro_batch"]
+        found[name] = (predicted["count"], predicted["bytes"])
+    return found
+
+
+def traced_tp_collectives(rank: int, world: int, compiler: str) -> dict:
+    """The same placements compiled by ``compiler`` on 2 ranks: the tp collectives one step's program traced."""
+    cfg = GPTConfig(layers=2)
+    found = {}
+    for name, options in _TP_PLACEMENTS:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        compiled = torch.compile(GPT(cfg), backend="dynshard",
+                                 options=dynshard.Config(plan_ngpus=2, compiler=compiler, **options))
+        compiled(*gpt_batch(cfg, 4, 0)).backward()
+        traced = [c for c in dynshard.explain(compiled).collectives() if c.group == "tp"]
+        found[name] = (len(traced), sum(c.bytes for c in traced))
+    return found

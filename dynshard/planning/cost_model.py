@@ -9,8 +9,13 @@ this is an upper bound):
 - compute: per micro-batch, forward FLOPs / ``flops_per_s`` + bytes moved / ``bytes_per_s``; the backward
   twice the forward (two matmuls per matmul); a recomputed module's forward once more;
 - tp communication, per micro-batch: the forward collectives of the plan, each mirrored in the backward by
-  one of the same bytes (Megatron's f/g pairs; sequence parallel's all-gather/reduce-scatter pairs), and the
-  all-reduce of every replicated parameter's gradient that split ops leave partial (in buckets);
+  one of the same bytes (Megatron's f/g pairs; sequence parallel's all-gather/reduce-scatter pairs; not a
+  vocabulary-parallel loss's, whose backward is local), and the all-reduce of every replicated parameter's
+  gradient that split ops leave partial. Those are one call per gradient in the program (27 for the bench
+  GPT under sequence parallelism, 63 under data), which ``tp_collectives_per_micro_batch`` counts as
+  traced, but their latency and wait are priced per 25 MB bucket: issued back to back, they meet about
+  once (per bucket, data's step is predicted at 0.97x its measurement; per call it would gain ~62 latencies
+  and meetings, an estimated +0.05 s on a 0.18 s step);
 - dp communication, per step: each parameter's gradient and ZeRO collectives (``costs.tensor_collectives``),
   their latency once per kind and program region (each block's run in the block) and once per
   ``BUCKET_BYTES`` (Inductor's buckets).
@@ -44,7 +49,8 @@ import json
 import math
 import os
 
-from .costs import ADAM_STATE_BYTES, group_of, itemsize, local_numel, memory_at_rest, tensor_collectives, whole_bytes
+from .costs import (ADAM_STATE_BYTES, group_of, itemsize, local_numel, memory_at_rest, mirrored, tensor_collectives,
+                    tp_collectives, whole_bytes)
 from .plan import Plan
 
 BUCKET_BYTES = 25 * 1024 ** 2
@@ -184,9 +190,8 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
         "dp_communication_seconds": round_seconds(dp_comm),
         "bubble_seconds": 0.0,
         "tp_collectives_per_micro_batch": {
-            "count": 2 * len((plan.predicted or {}).get("forward_collectives", ())) + unit.replicated_grads,
-            "bytes": int(2 * sum(c["bytes"] for c in (plan.predicted or {}).get("forward_collectives", ()))
-                         + unit.replicated_grad_bytes)},
+            "count": tp_collectives(plan)[0] + unit.replicated_grads,
+            "bytes": int(tp_collectives(plan)[1] + unit.replicated_grad_bytes)},
         "bytes_per_rank": {"parameters": rest.parameters, "buffers": rest.buffers, "gradients": rest.gradients,
                            "optimizer": rest.optimizer, "gathered": int(gathered), "activations": int(activations),
                            "transient": int(transient), "peak": int(peak)},
@@ -205,14 +210,13 @@ def instance_seconds(instance: InstanceCosts, profile: DeviceProfile) -> float:
 
 def tp_calls(plan: Plan, unit: UnitCosts) -> int:
     """tp collectives of one micro-batch: the forward's, mirrored in the backward, and the gradient buckets."""
-    return 2 * len((plan.predicted or {}).get("forward_collectives", ())) + math.ceil(
-        unit.replicated_grad_bytes / BUCKET_BYTES)
+    return tp_collectives(plan)[0] + math.ceil(unit.replicated_grad_bytes / BUCKET_BYTES)
 
 
 def tp_seconds(plan: Plan, unit: UnitCosts, profile: DeviceProfile) -> float:
     """tp communication of one micro-batch: the forward's collectives, each mirrored in the backward."""
     tp = plan.mesh.tp
-    seconds = sum(2 * profile.collective_seconds(c["kind"], c["bytes"], tp)
+    seconds = sum((2 if mirrored(c) else 1) * profile.collective_seconds(c["kind"], c["bytes"], tp)
                   for c in (plan.predicted or {}).get("forward_collectives", ()))
     buckets = math.ceil(unit.replicated_grad_bytes / BUCKET_BYTES)     # (Inductor merges these all-reduces)
     return seconds + profile.collective_seconds("all_reduce", unit.replicated_grad_bytes, tp, buckets)

@@ -224,8 +224,10 @@ def _replicated_grads(gm: fx.GraphModule, inputs, tp: int, propagation) -> list[
 
 def _reads_split(node: fx.Node, propagation, depth: int = 0) -> bool:
     """Whether ``node`` (following single-input views and casts of a parameter) splits its work by a
-    sharded activation."""
-    if any(isinstance(p, Shard) for p in _placements(node.name, propagation)):
+    sharded activation, or its value is re-sharded locally for a reader (a position embedding added to a
+    sequence shard: each rank's gradient holds its rows only)."""
+    if any(isinstance(p, Shard) for p in _placements(node.name, propagation)) or any(
+            r.source == node.name for r in propagation.local_reshards):
         return True
     if depth < 4 and len(node.all_input_nodes) == 1:
         return any(_reads_split(user, propagation, depth + 1) for user in node.users)

@@ -22,7 +22,7 @@ import functools
 from ...planning import STAGE_SEPARATOR, Plan
 from ...planning.cost_model import (DeviceProfile, UnitCosts, forward_seconds, instance_seconds, parameter_seconds,
                                     round_seconds)
-from ...planning.costs import memory_at_rest, tensor_collectives, whole_bytes
+from ...planning.costs import memory_at_rest, tensor_collectives, tp_collectives, whole_bytes
 from ...runtime.pipeline.schedules import build_schedule
 from ...runtime.pipeline.simulate import simulate
 
@@ -73,8 +73,7 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
         "dp_communication_seconds": round_seconds(dp_comm),
         "bubble_seconds": round_seconds(simulated.makespan - busy),
         "tp_collectives_per_micro_batch": {
-            "count": 2 * len((plan.predicted or {}).get("forward_collectives", ())),
-            "bytes": int(2 * sum(c["bytes"] for c in (plan.predicted or {}).get("forward_collectives", ())))},
+            "count": tp_collectives(plan)[0], "bytes": int(tp_collectives(plan)[1])},
         "micro_batches_held": list(held),
         "bytes_per_rank": {"parameters": busiest.parameters, "buffers": busiest.buffers, "gradients": busiest.gradients,
                            "optimizer": busiest.optimizer, "gathered": int(replicas), "activations": int(activations),
