@@ -218,7 +218,7 @@ def tp_seconds(plan: Plan, unit: UnitCosts, profile: DeviceProfile) -> float:
     tp = plan.mesh.tp
     seconds = sum((2 if mirrored(c) else 1) * profile.collective_seconds(c["kind"], c["bytes"], tp)
                   for c in (plan.predicted or {}).get("forward_collectives", ()))
-    buckets = math.ceil(unit.replicated_grad_bytes / BUCKET_BYTES)     # (Inductor merges these all-reduces)
+    buckets = math.ceil(unit.replicated_grad_bytes / BUCKET_BYTES)     # (one call each, back to back: see above)
     return seconds + profile.collective_seconds("all_reduce", unit.replicated_grad_bytes, tp, buckets)
 
 
