@@ -182,6 +182,7 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
         (i.saved_bytes for i in recomputed), default=0.0)
     transient = transient_mem_coef * unit.largest_output
     peak = rest.total + gathered + activations + transient
+    tp_count, tp_bytes = tp_collectives(plan)
     return {
         "step_seconds": round_seconds(compute + nmicros * tp_comm + dp_comm),
         "compute_seconds": round_seconds(compute),
@@ -189,9 +190,8 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
         "tp_communication_seconds": round_seconds(nmicros * tp_comm),
         "dp_communication_seconds": round_seconds(dp_comm),
         "bubble_seconds": 0.0,
-        "tp_collectives_per_micro_batch": {
-            "count": tp_collectives(plan)[0] + unit.replicated_grads,
-            "bytes": int(tp_collectives(plan)[1] + unit.replicated_grad_bytes)},
+        "tp_collectives_per_micro_batch": {"count": tp_count + unit.replicated_grads,
+                                           "bytes": int(tp_bytes + unit.replicated_grad_bytes)},
         "bytes_per_rank": {"parameters": rest.parameters, "buffers": rest.buffers, "gradients": rest.gradients,
                            "optimizer": rest.optimizer, "gathered": int(gathered), "activations": int(activations),
                            "transient": int(transient), "peak": int(peak)},

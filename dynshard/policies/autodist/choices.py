@@ -5,10 +5,10 @@ For a candidate (a placement and a ZeRO level; ``base`` is its plan with every e
 rows) and the cost model of :mod:`dynshard.planning.cost_model`:
 
 Repeated layers are tied: instances of the repeated module with equal costs form one group ``g`` of ``n_g``,
-and parameters with equal costs (a layer's weight in every layer, or any of one shape and dtype) one group too. A group's variable is
-how many of its members take the choice, the first ones in graph order: the members are interchangeable,
-so this loses no solution, and branch and bound explores no symmetric copies (a 32-layer model: one
-recompute variable instead of 32, and ~16 ZeRO-row variables instead of ~500).
+and parameters with equal costs (a layer's weight in every layer, or any of one shape and dtype) one group
+too. A group's variable is how many of its members take the choice, the first ones in graph order: the
+members are interchangeable, so this loses no solution, and branch and bound explores no symmetric copies
+(a 32-layer GPT: 12 variables instead of 519).
 
 Variables: ``R_g`` in 0..n_g, instances of group ``g`` recomputed; ``u_g`` 0/1, some of them are (for a group
 of more than one; for one, ``R_g`` itself); ``Z_q`` in 0..n_q, parameters of group ``q`` in ZeRO rows (else
@@ -138,16 +138,20 @@ def choose(base: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, tr
                                    gap=0.0 if solution.gap == 0 else max(objective - bound, 0.0) / max(abs(objective), 1e-12))
     x = np.round(np.array(solution.x)).astype(int)
     chosen = sorted(k for g, members in enumerate(r_groups) for k in members[:x[g]])
-    recompute = base.recompute if not search_recompute else (
-        (unit.recompute_class,) if chosen and len(chosen) == len(instances) else tuple(instances[k].path for k in chosen))
+    if not search_recompute:
+        recompute = base.recompute
+    elif chosen and len(chosen) == len(instances):
+        recompute = (unit.recompute_class,)
+    else:
+        recompute = tuple(instances[k].path for k in chosen)
     rows = {rows_eligible[k] for g, members in enumerate(z_groups) for k in members[:x[n_r + g]]}
     return Choice(dataclasses.replace(_with_rows(base, rows), recompute=recompute), solution)
 
 
 def _tied(coefficients: list[tuple], tie: bool) -> list[list[int]]:
     """The members (indices) with equal coefficients, in order of their first member: the instances of a
-    repeated layer, and its parameters of one name, cost the same, so one integer variable (how many of
-    them, the first ones taken) holds every choice the 0/1 variables could make at the same price, and
+    repeated layer cost the same, as do parameters of one shape and dtype, so one integer variable (how many
+    of them, the first ones taken) holds every choice the 0/1 variables could make at the same price, and
     leaves branch and bound no symmetric copies to explore. ``tie=False``: each member alone."""
     if not tie:
         return [[k] for k in range(len(coefficients))]

@@ -22,7 +22,7 @@ import functools
 from ...planning import STAGE_SEPARATOR, Plan
 from ...planning.cost_model import (DeviceProfile, UnitCosts, forward_seconds, instance_seconds, parameter_seconds,
                                     round_seconds)
-from ...planning.costs import memory_at_rest, tensor_collectives, tp_collectives, whole_bytes
+from ...planning.costs import memory_at_rest, mirrored, tensor_collectives, tp_collectives, whole_bytes
 from ...runtime.pipeline.schedules import build_schedule
 from ...runtime.pipeline.simulate import simulate
 
@@ -34,10 +34,10 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
     recomputed = unit.recomputed(plan.recompute)
     forward = forward_seconds(unit, profile)
     again = sum(instance_seconds(i, profile) for i in recomputed)
-    tp = stage_tp_seconds(plan, profile, [share * 3 * forward for share in shares])  # (hybrid), mirrored backward
+    tp = stage_tp_seconds(plan, profile, [share * 3 * forward for share in shares])  # (hybrid) forward, backward
     boundary = max((i.input_bytes for i in unit.instances), default=0.0)
-    f = max(share * forward + tp[s] for s, share in enumerate(shares))
-    b = max(share * (2 * forward + again) + tp[s] for s, share in enumerate(shares))
+    f = max(share * forward + tp[s][0] for s, share in enumerate(shares))
+    b = max(share * (2 * forward + again) + tp[s][1] for s, share in enumerate(shares))
     # a transfer meets the neighbouring stage: it waits for its skew over the action before it
     transfer = profile.alpha_s["all_to_all"] + boundary / profile.bandwidth["all_to_all"] + \
         profile.meeting_seconds(1, f) if len(shares) > 1 else 0.0
@@ -69,7 +69,7 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
         "step_seconds": round_seconds(simulated.makespan + dp_comm),
         "compute_seconds": round_seconds(busy),
         "communication_seconds": round_seconds(dp_comm),      # (tp's is inside the stages' times, hence compute)
-        "tp_communication_seconds": round_seconds(2 * p.nmicros * max(tp)),
+        "tp_communication_seconds": round_seconds(p.nmicros * max(sum(stage) for stage in tp)),
         "dp_communication_seconds": round_seconds(dp_comm),
         "bubble_seconds": round_seconds(simulated.makespan - busy),
         "tp_collectives_per_micro_batch": {
@@ -96,17 +96,24 @@ def gathered_bytes(plan: Plan, tensor) -> int:
     return 2 * whole_bytes(plan, tensor) if tensor.kind == "parameter" and tensor.dp == "zero" else 0
 
 
-def stage_tp_seconds(plan: Plan, profile: DeviceProfile, compute: list[float]) -> list[float]:
-    """Per stage, its forward's tp collectives for one micro-batch (a hybrid plan's, keyed ``<stage>/...``),
-    with half of their meetings' wait over the stage's ``compute`` seconds a micro-batch (the other half is
-    the mirrored backward's)."""
-    seconds, calls = [0.0] * plan.pipeline.nstages, [0] * plan.pipeline.nstages
+def stage_tp_seconds(plan: Plan, profile: DeviceProfile, compute: list[float]) -> list[tuple[float, float]]:
+    """Per stage, its tp collectives' seconds for one micro-batch (a hybrid plan's, keyed ``<stage>/...``), in
+    the forward and in the backward: each forward collective, and its mirror (:func:`~dynshard.planning.costs.
+    mirrored`), with their meetings' wait over the stage's ``compute`` seconds a micro-batch shared between
+    the two by their calls."""
+    nstages = plan.pipeline.nstages
+    seconds, calls = [[0.0, 0.0] for _ in range(nstages)], [[0, 0] for _ in range(nstages)]
     for c in (plan.predicted or {}).get("forward_collectives", ()):
         stage, _, _ = c["at"].partition(STAGE_SEPARATOR)
-        if c["dim"] == "tp" and stage.isdigit() and int(stage) < len(seconds):
-            seconds[int(stage)] += profile.collective_seconds(c["kind"], c["bytes"], plan.mesh.tp)
-            calls[int(stage)] += 1
-    return [s + profile.meeting_seconds(2 * k, c) / 2 for s, k, c in zip(seconds, calls, compute)]
+        if c["dim"] == "tp" and stage.isdigit() and int(stage) < nstages:
+            for phase in (0, 1) if mirrored(c) else (0,):
+                seconds[int(stage)][phase] += profile.collective_seconds(c["kind"], c["bytes"], plan.mesh.tp)
+                calls[int(stage)][phase] += 1
+    found = []
+    for (forward, backward), (f, b), spent in zip(seconds, calls, compute):
+        wait = profile.meeting_seconds(f + b, spent)
+        found.append((forward + wait * f / max(f + b, 1), backward + wait * b / max(f + b, 1)))
+    return found
 
 
 def unit_at(whole: UnitCosts, split: UnitCosts, ranks: int, tp: int) -> UnitCosts:
