@@ -313,13 +313,14 @@ def test_a_plan_without_a_pipeline_still_trains_through_train_step_when_pipeline
         assert_trains_like_one_process(result, f"rank {rank}")
 
 
-@pytest.mark.slow       # (Inductor compiles 2 programs on 2 ranks: about 90 s)
+@pytest.mark.slow       # (Inductor compiles 6 programs on 2 ranks: about 2 minutes)
 def test_the_plan_predicts_the_tp_collectives_its_program_issues():
-    """tp and tp + sequence parallel: count and bytes per micro-batch, as explain traces them under Inductor:
-    Megatron's pairs and sequence parallelism's mirrored in the backward, a vocabulary-parallel loss's
-    all-reduces not, and one all-reduce for each gradient that the split leaves partial (a position embedding
-    read on sequence shards included). (aot_eager's program keeps one more all-reduce of the loss's in the
-    backward, which Inductor drops.)"""
+    """tp, tp + sequence parallel and data on the test GPT and transformers' Llama: count and bytes per
+    micro-batch, as explain traces them under Inductor: Megatron's pairs and sequence parallelism's mirrored
+    in the backward, a loss's reductions (vocabulary-parallel, or its exact mean over batch shards) not, and
+    one all-reduce for each gradient that a split reader leaves partial (a position embedding read on
+    sequence shards or broadcast over batch shards included; a tied table once per reader). (aot_eager's
+    program keeps one more all-reduce of the loss's in the backward, which Inductor drops.)"""
     predicted = run_ranks(predicted_tp_collectives, 1, timeout=600)[0]
     traced = run_ranks(traced_tp_collectives, 2, "inductor", timeout=900)[0]
     assert predicted == traced

@@ -11,7 +11,7 @@ import torch.distributed as dist
 import dynshard
 from dynshard.backend import autodist, offline
 from dynshard.backend.autodist import AutodistError, device_profile
-from models import GPT, MLP, GPTConfig, gpt_batch, mlp_batch
+from models import GPT, MLP, GPTConfig, LlamaLM, gpt_batch, mlp_batch
 from workers import train_parity
 
 
@@ -377,22 +377,25 @@ def interleaved_stage_cut_under_a_budget(rank: int, world: int) -> dict:
             "cut": [cut.predicted["step_seconds"], cut.predicted["bytes_per_rank"]["peak"]]}
 
 
-_TP_PLACEMENTS = (("tp", dict(policy="tp")),
-                  ("tp + sequence parallel", dict(policy="tp", pas_config={"sequence_parallel": True})))
+_SPLIT_PLACEMENTS = (("tp", dict(policy="tp")),
+                     ("tp + sequence parallel", dict(policy="tp", pas_config={"sequence_parallel": True})),
+                     ("data", dict(policy="data")))
+_COUNTED_MODELS = {"gpt": GPT, "llama": LlamaLM}
 
 
 def predicted_tp_collectives(rank: int, world: int) -> dict:
-    """Per tp placement of the 2-layer test GPT over 2 ranks, planned offline by its hand policy and priced:
-    the tp collectives (count, bytes) it predicts for a micro-batch."""
+    """Per model and placement splitting a unit of 2 ranks (the 2-layer test GPT and Llama), planned offline by
+    its hand policy and priced: the tp collectives (count, bytes) it predicts for a micro-batch."""
     cfg = GPTConfig(layers=2)
     found = {}
-    for name, options in _TP_PLACEMENTS:
-        with torch.device("meta"):
-            model = GPT(cfg)
-        plan, = dynshard.plan(model, gpt_batch(cfg, 4, 0), dynshard.Config(plan_ngpus=2, **options), world_size=2,
-                              device_profile="cpu")
-        predicted = plan.predicted["tp_collectives_per_micro_batch"]
-        found[name] = (predicted["count"], predicted["bytes"])
+    for model_name, model_class in _COUNTED_MODELS.items():
+        for name, options in _SPLIT_PLACEMENTS:
+            with torch.device("meta"):
+                model = model_class(cfg)
+            plan, = dynshard.plan(model, gpt_batch(cfg, 4, 0), dynshard.Config(plan_ngpus=2, **options),
+                                  world_size=2, device_profile="cpu")
+            predicted = plan.predicted["tp_collectives_per_micro_batch"]
+            found[f"{model_name}, {name}"] = (predicted["count"], predicted["bytes"])
     return found
 
 
@@ -400,12 +403,13 @@ def traced_tp_collectives(rank: int, world: int, compiler: str) -> dict:
     """The same placements compiled by ``compiler`` on 2 ranks: the tp collectives one step's program traced."""
     cfg = GPTConfig(layers=2)
     found = {}
-    for name, options in _TP_PLACEMENTS:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        compiled = torch.compile(GPT(cfg), backend="dynshard",
-                                 options=dynshard.Config(plan_ngpus=2, compiler=compiler, **options))
-        compiled(*gpt_batch(cfg, 4, 0)).backward()
-        traced = [c for c in dynshard.explain(compiled).collectives() if c.group == "tp"]
-        found[name] = (len(traced), sum(c.bytes for c in traced))
+    for model_name, model_class in _COUNTED_MODELS.items():
+        for name, options in _SPLIT_PLACEMENTS:
+            torch._dynamo.reset()
+            torch.manual_seed(0)
+            compiled = torch.compile(model_class(cfg), backend="dynshard",
+                                     options=dynshard.Config(plan_ngpus=2, compiler=compiler, **options))
+            compiled(*gpt_batch(cfg, 4, 0)).backward()
+            traced = [c for c in dynshard.explain(compiled).collectives() if c.group == "tp"]
+            found[f"{model_name}, {name}"] = (len(traced), sum(c.bytes for c in traced))
     return found

@@ -55,6 +55,11 @@ class Collective:
     kind: str           # all_reduce, all_gather, reduce_scatter, all_to_all
     mesh_dim: str
     bytes: int
+    # whether the backward spends one of the same bytes: Megatron's f/g pairs and sequence parallelism's
+    # all-gather/reduce-scatter pairs do; the reduction of a scalar (a loss's sum and total weight over split
+    # rows: its gradient is the same scalar on every rank) and a vocabulary-parallel loss's three all-reduces
+    # of one value per row (its backward is local) do not
+    mirrored: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +144,7 @@ def redistribution_collectives(node: str, layout: Layout, shape: Sequence[int], 
         if kind is not None:
             numel = max(math.prod(local_shape(torch.Size(shape), layout, src)),
                         math.prod(local_shape(torch.Size(shape), layout, dst)))
-            found.append(Collective(node, kind, dim, numel * itemsize))
+            found.append(Collective(node, kind, dim, numel * itemsize, mirrored=len(shape) > 0))
     return found
 
 
@@ -310,7 +315,7 @@ class ShardingInterpreter(fx.Interpreter):
         row_bytes = rows(args[0]) * args[0].dtype.itemsize
         for _ in range(3):
             self.result.collectives.append(Collective(node.name, "all_reduce", self.layout.placement_dims[0],
-                                                      row_bytes))
+                                                      row_bytes, mirrored=False))
         return abstract_nll_loss(*args)
 
     def slice_to_partner(self, node: fx.Node, args: tuple) -> tuple | None:

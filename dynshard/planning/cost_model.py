@@ -9,10 +9,11 @@ this is an upper bound):
 - compute: per micro-batch, forward FLOPs / ``flops_per_s`` + bytes moved / ``bytes_per_s``; the backward
   twice the forward (two matmuls per matmul); a recomputed module's forward once more;
 - tp communication, per micro-batch: the forward collectives of the plan, each mirrored in the backward by
-  one of the same bytes (Megatron's f/g pairs; sequence parallel's all-gather/reduce-scatter pairs; not a
-  vocabulary-parallel loss's, whose backward is local), and the all-reduce of every replicated parameter's
-  gradient that split ops leave partial. Those are one call per gradient in the program (27 for the bench
-  GPT under sequence parallelism, 63 under data), which ``tp_collectives_per_micro_batch`` counts as
+  one of the same bytes (Megatron's f/g pairs; sequence parallel's all-gather/reduce-scatter pairs; not the
+  reduction of a loss's scalars nor a vocabulary-parallel loss's, whose backward is local), and the
+  all-reduce of every replicated parameter's gradient that split ops leave partial. Those are one call per
+  gradient and split reader in the program (27 for the bench GPT under sequence parallelism, 65 under data:
+  its tied table twice), which ``tp_collectives_per_micro_batch`` counts as
   traced, but their latency and wait are priced per 25 MB bucket: issued back to back, they meet about
   once (per bucket, data's step is predicted at 0.97x its measurement; per call it would gain ~62 latencies
   and meetings, an estimated +0.05 s on a 0.18 s step);

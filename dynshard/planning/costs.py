@@ -158,16 +158,14 @@ def with_forward_collectives(plan: Plan, propagation, node_keys: dict[str, str])
     by node key, in ``predicted`` (other predictions kept)."""
     if propagation is None:
         return plan
-    losses = propagation.vocab_parallel_losses
     collectives = [{"at": node_keys.get(c.node, c.node), "kind": c.kind, "dim": c.mesh_dim, "bytes": c.bytes,
-                    **({"mirrored": False} if c.node in losses else {})} for c in propagation.collectives]
+                    **({} if c.mirrored else {"mirrored": False})} for c in propagation.collectives]
     return dataclasses.replace(plan, predicted={**(plan.predicted or {}), "forward_collectives": collectives})
 
 
 def mirrored(collective: dict) -> bool:
-    """Whether a forward collective of ``Plan.predicted`` has one of the same bytes in the backward: Megatron's
-    f/g pairs and sequence parallelism's all-gather/reduce-scatter pairs do; a vocabulary-parallel loss's three
-    all-reduces of one value per row do not (its backward is local), marked ``"mirrored": false``."""
+    """Whether a forward collective of ``Plan.predicted`` has one of the same bytes in the backward
+    (``passes.propagate_sharding.Collective.mirrored``; those that do not are marked ``"mirrored": false``)."""
     return collective.get("mirrored", True)
 
 

@@ -206,8 +206,9 @@ def _entry_bytes(gm: fx.GraphModule, names: list[str], tp: int, propagation) -> 
 
 
 def _replicated_grads(gm: fx.GraphModule, inputs, tp: int, propagation) -> list[int]:
-    """The bytes of each gradient of a tp-replicated parameter whose readers split the work: partial sums
-    over tp, all-reduced."""
+    """The bytes of each all-reduce of a tp-replicated parameter's gradient whose readers split the work:
+    partial sums over tp, one all-reduce per reader that splits (a table tied to an embedding and a head
+    under data is all-reduced twice, as the program does)."""
     if propagation is None or tp == 1:
         return []
     found = []
@@ -217,21 +218,34 @@ def _replicated_grads(gm: fx.GraphModule, inputs, tp: int, propagation) -> list[
             continue
         if any(isinstance(p, (Shard, Partial)) for p in _placements(node.name, propagation)):
             continue
-        if any(_reads_split(user, propagation) for user in node.users):
-            found.append(math.prod(inp.shape) * inp.dtype.itemsize)
+        readers = sum(_reads_split(user, node, propagation) for user in node.users)
+        found += [math.prod(inp.shape) * inp.dtype.itemsize] * readers
     return found
 
 
-def _reads_split(node: fx.Node, propagation, depth: int = 0) -> bool:
-    """Whether ``node`` (following single-input views and casts of a parameter) splits its work by a
-    sharded activation, or its value is re-sharded locally for a reader (a position embedding added to a
-    sequence shard: each rank's gradient holds its rows only)."""
+def _reads_split(node: fx.Node, source: fx.Node, propagation, depth: int = 0) -> bool:
+    """Whether ``node``, a reader of ``source`` (following views, casts and lookups of a parameter whose other
+    inputs are constants), splits its work by a sharded activation, its value is re-sharded locally for a
+    reader (a position embedding added to a sequence shard: each rank's gradient holds its rows only), or a
+    reader broadcasts it over a split dimension (a position embedding added to batch shards: its gradient
+    sums the rank's rows)."""
     if any(isinstance(p, Shard) for p in _placements(node.name, propagation)) or any(
             r.source == node.name for r in propagation.local_reshards):
         return True
-    if depth < 4 and len(node.all_input_nodes) == 1:
-        return any(_reads_split(user, propagation, depth + 1) for user in node.users)
+    if any(_broadcast_over_split(node, user, propagation) for user in node.users):
+        return True
+    others = [a for a in node.all_input_nodes if a is not source and a.name not in propagation.replicated_constants]
+    if depth < 4 and not others:
+        return any(_reads_split(user, node, propagation, depth + 1) for user in node.users)
     return False
+
+
+def _broadcast_over_split(node: fx.Node, user: fx.Node, propagation) -> bool:
+    value, out = node.meta.get("val"), user.meta.get("val")
+    if not isinstance(value, torch.Tensor) or not isinstance(out, torch.Tensor) or out.dim() <= value.dim():
+        return False
+    leading = out.dim() - value.dim()
+    return any(isinstance(p, Shard) and p.dim < leading for p in _placements(user.name, propagation))
 
 
 __all__ = ["OpCost", "graph_costs", "op_costs"]
