@@ -8,8 +8,8 @@ or one GPU each), and the collectives over the job's backend (gloo on CPU, NCCL 
   profile is fp32's; run it under the dtype the job computes in with ``--dtype``);
 - ``bytes_per_s``: copies of a 64 MB tensor (read + write);
 - per collective kind, ``alpha_s`` and ``bandwidth`` fitted to ``t = alpha + ring * bytes / bandwidth`` by
-  relative least squares over sizes 4 KB - 16 MB (ring: 2(p-1)/p for an all-reduce, (p-1)/p otherwise), medians of
-  timed calls after warm-up;
+  relative least squares over sizes 4 KB - 16 MB (ring: 2(p-1)/p for an all-reduce, (p-1)/p otherwise), each
+  size's time the median of rounds that call every kind and size in turn, averaged over the ranks;
 - ``skew``: how long a collective waits for the slowest rank after every rank ran the same compute, beyond its
   idle latency: a 4 KB all-reduce after about 3 ms and 12 ms of matmuls on each rank, the mean wait's excess
   over ``sqrt(compute seconds)`` (the cost model's ``meeting_seconds``).
@@ -31,6 +31,7 @@ from .planning.cost_model import DEFAULT_PROFILES, KINDS, DeviceProfile
 
 SIZES = [4096 * 4 ** k for k in range(7)]        # 4 KB ... 16 MB per rank's payload, x p for gathers
 REPEATS, WARMUP = 7, 3
+ROUNDS = 9                  # of every collective kind and size in turn
 
 
 def _timed(fn, device: torch.device, repeats: int = REPEATS, warmup: int = WARMUP) -> float:
@@ -61,31 +62,59 @@ def compute_rates(device: torch.device, dtype: torch.dtype) -> tuple[float, floa
     return max(rates), bandwidth
 
 
-def _collective(kind: str, nbytes: int, world: int, device: torch.device):
+def _numel(nbytes: int, world: int) -> int:
     numel = max(nbytes // 4, world)
-    numel -= numel % world
+    return numel - numel % world
+
+
+def _payload(kind: str, nbytes: int, world: int) -> int:
+    """The whole buffer a call of ``kind`` moves for a per-rank payload of ``nbytes`` (a gather's output)."""
+    return _numel(nbytes, world) * 4 * (world if kind == "all_gather" else 1)
+
+
+def _collective(kind: str, nbytes: int, world: int, device: torch.device):
+    numel = _numel(nbytes, world)
     x = torch.ones(numel, device=device)
     if kind == "all_reduce":
-        return lambda: dist.all_reduce(x), numel * 4
+        return lambda: dist.all_reduce(x)
     if kind == "all_gather":
         out = torch.empty(numel * world, device=device)
-        return lambda: dist.all_gather_into_tensor(out, x), numel * 4 * world
+        return lambda: dist.all_gather_into_tensor(out, x)
     if kind == "reduce_scatter":
         out = torch.empty(numel // world, device=device)
-        return lambda: dist.reduce_scatter_tensor(out, x), numel * 4
+        return lambda: dist.reduce_scatter_tensor(out, x)
     out = torch.empty_like(x)
-    return lambda: dist.all_to_all_single(out, x), numel * 4
+    return lambda: dist.all_to_all_single(out, x)
 
 
-def collective_fit(kind: str, device: torch.device) -> tuple[float, float, float]:
-    """(alpha seconds, bandwidth bytes/s, largest relative error of the fit) for ``kind`` over the world."""
+def collective_times(device: torch.device, rounds: int = ROUNDS) -> dict[str, list[float]]:
+    """Seconds of one call of each collective kind at each of ``SIZES``: per kind and size, the median over
+    ``rounds`` in which every kind and size is called once in turn, averaged over the ranks.
+
+    Taking the kinds in turn, rather than one kind's sizes after another's, spreads what the machine does
+    meanwhile (a neighbour's load, a clock that moves) over all of them: measured one after another, gloo's
+    reduce-scatter read 0.45 to 1.02 GB/s in three calibrations of one hour, and the order of ZeRO-1 and
+    ZeRO-2 moved with it."""
     world = dist.get_world_size()
+    calls = {(kind, size): _collective(kind, size, world, device) for kind in KINDS for size in SIZES}
+    for _ in range(WARMUP):
+        for fn in calls.values():
+            fn()
+    times: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
+    for _ in range(rounds):
+        for key, fn in calls.items():
+            times[key].append(_timed(fn, device, repeats=1, warmup=0))
+    medians = torch.tensor([statistics.median(times[key]) for key in calls], dtype=torch.float64, device=device)
+    dist.all_reduce(medians)
+    mean = (medians / world).tolist()
+    return {kind: [mean[i * len(SIZES) + j] for j in range(len(SIZES))] for i, kind in enumerate(KINDS)}
+
+
+def collective_fit(kind: str, times: list[float], world: int) -> tuple[float, float, float]:
+    """(alpha seconds, bandwidth bytes/s, largest relative error of the fit) for ``kind`` over ``world`` ranks,
+    from the seconds of one call at each of ``SIZES``."""
     ring = 2 * (world - 1) / world if kind == "all_reduce" else (world - 1) / world
-    xs, ts = [], []
-    for size in SIZES:
-        fn, whole = _collective(kind, size, world, device)
-        ts.append(_timed(fn, device))
-        xs.append(ring * whole)
+    xs, ts = [ring * _payload(kind, size, world) for size in SIZES], times
     # relative least squares: minimise sum(((alpha + slope * x - t) / t) ** 2), small and large sizes alike
     w = [1 / t ** 2 for t in ts]
     s0, s1, s2 = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * x * x for wi, x in zip(w, xs))
@@ -159,8 +188,9 @@ def calibrate(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple
     base = DEFAULT_PROFILES["cuda" if device.type == "cuda" else "cpu"]
     alpha, links, errors, skew = dict(base.alpha_s), dict(base.bandwidth), {}, base.skew
     if dist.is_initialized() and dist.get_world_size() > 1:
-        for kind in KINDS:
-            alpha[kind], links[kind], errors[kind] = collective_fit(kind, device)
+        world = dist.get_world_size()
+        for kind, times in collective_times(device).items():
+            alpha[kind], links[kind], errors[kind] = collective_fit(kind, times, world)
         skew = statistics.median(meeting_skew(device) for _ in range(3))     # (one in twenty reads 0)
     world = dist.get_world_size() if dist.is_initialized() else 1
     backend = dist.get_backend() if dist.is_initialized() else "none"
