@@ -10,6 +10,7 @@ make them; ZeRO levels and recompute change no placement and are applied to a pl
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch.fx as fx
 
@@ -22,6 +23,7 @@ from ..megatron import sequence_parallel_activations
 from ..repeated_layers import layer_pattern
 
 ZERO_LEVELS = (0, 1, 2, 3)
+WHOLE_KINDS = 4             # kinds of split layers up to which every subset left whole is a candidate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +72,13 @@ def placements(config: Config) -> list[Placement]:
 
 
 def tp_variants(tp: Plan) -> list[Placement]:
-    """The tp policy with one kind of the layers it splits left whole: per kind, a repeated layer's sibling
+    """The tp policy with some kinds of the layers it splits left whole: per kind, a repeated layer's sibling
     modules whose weights it splits by columns (``blocks.*.attn.{k,q,v}``, ``blocks.*.fc1``, the vocabulary
     ``wte``), tied across the layers. Pinning a pair's column side whole leaves its row side whole too (it no
-    longer reads a split activation), so each variant keeps that kind's matmuls and collectives off the tp
+    longer reads a split activation), so each variant keeps those kinds' matmuls and collectives off the tp
     ranks: fewer collectives for more memory and compute, a choice between tp's and data's, made per kind.
-    None when tp splits one kind only (its variant would split nothing)."""
+    Every proper subset of up to ``WHOLE_KINDS`` kinds (6 variants for a GPT's vocabulary, attention and MLP),
+    one kind at a time beyond; none when tp splits one kind only (its variant would split nothing)."""
     kinds: dict[str, set[str]] = {}
     for split in ("S0", "S1"):      # (a row side joins the kind of its column side: the modules' parent)
         for name, choice in tp.tensors.items():
@@ -86,13 +89,17 @@ def tp_variants(tp: Plan) -> list[Placement]:
                     kinds.setdefault(kind, set()).add(pattern)
     if len(kinds) < 2:
         return []
-    variants = []
-    for kind, patterns in sorted(kinds.items()):
-        modules = sorted({p.rpartition(".")[0] for p in patterns})
-        leaves = [m.rpartition(".")[2] for m in modules]
-        label = modules[0] if len(modules) == 1 else f"{kind + '.' if kind else ''}{{{','.join(leaves)}}}"
-        variants.append(Placement(f"tp, {label} whole", "tp", (), tuple(sorted(patterns))))
-    return variants
+    labels = {kind: _kind_label(kind, patterns) for kind, patterns in kinds.items()}
+    sizes = range(1, len(kinds)) if len(kinds) <= WHOLE_KINDS else (1,)
+    return [Placement(f"tp, {' and '.join(labels[k] for k in subset)} whole", "tp", (),
+                      tuple(sorted(p for k in subset for p in kinds[k])))
+            for size in sizes for subset in itertools.combinations(sorted(kinds), size)]
+
+
+def _kind_label(kind: str, patterns: set[str]) -> str:
+    modules = sorted({p.rpartition(".")[0] for p in patterns})
+    leaves = [m.rpartition(".")[2] for m in modules]
+    return modules[0] if len(modules) == 1 else f"{kind + '.' if kind else ''}{{{','.join(leaves)}}}"
 
 
 def left_whole(tp: Plan, variant: Placement) -> Plan | None:
