@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,10 @@ def predictions(args, profile: str) -> dict[int, dict]:
             policy="autodist", plan_ngpus=n, pas_config={"device_profile": profile}), world_size=2)
         out[n] = plan.predicted
     return out
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
 
 
 def spearman(xs: list[float], ys: list[float]) -> float:
@@ -191,6 +196,8 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="default: results/autodist_cpu.json (llama: autodist_cpu_llama.json)")
     parser.add_argument("--job-timeout", type=int, default=900)
     parser.add_argument("--search-only", action="store_true")
+    parser.add_argument("--rounds", type=int, default=1, help="run every job this many times, in turn (alternating "
+                        "order); a plan's measured step is the median of its runs")
     parser.add_argument("--pipelines-only", action="store_true", help="the train_step table alone")
     args = parser.parse_args()
     if args.search_only:
@@ -209,24 +216,34 @@ def main() -> None:
     block = MODELS[args.model][1]
     predicted = predictions(args, profile)
     environ = {"DYNSHARD_PAS_CONFIG": json.dumps({"device_profile": profile})}
-    rows = []
     hand_plans = {**HAND, **(HAND_GPT if args.model == "gpt" else {})}
+    jobs = [(name, system, {}) for name, (system, _, _) in hand_plans.items()] + [
+        (name, system, environ) for name, (system, _) in AUTODIST.items()]
+    runs: dict[str, list[float]] = {name: [] for name, _, _ in jobs}
+    memory: dict[str, dict] = {}
+    for round_ in range(args.rounds):      # (every job once per round, in turn: the machine's drift spreads)
+        for name, system, env in jobs if round_ % 2 == 0 else jobs[::-1]:
+            job = run_job(system, 2, args, results_dir, environ=env)
+            if job.get("step_s") is not None:
+                runs[name].append(job["step_s"])
+                memory[name] = job.get("memory", {})
+    rows = []
     for name, (system, n, candidate) in hand_plans.items():
-        job = run_job(system, 2, args, results_dir)
         row = next(c for c in predicted[n]["autodist"]["candidates"] if c["plan"] == candidate.replace("Block", block))
-        rows.append(dict(plan=name, measured_s=job.get("step_s"), predicted_s=row["step_seconds"],
-                         predicted_peak=row["peak_bytes"], state_bytes=job.get("memory", {})))
+        rows.append(dict(plan=name, measured_s=_median(runs[name]), runs=runs[name], predicted_s=row["step_seconds"],
+                         predicted_peak=row["peak_bytes"], state_bytes=memory.get(name, {})))
     for name, (system, n) in AUTODIST.items():
-        job = run_job(system, 2, args, results_dir, environ=environ)
-        rows.append(dict(plan=name, chose=predicted[n]["autodist"]["chosen"], measured_s=job.get("step_s"),
-                         predicted_s=predicted[n]["step_seconds"], predicted_peak=predicted[n]["bytes_per_rank"]["peak"]))
+        rows.append(dict(plan=name, chose=predicted[n]["autodist"]["chosen"], measured_s=_median(runs[name]),
+                         runs=runs[name], predicted_s=predicted[n]["step_seconds"],
+                         predicted_peak=predicted[n]["bytes_per_rank"]["peak"]))
     hand = [r for r in rows if r["plan"] in hand_plans and r["measured_s"] is not None]
     rho = spearman([r["predicted_s"] for r in hand], [r["measured_s"] for r in hand])
     wrong = [(a["plan"], b["plan"]) for a in hand for b in hand
              if a["measured_s"] > 1.2 * b["measured_s"] and a["predicted_s"] <= b["predicted_s"]]
     fastest = min(r["measured_s"] for r in hand)
-    lines = [table([("plan", "measured s", "predicted s", "predicted/measured", "predicted peak MB", "chose")] + [
-        (r["plan"], f"{r['measured_s']:.3f}" if r["measured_s"] else "failed", f"{r['predicted_s']:.3f}",
+    lines = [table([("plan", "measured s", "runs", "predicted s", "predicted/measured", "predicted peak MB", "chose")] + [
+        (r["plan"], f"{r['measured_s']:.3f}" if r["measured_s"] else "failed", "/".join(f"{t:.3f}" for t in r["runs"]),
+         f"{r['predicted_s']:.3f}",
          f"{r['predicted_s'] / r['measured_s']:.2f}" if r["measured_s"] else "-",
          f"{r['predicted_peak'] / 2 ** 20:.1f}", r.get("chose", "")) for r in rows]),
         f"Spearman (predicted vs measured step, {len(hand)} hand plans): {rho:.2f}",
