@@ -190,7 +190,7 @@ def test_repeated_layers_tied_choose_as_fast_a_plan_as_a_variable_for_each_insta
         plan = with_choices(Plan.from_json(base), level, (), False, 1)
         peaks = [predict(with_choices(plan, level, recompute, False, 1), unit, 1, profile, 2.0)["bytes_per_rank"]["peak"]
                  for recompute in ((), (unit.recompute_class,))]     # (every parameter in rows)
-        low, high = min(peaks) + 1, max(peaks) * 1.2      # (+1: the predicted peak is rounded down to bytes)
+        low, high = min(peaks), max(peaks) * 1.2      # (the predicted peak is rounded up to bytes: it fits itself)
         for budget in [low + (high - low) * k / 8 for k in range(9)]:
             tied, untied = (choose(plan, unit, 1, profile, 2.0, budget, search_recompute=True, tie=tie)
                             for tie in (True, False))

@@ -195,7 +195,7 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
                                            "bytes": int(tp_bytes + unit.replicated_grad_bytes)},
         "bytes_per_rank": {"parameters": rest.parameters, "buffers": rest.buffers, "gradients": rest.gradients,
                            "optimizer": rest.optimizer, "gathered": int(gathered), "activations": int(activations),
-                           "transient": int(transient), "peak": int(peak)},
+                           "transient": int(transient), "peak": math.ceil(peak)},
     }
 
 

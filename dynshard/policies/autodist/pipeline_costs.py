@@ -17,6 +17,7 @@ the transient term.
 from __future__ import annotations
 
 import dataclasses
+import math
 import functools
 
 from ...planning import STAGE_SEPARATOR, Plan
@@ -77,7 +78,7 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
         "micro_batches_held": list(held),
         "bytes_per_rank": {"parameters": busiest.parameters, "buffers": busiest.buffers, "gradients": busiest.gradients,
                            "optimizer": busiest.optimizer, "gathered": int(replicas), "activations": int(activations),
-                           "transient": int(transient), "peak": int(peak)},
+                           "transient": int(transient), "peak": math.ceil(peak)},
     }
 
 
