@@ -266,15 +266,16 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                             profile)
                     if budget is None or predicted["bytes_per_rank"]["peak"] <= budget:
                         continue
-                    starts = cut_for_memory(staged, *cut[1:], unit, predicted["micro_batches_held"], budget,
-                                            options.transient_mem_coef)
-                    if starts is None or tuple(starts) == plan.pipeline.starts:
+                    found = cut_for_memory(staged, *cut[1:], unit, predicted["micro_batches_held"], budget,
+                                           options.transient_mem_coef)
+                    if found is None or tuple(found[0]) == plan.pipeline.starts:
                         continue
+                    starts, searched = found        # (searched: '' when the cut is the best, else how near)
                     given = _with_starts(cut[0], starts)
                     if tuple(starts) not in moved:
                         moved[tuple(starts)] = stages(given)[:2]
-                    again = Candidate(Placement(f"{placement.name}, stages at {', '.join(starts)}", placement.policy,
-                                                placement.pas_config), zero, recompute)
+                    name = f"{placement.name}, stages at {', '.join(starts)}" + (f" ({searched})" if searched else "")
+                    again = Candidate(Placement(name, placement.policy, placement.pas_config), zero, recompute)
                     moved_plan, moved_estimated = moved[tuple(starts)]
                     rows.append((again, *_priced(_rescheduled(moved_plan, schedule), zero, recompute, config, unit,
                                                  profile)))
