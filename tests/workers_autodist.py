@@ -365,7 +365,7 @@ def interleaved_stage_cut_under_a_budget(rank: int, world: int) -> dict:
     tight = autodist_plan(mem_constraint=budget / 1024 ** 3, **interleaved)
     rows = {c["plan"]: c for c in tight.predicted["autodist"]["candidates"]}
     moved = next(name for name in rows if name.startswith("pp 1f1b_interleaved, stages at "))
-    starts = tuple(int(s.split(".")[1]) for s in moved.split(" at ")[1].split(", "))
+    starts = tuple(int(s.split(".")[1]) for s in moved.split(" at ")[1].split(" (")[0].split(", "))
     from workers_pipeline import build
 
     _, make = build("gpt8")

@@ -232,7 +232,7 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
         tp = config.plan_ngpus // pp
         unit = unit_at(whole, tp_unit[1], config.plan_ngpus, tp) if tp > 1 else whole
         planned, estimated, cut = None, False, None
-        moved: dict[tuple[str, ...], tuple[Plan, bool]] = {}     # plans with a stage cut under the budget
+        moved: dict[tuple, tuple[Plan, bool]] = {}     # plans with a stage cut under the budget, by (starts, note)
         for schedule in options.schedules:
             pas = {"pipeline_nmicros": options.update_freq, "pipeline_scheduler": schedule,
                    "pipeline_pivots": options.pipeline_pivots}
@@ -271,12 +271,12 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                     if found is None or tuple(found[0]) == plan.pipeline.starts:
                         continue
                     starts, searched = found        # (searched: '' when the cut is the best, else how near)
-                    given = _with_starts(cut[0], starts)
-                    if tuple(starts) not in moved:
-                        moved[tuple(starts)] = stages(given)[:2]
+                    given = _with_starts(cut[0], starts, searched)
+                    if (tuple(starts), searched) not in moved:
+                        moved[tuple(starts), searched] = stages(given)[:2]
                     name = f"{placement.name}, stages at {', '.join(starts)}" + (f" ({searched})" if searched else "")
                     again = Candidate(Placement(name, placement.policy, placement.pas_config), zero, recompute)
-                    moved_plan, moved_estimated = moved[tuple(starts)]
+                    moved_plan, moved_estimated = moved[tuple(starts), searched]
                     rows.append((again, *_priced(_rescheduled(moved_plan, schedule), zero, recompute, config, unit,
                                                  profile)))
                     if moved_estimated:
@@ -309,10 +309,12 @@ def _staged_plan(gm, inputs, base: Config, layout, made_for, tp_plan: Plan | Non
     return plan_graph(gm, inputs, base, layout, made_for, given_pipeline=given)[0], False, cut
 
 
-def _with_starts(plan: Plan, starts: list[str]) -> Plan:
+def _with_starts(plan: Plan, starts: list[str], searched: str = "") -> Plan:
     """``plan`` (a pipeline, its hybrid stages unplaced) with its stages starting at ``starts``: a given plan
-    for :func:`.plan_graph.plan_graph`, as a plan file with that cut is."""
-    how = plan.pipeline.how.replace(", balanced by FLOPs", "") + ", the slowest stage lightest within mem_constraint"
+    for :func:`.plan_graph.plan_graph`, as a plan file with that cut is. ``searched``: how near the best a
+    local search's cut is ('' for the best)."""
+    how = plan.pipeline.how.replace(", balanced by FLOPs", "") + (
+        f", within mem_constraint by {searched}" if searched else ", the slowest stage lightest within mem_constraint")
     return dataclasses.replace(plan, pipeline=dataclasses.replace(plan.pipeline, starts=tuple(starts), flops=(),
                                                                   how=how))
 
