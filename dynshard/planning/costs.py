@@ -16,6 +16,7 @@ gradient (level 1 without ``reduce_scatter``: an all-reduce of the whole gradien
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections import defaultdict
 
@@ -49,20 +50,26 @@ class StepCollective:
     what: str
 
 
+@functools.cache
 def itemsize(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def local_numel(plan: Plan, tensor: TensorChoice) -> tuple[int, bool]:
-    """Elements this rank holds at rest, and whether that is exact."""
+@functools.cache
+def _split_dim(tp: str) -> int | None:
+    return getattr(decode_placement(tp), "dim", None)
+
+
+def local_numel(plan: Plan, tensor: TensorChoice, rows: bool = True) -> tuple[int, bool]:
+    """Elements this rank holds at rest (``rows``: of ZeRO's rows when the plan says "zero"; else the whole
+    tp shard), and whether that is exact. (A search prices thousands of plans: no dataclass is copied here.)"""
     shape = list(tensor.shape)
     exact = tensor.tp is not None
     if tensor.tp is not None and plan.mesh.tp > 1:
-        placement = decode_placement(tensor.tp)
-        dim = getattr(placement, "dim", None)
+        dim = _split_dim(tensor.tp)
         if dim is not None and shape:
             shape[dim] = math.ceil(shape[dim] / plan.mesh.tp)
-    if tensor.dp == "zero" and shape:
+    if rows and tensor.dp == "zero" and shape:
         group = plan.mesh.dp // plan.zero.ngroups
         shape[0] = math.ceil(shape[0] / group)
     return math.prod(shape), exact
@@ -70,7 +77,7 @@ def local_numel(plan: Plan, tensor: TensorChoice) -> tuple[int, bool]:
 
 def whole_bytes(plan: Plan, tensor: TensorChoice) -> int:
     """Bytes of this rank's tp shard of ``tensor`` before ZeRO splits it into rows (a gathered replica)."""
-    return local_numel(plan, dataclasses.replace(tensor, dp="replicate"))[0] * itemsize(tensor.dtype)
+    return local_numel(plan, tensor, rows=False)[0] * itemsize(tensor.dtype)
 
 
 def memory_at_rest(plan: Plan) -> list[RankBytes]:
