@@ -9,7 +9,8 @@ or one GPU each), and the collectives over the job's backend (gloo on CPU, NCCL 
 - ``bytes_per_s``: copies of a 64 MB tensor (read + write);
 - per collective kind, ``alpha_s`` and ``bandwidth`` fitted to ``t = alpha + ring * bytes / bandwidth`` by
   relative least squares over sizes 4 KB - 16 MB (ring: 2(p-1)/p for an all-reduce, (p-1)/p otherwise), each
-  size's time the median of rounds that call every kind and size in turn, averaged over the ranks;
+  size's time the median over rounds (every kind and size in turn) of the fastest call of a burst, averaged
+  over the ranks;
 - ``skew``: how long a collective waits for the slowest rank after every rank ran the same compute, beyond its
   idle latency: a 4 KB all-reduce after about 3 ms and 12 ms of matmuls on each rank, the mean wait's excess
   over ``sqrt(compute seconds)`` (the cost model's ``meeting_seconds``).
@@ -31,10 +32,10 @@ from .planning.cost_model import DEFAULT_PROFILES, KINDS, DeviceProfile
 
 SIZES = [4096 * 4 ** k for k in range(7)]        # 4 KB ... 16 MB per rank's payload, x p for gathers
 REPEATS, WARMUP = 7, 3
-ROUNDS = 9                  # of every collective kind and size in turn
+ROUNDS, BURST = 3, 5        # rounds of every collective kind and size in turn; calls of one, back to back
 
 
-def _timed(fn, device: torch.device, repeats: int = REPEATS, warmup: int = WARMUP) -> float:
+def _timed(fn, device: torch.device, repeats: int = REPEATS, warmup: int = WARMUP, reduce=statistics.median) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -48,7 +49,7 @@ def _timed(fn, device: torch.device, repeats: int = REPEATS, warmup: int = WARMU
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return reduce(times)
 
 
 def compute_rates(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
@@ -89,12 +90,16 @@ def _collective(kind: str, nbytes: int, world: int, device: torch.device):
 
 def collective_times(device: torch.device, rounds: int = ROUNDS) -> dict[str, list[float]]:
     """Seconds of one call of each collective kind at each of ``SIZES``: per kind and size, the median over
-    ``rounds`` in which every kind and size is called once in turn, averaged over the ranks.
+    ``rounds`` of the fastest of ``BURST`` calls back to back, the rounds calling every kind and size in turn;
+    averaged over the ranks.
 
-    Taking the kinds in turn, rather than one kind's sizes after another's, spreads what the machine does
-    meanwhile (a neighbour's load, a clock that moves) over all of them: measured one after another, gloo's
-    reduce-scatter read 0.45 to 1.02 GB/s in three calibrations of one hour, and the order of ZeRO-1 and
-    ZeRO-2 moved with it."""
+    On a machine whose ranks share cores a call either runs at once or waits for the scheduler (about 3 ms
+    here), and the median of a few calls lands on one or the other: measured one kind after another with the
+    median of 7, gloo's reduce-scatter read 0.45 to 1.02 GB/s in three calibrations of one hour, and the
+    order of ZeRO-1 and ZeRO-2 moved with it. The fastest of a burst is the call that did not wait (the
+    cost model prices waiting apart, as the meeting ``skew``), and taking the kinds in turn spreads what the
+    machine does meanwhile over all of them: three calibrations then read within 4% (all-reduce 2.34-2.47
+    GB/s, reduce-scatter 0.62-0.71)."""
     world = dist.get_world_size()
     calls = {(kind, size): _collective(kind, size, world, device) for kind in KINDS for size in SIZES}
     for _ in range(WARMUP):
@@ -103,7 +108,7 @@ def collective_times(device: torch.device, rounds: int = ROUNDS) -> dict[str, li
     times: dict[tuple[str, int], list[float]] = {key: [] for key in calls}
     for _ in range(rounds):
         for key, fn in calls.items():
-            times[key].append(_timed(fn, device, repeats=1, warmup=0))
+            times[key].append(_timed(fn, device, repeats=BURST, warmup=1, reduce=min))
     medians = torch.tensor([statistics.median(times[key]) for key in calls], dtype=torch.float64, device=device)
     dist.all_reduce(medians)
     mean = (medians / world).tolist()
