@@ -98,7 +98,7 @@ def collective_times(device: torch.device, rounds: int = ROUNDS) -> dict[str, li
     median of 7, gloo's reduce-scatter read 0.45 to 1.02 GB/s in three calibrations of one hour, and the
     order of ZeRO-1 and ZeRO-2 moved with it. The fastest of a burst is the call that did not wait (the
     cost model prices waiting apart, as the meeting ``skew``), and taking the kinds in turn spreads what the
-    machine does meanwhile over all of them: three calibrations then read within 4% (all-reduce 2.34-2.47
+    machine does meanwhile over all of them: three calibrations then read within 5-14% (all-reduce 2.34-2.47
     GB/s, reduce-scatter 0.62-0.71)."""
     world = dist.get_world_size()
     calls = {(kind, size): _collective(kind, size, world, device) for kind in KINDS for size in SIZES}
