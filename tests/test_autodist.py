@@ -279,6 +279,7 @@ def test_under_a_budget_the_balanced_cut_misses_autodist_moves_the_stage_cut_and
         assert result["modules"][0][1][0] == best           # the second stage starts where autodist cut
 
 
+@pytest.mark.slow       # (about 30 s; the pp policy's moved cut trains in the default suite)
 def test_under_a_budget_a_hybrid_pipelines_stage_cut_moves_where_the_hybrid_policys_fastest_fitting_cut_is():
     """The same 8-layer GPT in 2 stages of tp 2 (4 ranks): one byte under the balanced hybrid candidate's peak,
     autodist offers the hybrid with its cut moved, priced from the tp plan as every hybrid candidate is. That

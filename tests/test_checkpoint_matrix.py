@@ -100,6 +100,7 @@ def _check_layouts(results: list[dict]) -> None:
     assert [r[attn]["numel"] for r in layouts["data2"]] == [3072] * 2
 
 
+@pytest.mark.slow       # (about 50 s; test_checkpoint.py reshards in the default suite)
 def test_checkpoint_resharding_matrix(tmp_path):
     root = str(tmp_path)
     first = run_ranks(two_rank_sources_and_pipeline, 2, root)
@@ -179,6 +180,7 @@ def test_a_new_job_resumes_bit_for_bit_under_dp_data_and_every_zero_level(tmp_pa
     assert not problems, problems
 
 
+@pytest.mark.slow       # (4 ranks, about 30 s; dp, data and every ZeRO level resume in the default suite)
 def test_a_new_job_resumes_bit_for_bit_under_hybrid(tmp_path):
     """2 stages x tp 2 on 4 ranks, as above."""
     straight = run_ranks(straight_runs, 4, str(tmp_path), ["hybrid4"])

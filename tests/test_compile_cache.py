@@ -54,6 +54,7 @@ def test_ranks_with_the_same_program_compile_it_once(tmp_path, options, graphs, 
     assert aliases and all(name.startswith("dynshard:") for name in aliases), aliases
 
 
+@pytest.mark.slow       # (about 45 s)
 def test_the_no_sync_variant_is_a_program_of_its_own_in_the_cache(tmp_path):
     """Accumulating (``no_sync``) and reducing programs differ only in a flag their functions capture."""
     options = {"policy": "dp", "use_zero": 2, "share_traces": True}
@@ -68,6 +69,7 @@ def test_the_no_sync_variant_is_a_program_of_its_own_in_the_cache(tmp_path):
             assert torch.equal(cached["params"][name], value), name
 
 
+@pytest.mark.slow       # (about 30 s)
 def test_a_program_read_without_its_records_is_compiled_again(tmp_path):
     """explain's records of a program live beside aot_autograd's entry; where they are lost, the rank
     compiles the program again rather than report nothing."""
