@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
 from distributed import run_ranks
 from parity import assert_losses_close, assert_trains_like_one_process

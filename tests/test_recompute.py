@@ -128,7 +128,10 @@ def tp():
 def test_single_process_recompute_cuts_saved_bytes_and_keeps_the_losses(single):
     plain, block = single["plain"], single["block"]
     assert block["saved_bytes"] <= 0.4 * plain["saved_bytes"], (plain["saved_bytes"], block["saved_bytes"])
-    assert block["backward_matmuls"] > plain["backward_matmuls"]          # the blocks' matmuls run again
+    # the blocks' matmuls run again, but fc2's: its output feeds only the block's, which the next region keeps
+    # (autodist prices this set). Unrolled, the last block's output feeds the final norm, outside any
+    # recompute region, so the partitioner runs that block's fc2 again too
+    assert block["backward_matmuls"] - plain["backward_matmuls"] == 5 * GPTConfig().layers + 1
     assert_losses_close(block["losses"], plain["losses"], rtol=LOSS_RTOL)
     assert_losses_close(block["losses"], block["ref_losses"], rtol=LOSS_RTOL)
     assert f"saved for backward: {block['saved_bytes']} bytes" in block["explain"]
@@ -145,7 +148,8 @@ def test_tensor_parallel_recompute_cuts_saved_bytes_without_communicating_again(
         # (0.43 here: flash attention saves only its output and log-sum-exp, so the plain plan's saved set is
         # small already, and what lies outside the blocks, the vocabulary's logits, is a larger share of it)
         assert block["saved_bytes"] <= 0.5 * plain["saved_bytes"], (plain["saved_bytes"], block["saved_bytes"])
-        assert block["backward_matmuls"] > plain["backward_matmuls"]
+        # not the projections whose outputs are all-reduced (the reduced value is kept): q, k, v and fc1
+        assert block["backward_matmuls"] - plain["backward_matmuls"] == 4 * GPTConfig().layers
         assert_losses_close(block["losses"], plain["losses"], rtol=LOSS_RTOL)
         assert_losses_close(block["losses"], block["ref_losses"], rtol=LOSS_RTOL)     # single-process eager
         _same_communication(block["collectives"], plain["collectives"])

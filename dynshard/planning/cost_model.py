@@ -7,7 +7,8 @@ from the graph), the micro-batches per step, and a :class:`DeviceProfile`.
 Time, per step and rank (nothing overlapped: on CPU/gloo ranks and collectives share the cores; on GPUs
 this is an upper bound):
 - compute: per micro-batch, forward FLOPs / ``flops_per_s`` + bytes moved / ``bytes_per_s``; the backward
-  twice the forward (two matmuls per matmul); a recomputed module's forward once more;
+  twice the forward (two matmuls per matmul); a recomputed module's forward ops once more, those on a path
+  to a value its backward reads;
 - tp communication, per micro-batch: the forward collectives of the plan, each mirrored in the backward by
   one of the same bytes (Megatron's f/g pairs; sequence parallel's all-gather/reduce-scatter pairs; not the
   reduction of a loss's scalars nor a vocabulary-parallel loss's, whose backward is local), and the
@@ -135,8 +136,9 @@ class InstanceCosts:
     saved_bytes: float          # what its forward keeps for the backward
     entry_bytes: float          # what a recompute keeps instead: its inputs from outside, and the outputs of
                                 # the tp reductions inside it (collectives are not recomputed)
-    flops: float                # FLOPs run again when recomputed (its forward's: matmuls run again too)
-    bytes: float                # bytes the memory-bound ops move again
+    flops: float                # FLOPs run again when recomputed: the forward ops on a path to a value the
+                                # backward reads (matmuls and attention too; not one that feeds only its output)
+    bytes: float                # bytes those of them that are memory bound move again
     input_bytes: float = 0.0    # its activations from outside it (what a pipeline stage boundary sends)
 
 

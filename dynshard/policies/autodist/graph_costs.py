@@ -29,6 +29,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ...compat import pytree
 from ...planning.cost_model import InstanceCosts, UnitCosts
+from ...passes.tag_recompute import is_rng
 from ...planning.node_keys import module_paths
 
 _ROOT_CLASS = ""
@@ -42,6 +43,7 @@ class OpCost:
     out_bytes: int           # written, global
     saved_bytes: int         # of its output, kept for the backward, global
     modules: tuple[str, ...]  # module paths around it, outermost first
+    saves: tuple[str, ...] = ()     # the ops whose outputs this op saves for its backward (not graph inputs)
 
 
 def op_costs(gm: fx.GraphModule, inputs, fake_mode) -> list[OpCost]:
@@ -50,6 +52,7 @@ def op_costs(gm: fx.GraphModule, inputs, fake_mode) -> list[OpCost]:
     held = {n.name for n in placeholders}
     producer: dict[int, str] = {}
     saved: dict[str, dict[int, int]] = defaultdict(dict)
+    saves: dict[str, set[str]] = defaultdict(set)       # the op saving -> the ops whose outputs it saves
     current: list[str] = [""]
     outputs: list = []          # every output stays alive, so that no tensor's id is reused by another
 
@@ -58,6 +61,7 @@ def op_costs(gm: fx.GraphModule, inputs, fake_mode) -> list[OpCost]:
         name = producer.get(id(base), producer.get(id(tensor), current[0]))
         if name not in held:
             saved[name][id(base)] = base.numel() * base.element_size()
+            saves[current[0]].add(name)
         return tensor
 
     class Run(fx.Interpreter):
@@ -84,7 +88,7 @@ def op_costs(gm: fx.GraphModule, inputs, fake_mode) -> list[OpCost]:
         read = sum(_nbytes(a.meta.get("val")) for a in args)
         written = sum(_nbytes(t) for t in out)
         costs.append(OpCost(node.name, _flops(node), read + written, written, sum(saved[node.name].values()),
-                            tuple(module_paths(node))))
+                            tuple(module_paths(node)), tuple(sorted(saves[node.name]))))
     return costs
 
 
@@ -101,17 +105,16 @@ def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int, propagat
     instances = []
     if recompute is not None:
         by_op = {op.name: op for op in ops}
+        nodes = {n.name: n for n in gm.graph.nodes}
         for path, names in _instances(gm, recompute).items():
             inside = [by_op[n] for n in names if n in by_op]
-            # the recompute tags (PREFER_RECOMPUTE) make both partitioners re-run every tagged op, matmuls and
-            # attention included; what stays saved is the instance's input and the output of each tp
-            # reduction inside it (dynshard's collectives are not tagged, and their outputs are saved)
-            kept = sum(_reduced_bytes(op, tp, propagation) for op in inside)
+            again, kept = _recomputed(names, by_op, nodes, propagation)
             entry = _entry_bytes(gm, names, tp, propagation)
             instances.append(InstanceCosts(
-                path, sum(op.saved_bytes * written[op.name] for op in inside), entry + kept,
-                sum(op.flops * split[op.name] for op in inside),
-                sum(op.bytes * split[op.name] for op in inside if not op.flops), entry))
+                path, sum(op.saved_bytes * written[op.name] for op in inside),
+                entry + sum(_kept_bytes(by_op[n], tp, propagation) for n in kept),
+                sum(by_op[n].flops * split[n] for n in again),
+                sum(by_op[n].bytes * split[n] for n in again if not by_op[n].flops), entry))
     grads = _replicated_grads(gm, inputs, tp, propagation)
     return UnitCosts(flops, moved, saved, largest, sum(grads), recompute, tuple(instances), len(grads))
 
@@ -147,6 +150,40 @@ def _split(name: str, tp: int, propagation) -> float:
 def _written(name: str, tp: int, propagation) -> float:
     """The share of an op's output one rank holds."""
     return 1 / tp if any(isinstance(p, Shard) for p in _placements(name, propagation)) else 1.0
+
+
+def _recomputed(names: list[str], by_op: dict[str, OpCost], nodes: dict[str, fx.Node], propagation
+                ) -> tuple[set[str], set[str]]:
+    """The ops of a recomputed module instance (its ops ``names``) that the backward runs again, and the ops
+    inside it whose outputs it keeps instead. The partitioners recompute what the backward reads, not the
+    whole forward: the values the instance's ops save, and what they are computed from inside the instance
+    (a projection whose output feeds only the block's output is not run again: 4 of a GPT block's 6
+    matmuls under tp, 5 under dp, traced). The walk stops at the instance's inputs, at random ops (saved,
+    never drawn again) and at ops that communicate (dynshard's collectives are not tagged: the reduced
+    value is saved; ``passes/tag_recompute``)."""
+    inside = set(names)
+    communicating = set() if propagation is None else (
+        {c.node for c in propagation.collectives} | set(propagation.fallbacks) | propagation.reduced_partials)
+    again: set[str] = set()
+    kept: set[str] = set()
+    stack = [source for name in names if name in by_op for source in by_op[name].saves]
+    while stack:
+        name = stack.pop()
+        if name not in inside or name in again or name in kept or name not in by_op:
+            continue
+        if name in communicating or is_rng(nodes[name]):
+            kept.add(name)
+            continue
+        again.add(name)
+        stack.extend(a.name for a in nodes[name].all_input_nodes)
+    return again, kept
+
+
+def _kept_bytes(op: OpCost, tp: int, propagation) -> float:
+    """The bytes a recompute keeps of an op it does not run again: a tp reduction's output (:func:`_reduced_bytes`),
+    else the op's output as this rank holds it."""
+    reduced = _reduced_bytes(op, tp, propagation)
+    return reduced if reduced else op.out_bytes * _written(op.name, tp, propagation)
 
 
 def _reduced_bytes(op: OpCost, tp: int, propagation) -> float:
