@@ -46,6 +46,8 @@ HAND_GPT = {     # (the GPT's module names)
     "tp, wte whole": ("dynshard:tp-wte-whole", 2, "tp, wte whole"),
     "tp, attention whole": ("dynshard:tp-attn-whole", 2, "tp, blocks.*.attn.{k,proj,q,v} whole"),
     "tp, fc1/fc2 whole": ("dynshard:tp-fc-whole", 2, "tp, blocks.*.{fc1,fc2} whole"),
+    "tp, attention on batch shards": ("dynshard:tp-attn-batch", 2, "tp, blocks.*.attn.{k,proj,q,v} on batch shards"),
+    "tp, fc1/fc2 on batch shards": ("dynshard:tp-fc-batch", 2, "tp, blocks.*.{fc1,fc2} on batch shards"),
 }
 AUTODIST = {"autodist (plan_ngpus 2)": ("dynshard:autodist", 2), "autodist (plan_ngpus 1)": ("dynshard:autodist-dp", 1)}
 

@@ -59,6 +59,12 @@ DYNSHARD = {
         f"blocks.*.attn.{m}.*": "replicate" for m in ("q", "k", "v", "proj")}),
     "dynshard:tp-fc-whole": dict(policy="tp", plan_ngpus=2, partition_constraints={
         "blocks.*.fc1.*": "replicate", "blocks.*.fc2.*": "replicate"}),
+    # the same kinds on the unit's batch shards, the rest tp with the activations between split along the batch
+    "dynshard:tp-attn-batch": dict(policy="tp", plan_ngpus=2, pas_config={"batch_parallel": True},
+                                   partition_constraints={f"blocks.*.attn.{m}.*": "replicate"
+                                                          for m in ("q", "k", "v", "proj")}),
+    "dynshard:tp-fc-batch": dict(policy="tp", plan_ngpus=2, pas_config={"batch_parallel": True},
+                                 partition_constraints={"blocks.*.fc1.*": "replicate", "blocks.*.fc2.*": "replicate"}),
     # autodist: its pas_config (the device profile) comes from DYNSHARD_PAS_CONFIG (bench_autodist.py sets it)
     "dynshard:autodist": dict(policy="autodist", plan_ngpus=2),
     "dynshard:autodist-dp": dict(policy="autodist"),

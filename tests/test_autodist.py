@@ -54,16 +54,16 @@ def test_nnscalers_plan_file_keys_map_onto_the_configs():
 @pytest.mark.slow       # (72 plans made twice: about a minute)
 def test_every_candidate_is_the_plan_its_hand_policy_makes():
     """tp, tp + sequence parallel, data, and tp with each proper subset of the kinds of layer it splits left
-    whole (pinned), at every ZeRO level over 2 units, with and without recompute: each candidate is byte for
-    byte the plan that policy and config make (autodist's space holds them; a variant is read off tp's plan,
-    and equals tp's with pins)."""
+    whole (pinned), or run on the unit's batch shards (pinned, ``batch_parallel``), at every ZeRO level over 2
+    units, with and without recompute: each candidate is byte for byte the plan that policy and config make
+    (autodist's space holds them; a variant is read off tp's plan, and equals tp's with pins)."""
     rows = run_ranks(candidate_plans_beside_hand_plans, 1, 4, timeout=600)[0]
     names = [name for name, _, _ in rows]
     attention, mlp = "blocks.*.attn.{k,proj,q,v}", "blocks.*.{fc1,fc2}"
-    variants = {f"tp, {attention} whole", f"tp, {mlp} whole", "tp, wte whole", f"tp, {mlp} and {attention} whole",
-                f"tp, wte and {attention} whole", f"tp, wte and {mlp} whole"}
-    assert len(names) == 9 * 4 * 2 and {"tp", "tp + sequence parallel + ZeRO-3", "data + ZeRO-1 + recompute Block",
-                                        "tp, wte whole + ZeRO-3 + recompute Block"} | variants <= set(names)
+    subsets = {attention, mlp, "wte", f"{mlp} and {attention}", f"wte and {attention}", f"wte and {mlp}"}
+    variants = {f"tp, {kinds} {where}" for kinds in subsets for where in ("whole", "on batch shards")}
+    assert len(names) == 15 * 4 * 2 and {"tp", "tp + sequence parallel + ZeRO-3", "data + ZeRO-1 + recompute Block",
+                                         "tp, wte whole + ZeRO-3 + recompute Block"} | variants <= set(names)
     for name, candidate, hand in rows:
         assert candidate == hand, name
 
@@ -333,9 +333,10 @@ def test_a_plan_without_a_pipeline_still_trains_through_train_step_when_pipeline
         assert_trains_like_one_process(result, f"rank {rank}")
 
 
-@pytest.mark.slow       # (Inductor compiles 6 programs on 2 ranks: about 2 minutes)
+@pytest.mark.slow       # (Inductor compiles 8 programs on 2 ranks: about 2 minutes)
 def test_the_plan_predicts_the_tp_collectives_its_program_issues():
-    """tp, tp + sequence parallel and data on the test GPT and transformers' Llama: count and bytes per
+    """tp, tp + sequence parallel, data and tp with the attention on batch shards (its weights' gradients
+    all-reduced over the unit) on the test GPT and transformers' Llama: count and bytes per
     micro-batch, as explain traces them under Inductor: Megatron's pairs and sequence parallelism's mirrored
     in the backward, a loss's reductions (vocabulary-parallel, or its exact mean over batch shards) not, and
     one all-reduce for each gradient that a split reader leaves partial (a position embedding read on

@@ -329,6 +329,59 @@ forward communication (predicted)
   nll_loss_forward   all_reduce      tp     128
   nll_loss_forward   all_reduce      tp     128""")
 
+    def test_batch_parallel_runs_the_layers_pinned_whole_on_batch_shards_and_gathers_for_the_split_ones(self):
+        """Attention pinned whole reads the norm's batch shard (no gather before q, k, v: their weights are
+        whole); the MLP's input is gathered for fc1 only, and its partial output reduce-scattered along the
+        batch, as the vocabulary-parallel embedding's."""
+        cfg = GPTConfig(layers=1)
+        plan = plan_for(GPT(cfg), gpt_batch(cfg, 2, 0), policy="tp", plan_ngpus=2,
+                        pas_config={"batch_parallel": True}, partition_constraints={"blocks.*.attn": "replicate"})
+        self.assertExpectedInline(format_plan(plan), """\
+placements
+  input                      kind       shape      placement
+  idx                        input      [2, 16]    tp=R
+  wte.weight                 parameter  [64, 32]   tp=S(0)
+  wpe.weight                 parameter  [16, 32]   tp=R
+  blocks.0.ln1.weight        parameter  [32]       tp=R
+  blocks.0.ln1.bias          parameter  [32]       tp=R
+  blocks.0.attn.q.weight     parameter  [32, 32]   tp=R
+  blocks.0.attn.q.bias       parameter  [32]       tp=R
+  blocks.0.attn.k.weight     parameter  [32, 32]   tp=R
+  blocks.0.attn.v.weight     parameter  [32, 32]   tp=R
+  blocks.0.attn.v.bias       parameter  [32]       tp=R
+  blocks.0.attn.proj.weight  parameter  [32, 32]   tp=R
+  blocks.0.attn.proj.bias    parameter  [32]       tp=R
+  blocks.0.ln2.weight        parameter  [32]       tp=R
+  blocks.0.ln2.bias          parameter  [32]       tp=R
+  blocks.0.fc1.weight        parameter  [128, 32]  tp=S(0)
+  blocks.0.fc1.bias          parameter  [128]      tp=S(0)
+  blocks.0.fc2.weight        parameter  [32, 128]  tp=S(1)
+  blocks.0.fc2.bias          parameter  [32]       tp=R
+  ln_f.weight                parameter  [32]       tp=R
+  ln_f.bias                  parameter  [32]       tp=R
+  targets                    input      [2, 16]    tp=R
+activations placed by the policy
+  node               placement  for
+  embedding          tp=S(0)    every reader
+  getitem_5          tp=R       view_11
+  reshape_default_4  tp=S(0)    every reader
+  getitem_8          tp=R       view_15
+forward communication (predicted)
+  node               collective      group  bytes
+  embedding          reduce_scatter  tp     4096
+  getitem_5          all_gather      tp     4096
+  reshape_default_4  reduce_scatter  tp     4096
+  getitem_8          all_gather      tp     4096
+  nll_loss_forward   all_reduce      tp     128
+  nll_loss_forward   all_reduce      tp     128
+  nll_loss_forward   all_reduce      tp     128""")
+
+    def test_tp_refuses_sequence_and_batch_parallel_together(self):
+        cfg = GPTConfig(layers=1)
+        with pytest.raises(Exception, match="sets both sequence_parallel and batch_parallel"):
+            plan_for(GPT(cfg), gpt_batch(cfg, 2, 0), policy="tp", plan_ngpus=2,
+                     pas_config={"sequence_parallel": True, "batch_parallel": True})
+
     def test_tp_refuses_an_unknown_option(self):
         cfg = GPTConfig(layers=1)
         with pytest.raises(Exception, match="the tp policy has no option 'sequence_paralel'"):

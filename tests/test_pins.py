@@ -83,6 +83,19 @@ def test_a_pinned_tp_plan_trains_like_one_process():
         assert plan["tensors"]["blocks.0.attn.q.weight"]["tp"] == "S1"
 
 
+def test_layers_pinned_whole_run_on_batch_shards_under_batch_parallel_and_train_like_one_process():
+    """tp's batch parallelism with attention pinned whole: attention runs on each rank's batch rows (data
+    parallelism inside the unit, its weights' gradients all-reduced), the MLP split over the unit."""
+    options = {"partition_constraints": {"blocks.*.attn": "replicate"}, "pas_config": {"batch_parallel": True}}
+    results = run_ranks(train_parity, 2, "gpt", "tp", 2, "inductor", 3, 4, options, timeout=300)
+    for rank, result in enumerate(results):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        plan = json.loads(result["plans"][0])
+        assert plan["tensors"]["blocks.0.attn.q.weight"]["tp"] == "R"
+        assert plan["tensors"]["blocks.0.fc1.weight"]["tp"] == "S0"
+        assert {a["tp"] for a in plan["activations"].values()} == {"R", "S0"}
+
+
 def test_autodists_choice_holds_the_pins_of_its_constraints_file(tmp_path):
     path = tmp_path / "pins.json"
     path.write_text(json.dumps({"pins": {"wpe.weight": "S1", "blocks.*.fc2": "replicate"}}))

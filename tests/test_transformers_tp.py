@@ -32,7 +32,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from distributed import run_ranks
 from parity import assert_trains_like_one_process as assert_one_process
-from workers_transformers import ROWS, SEQ, VOCAB, build, make_batch, train_transformers
+from workers_transformers import ROWS, SEQ, STEPS, VOCAB, build, make_batch, train_transformers
 
 pytest.importorskip("transformers")
 
@@ -234,6 +234,26 @@ def test_sequence_parallel_trains_like_one_process_with_megatron_collectives(nam
             assert len(kinds) == 2 * (2 * LAYERS + 1) + len(small), result["explain"]   # nothing else
         if world == 4:   # the data-parallel group only averages gradients
             assert {c[:3] for c in result["collectives"] if c[2] != "tp"} == {("backward", "all_reduce", "dp")}
+
+
+def test_llama_attention_pinned_whole_runs_on_batch_shards_under_batch_parallel_like_one_process():
+    """tp's batch parallelism with the attention pinned whole: each rank runs the attention (rotary embedding
+    and causal mask included) on its half of the batch with whole weights, and the MLP split; per layer one
+    all-gather before the MLP and one reduce-scatter after it, each way, and nothing for the attention."""
+    options = {"pas_config": {"batch_parallel": True}, "partition_constraints": {"model.layers.*.self_attn": "R"}}
+    results = run_ranks(train_transformers, 2, "llama", 2, False, STEPS, "tp", options, timeout=900)
+    activation = (ROWS, SEQ, HIDDEN)     # (whole shapes; split along the batch)
+    for rank, result in enumerate(results):
+        assert_one_process(result, f"rank {rank}")
+        whole, halved, _ = whole_and_split(result)
+        assert {n for n in result["full_numel"] if ".self_attn." in n} <= whole
+        assert {n for n in result["full_numel"] if ".mlp." in n} <= halved
+        tp = [c for c in result["collectives"] if c[2] == "tp"]
+        for phase in ("forward", "backward"):
+            kinds = [(c[1], c[4]) for c in tp if c[0] == phase]
+            # the MLP's per layer, the embedding's reduce-scatter and the LM head's gather (batch shards)
+            assert kinds.count(("all_gather", activation)) == LAYERS + 1, result["explain"]
+            assert kinds.count(("reduce_scatter", activation)) == LAYERS + 1, result["explain"]
 
 
 # ------------------------------------------------------------------------------------------------------- T5

@@ -377,10 +377,16 @@ def interleaved_stage_cut_under_a_budget(rank: int, world: int) -> dict:
             "cut": [cut.predicted["step_seconds"], cut.predicted["bytes_per_rank"]["peak"]]}
 
 
-_SPLIT_PLACEMENTS = (("tp", dict(policy="tp")),
-                     ("tp + sequence parallel", dict(policy="tp", pas_config={"sequence_parallel": True})),
-                     ("data", dict(policy="data")))
 _COUNTED_MODELS = {"gpt": GPT, "llama": LlamaLM}
+_ATTENTION = {"gpt": "blocks.*.attn", "llama": "model.model.layers.*.self_attn"}
+
+
+def _split_placements(model_name: str) -> tuple[tuple[str, dict], ...]:
+    return (("tp", dict(policy="tp")),
+            ("tp + sequence parallel", dict(policy="tp", pas_config={"sequence_parallel": True})),
+            ("data", dict(policy="data")),
+            ("tp, attention on batch shards", dict(policy="tp", pas_config={"batch_parallel": True},
+                                                   partition_constraints={_ATTENTION[model_name]: "R"})))
 
 
 def predicted_tp_collectives(rank: int, world: int) -> dict:
@@ -389,7 +395,7 @@ def predicted_tp_collectives(rank: int, world: int) -> dict:
     cfg = GPTConfig(layers=2)
     found = {}
     for model_name, model_class in _COUNTED_MODELS.items():
-        for name, options in _SPLIT_PLACEMENTS:
+        for name, options in _split_placements(model_name):
             with torch.device("meta"):
                 model = model_class(cfg)
             plan, = dynshard.plan(model, gpt_batch(cfg, 4, 0), dynshard.Config(plan_ngpus=2, **options),
@@ -404,7 +410,7 @@ def traced_tp_collectives(rank: int, world: int, compiler: str) -> dict:
     cfg = GPTConfig(layers=2)
     found = {}
     for model_name, model_class in _COUNTED_MODELS.items():
-        for name, options in _SPLIT_PLACEMENTS:
+        for name, options in _split_placements(model_name):
             torch._dynamo.reset()
             torch.manual_seed(0)
             compiled = torch.compile(model_class(cfg), backend="dynshard",

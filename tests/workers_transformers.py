@@ -70,10 +70,11 @@ def _unit_rows(batch: dict[str, torch.Tensor], dp_rank: int, rows: int) -> dict[
 
 
 def train_transformers(rank: int, world: int, name: str, plan_ngpus: int = 2, sequence_parallel: bool = False,
-                       steps: int = STEPS, policy: str = "tp") -> dict:
+                       steps: int = STEPS, policy: str = "tp", options: dict | None = None) -> dict:
     """Train with dynshard (tp) and, on the same global batch, single-process eager; report both, with
     the placements, the collectives and the warnings of the first step. ``sequence_parallel`` also
-    returns split outputs (the logits) as DTensors rather than gathering them."""
+    returns split outputs (the logits) as DTensors rather than gathering them; ``options``: more Config
+    fields (they win)."""
     from torch._dynamo.utils import counters
 
     model = build(name)
@@ -82,9 +83,9 @@ def train_transformers(rank: int, world: int, name: str, plan_ngpus: int = 2, se
     full_numel = {n: p.numel() for n, p in model.named_parameters()}
     compiled = torch.compile(model, backend="dynshard",
                              options=dynshard.Config(policy=policy, plan_ngpus=plan_ngpus, compiler="aot_eager",
-                                                     pas_config={"sequence_parallel": sequence_parallel}
-                                                     if policy == "tp" else {},
-                                                     gather_outputs=not sequence_parallel))
+                                                     **{"pas_config": {"sequence_parallel": sequence_parallel}
+                                                        if policy == "tp" else {},
+                                                        "gather_outputs": not sequence_parallel, **(options or {})}))
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
     dp_rank, dp_size = dynshard.data_parallel_rank(plan_ngpus)

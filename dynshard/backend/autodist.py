@@ -40,7 +40,7 @@ from ..policies.autodist.hybrid_stages import estimated_stages
 from ..policies.autodist.pipeline_costs import predict_pipeline, unit_at
 from ..policies.autodist.stage_memory import cut_for_memory
 from ..policies.autodist.graph_costs import graph_costs, op_costs
-from ..policies.autodist.space import (SEQUENCE_PARALLEL, Candidate, Placement, left_whole, placements,
+from ..policies.autodist.space import (SEQUENCE_PARALLEL, Candidate, Placement, left_whole, on_batch_shards, placements,
                                        recompute_choices, tp_variants, with_choices, with_sequence_parallel,
                                        zero_levels)
 from ..runtime.mesh import planning_layout
@@ -185,6 +185,11 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
                 edited = left_whole(base, variant)
                 if edited is not None:
                     edits[variant.name] = edited
+        elif placement.whole and not placement.pas_config:      # (and those kinds on the unit's batch shards)
+            batch = with_sequence_parallel(base, graph.graph, ctx.propagation, layout.tp_size, ctx.node_keys, dim=0)
+            if batch is not None and any(a.tp != "R" for a in batch.activations.values()):
+                choices.append(on_batch_shards(placement))
+                edits[choices[-1].name] = batch
     if not units:
         raise AutodistError("dynshard: autodist found no placement its policies can make for this graph: " + "; ".join(
             f"{name}: {reason}" for name, reason in skipped.items()))

@@ -31,6 +31,13 @@ row-split, attention split by heads: 2 all-reduces forward and 2 backward, Megat
    dimension (-2: T of [B, T, C]) instead, and every activation read by matmuls is gathered there. Norms,
    dropouts and residual adds between them run on 1/t of the tokens; per layer 2 all-gathers and 2
    reduce-scatters forward and backward, the bytes of the 4 all-reduces they replace.
+
+5. Batch parallelism (``pas_config={"batch_parallel": True}``): the same, along the batch (dimension 0)
+   instead of the sequence. With layers pinned whole it is data parallelism inside the unit for those
+   layers and tp for the rest: a pinned attention reads the norm's batch shard and runs on its rows (its
+   weights replicated, their gradients all-reduced over the unit), and the split MLP gathers its input and
+   reduce-scatters its output over the batch. Attention mixes tokens along the sequence, not the batch, so a
+   whole layer needs no gather, where along the sequence it would.
 """
 
 from __future__ import annotations
@@ -61,6 +68,7 @@ class TensorParallelOptions:
     """The ``tp`` policy's ``pas_config``."""
 
     sequence_parallel: bool = False
+    batch_parallel: bool = False
 
     @classmethod
     def from_pas_config(cls, pas_config: Mapping[str, Any]) -> "TensorParallelOptions":
@@ -68,7 +76,16 @@ class TensorParallelOptions:
         for name, value in pas_config.items():
             if not isinstance(value, bool):
                 raise ConfigError(f"dynshard: pas_config[{name!r}] must be True or False, got {value!r}")
-        return cls(**pas_config)
+        options = cls(**pas_config)
+        if options.sequence_parallel and options.batch_parallel:
+            raise ConfigError("dynshard: pas_config sets both sequence_parallel and batch_parallel: the activations "
+                              "between split layers are split along one dimension; choose one")
+        return options
+
+    @property
+    def split_dim(self) -> int | None:
+        """The dimension the activations between split layers are split along (-2: the sequence; None: whole)."""
+        return -2 if self.sequence_parallel else 0 if self.batch_parallel else None
 
 
 def tp(plan: PlanBuilder, config: Config) -> None:
@@ -81,8 +98,8 @@ def tensor_parallel_layers(plan: PlanBuilder, options: TensorParallelOptions) ->
     base = split_experts(plan, base)      # mixture of experts: 3-D expert weights, column then row
     base = _split_vocabulary(plan, base)
     base = _store_local_reshards(plan, base)
-    if options.sequence_parallel:
-        _split_sequence(plan, base)
+    if options.split_dim is not None:
+        _split_activations(plan, base, options.split_dim)
 
 
 def _split_columns(plan: PlanBuilder, base: Propagation) -> Propagation:
@@ -150,26 +167,29 @@ def _try_column_split(plan: PlanBuilder, base: Propagation, group: list[tuple[st
     return None
 
 
-def _split_sequence(plan: PlanBuilder, base: Propagation) -> None:
-    for node, placement, readers in sequence_parallel_activations(plan.graph, base, plan.tp_size):
+def _split_activations(plan: PlanBuilder, base: Propagation, dim: int) -> None:
+    for node, placement, readers in sequence_parallel_activations(plan.graph, base, plan.tp_size, dim):
         plan.place_activation(node, placement, readers=readers)
 
 
-def sequence_parallel_activations(graph: fx.Graph, base: Propagation, tp_size: int
+def sequence_parallel_activations(graph: fx.Graph, base: Propagation, tp_size: int, dim: int = -2
                                   ) -> list[tuple[fx.Node, Placement, list[fx.Node] | None]]:
     """Megatron's sequence parallelism on the tp placements propagated as ``base``: each partial sum it reduces
-    is reduce-scattered along the sequence instead, and gathered again before the matmuls that read it. Each
-    activation's placement and its readers (None: every reader), in graph order (plans print the same on
-    every run)."""
+    is reduce-scattered along the sequence (``dim`` -2; 0: the batch) instead, and gathered again before the
+    matmuls that read it. Each activation's placement and its readers (None: every reader), in graph order
+    (plans print the same on every run)."""
     roots = set(matmul_input_roots(graph, base))
     placed = []
     for node in graph.nodes:
         value = node.meta.get("val")
         if node in roots:      # gathered for its matmuls only; a residual add that reads it stays split
-            placed.append((node, Replicate(), _matmul_readers(node)))
+            # (along the batch, only for the matmuls of split weights: a layer left whole runs on the shard)
+            readers = _matmul_readers(node, None if dim == -2 else base)
+            if readers:
+                placed.append((node, Replicate(), readers))
         elif node.name in base.reduced_partials and isinstance(value, torch.Tensor) and value.dim() >= 2 \
-                and value.shape[-2] % tp_size == 0:
-            placed.append((node, Shard(value.dim() - 2), None))
+                and value.shape[dim] % tp_size == 0:
+            placed.append((node, Shard(dim % value.dim()), None))
     return placed
 
 
@@ -286,11 +306,15 @@ def _output_dim(use) -> int | None:
     return None
 
 
-def _matmul_readers(node: fx.Node) -> list[fx.Node]:
-    """The nodes reading ``node`` through which it reaches a matmul operand (directly or by views)."""
+def _matmul_readers(node: fx.Node, split: Propagation | None = None) -> list[fx.Node]:
+    """The nodes reading ``node`` through which it reaches a matmul operand (directly or by views); with a
+    propagation ``split``, only matmuls whose other operand it splits."""
     def reaches_matmul(user: fx.Node) -> bool:
         if user.target in MATMUL_OPERANDS:
-            return True
+            first = MATMUL_OPERANDS[user.target]
+            return split is None or any(isinstance(p, SHARDS) for operand in user.args[first:first + 2]
+                                        if isinstance(operand, fx.Node)
+                                        for p in split.placements.get(operand.name, ()))
         return user.target in VIEW_OPS and any(reaches_matmul(u) for u in user.users)
     return [user for user in node.users if reaches_matmul(user)]
 

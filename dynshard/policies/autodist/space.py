@@ -112,16 +112,23 @@ def left_whole(tp: Plan, variant: Placement) -> Plan | None:
                                             for name, t in tp.tensors.items()})
 
 
+def on_batch_shards(variant: Placement) -> Placement:
+    """``variant`` (tp with some kinds whole) with the activations between split layers split along the batch:
+    the kinds left whole run on the unit's batch shards (data parallelism for them, tp for the rest)."""
+    return Placement(variant.name.removesuffix(" whole") + " on batch shards", "tp", (("batch_parallel", True),),
+                     variant.whole)
+
+
 def with_sequence_parallel(tp: Plan, graph: fx.Graph, propagation: Propagation, tp_size: int,
-                           keys: dict[str, str]) -> Plan | None:
-    """tp's plan with Megatron's sequence parallelism, as the tp policy places it with ``sequence_parallel``
-    on tp's own placements, read off tp's propagated ``graph`` (node ``keys`` by name) instead of planned
-    again (None: tp's plan places activations already)."""
+                           keys: dict[str, str], dim: int = -2) -> Plan | None:
+    """tp's plan with Megatron's sequence parallelism (along the batch: ``dim`` 0), as the tp policy places it
+    with ``sequence_parallel`` (``batch_parallel``) on tp's own placements, read off tp's propagated ``graph``
+    (node ``keys`` by name) instead of planned again (None: tp's plan places activations already)."""
     if tp.activations:
         return None
     activations = {keys[node.name]: ActivationChoice(encode_placement(placement), None if readers is None else
                                                      tuple(keys[r.name] for r in readers))
-                   for node, placement, readers in sequence_parallel_activations(graph, propagation, tp_size)}
+                   for node, placement, readers in sequence_parallel_activations(graph, propagation, tp_size, dim)}
     return dataclasses.replace(tp, activations=activations)
 
 
