@@ -26,6 +26,7 @@ import dataclasses
 import functools
 import gc
 import logging
+import math
 import time
 from typing import Callable
 
@@ -39,7 +40,7 @@ from ..policies.autodist.choices import choose
 from ..policies.autodist.hybrid_stages import estimated_stages
 from ..policies.autodist.pipeline_costs import predict_pipeline, unit_at
 from ..policies.autodist.stage_memory import cut_for_memory
-from ..policies.autodist.graph_costs import graph_costs, op_costs
+from ..policies.autodist.graph_costs import graph_costs, op_costs, repeated_blocks
 from ..policies.autodist.space import (SEQUENCE_PARALLEL, Candidate, Placement, left_whole, on_batch_shards, placements,
                                        recompute_choices, tp_variants, with_choices, with_sequence_parallel,
                                        zero_levels)
@@ -100,7 +101,14 @@ def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, de
     whole_unit = limit is None or limit >= config.plan_ngpus      # may a tensor split over the whole unit?
     hand = hand_plans(units, config, world, profile) if whole_unit else []
     fine = []
+    # a placement's ILPs choose ZeRO rows and recompute, each only adding time: none beats its plan without
+    # either, so a placement whose plain plan is slower than a hand plan that fits cannot win (its ILPs skipped)
+    fitting = min((p["step_seconds"] for _, _, p in hand if budget is None or p["bytes_per_rank"]["peak"] <= budget),
+                  default=math.inf)
+    plain = {c.placement.name: p["step_seconds"] for c, _, p in hand if not c.zero and not c.recompute}
     for placement, base, unit in units if whole_unit else ():
+        if plain.get(placement.name, -math.inf) > fitting:
+            continue
         for zero in zero_levels(world // config.plan_ngpus):
             start_plan = with_choices(base, zero, base.recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
             choice = choose(start_plan, unit, options.update_freq, profile, options.transient_mem_coef, budget,
@@ -165,6 +173,7 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
     lowered, lowered_ctx = lower_graph(gm, inputs, choices[0].config(config, 1 if dp > 1 else 0, forced), layout,
                                        made_for)
     ops = op_costs(lowered, inputs, lowered_ctx.fake_mode)       # (placement-free: once for every placement)
+    blocks = repeated_blocks(lowered)
     skipped = {}
     edits: dict[str, Plan] = {}       # a tp variant: tp's plan with a kind left whole, propagated as given
     for placement in choices:
@@ -175,7 +184,7 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
             skipped[placement.name] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             log.info("autodist: no %s plan for this graph: %s", placement.name, skipped[placement.name])
             continue
-        units.append((placement, base, graph_costs(graph, inputs, ops, layout.tp_size, ctx.propagation)))
+        units.append((placement, base, graph_costs(graph, inputs, ops, layout.tp_size, ctx.propagation, blocks)))
         if placement.name == "tp":      # (then each kind of the layers it splits, left whole: a choice per kind)
             sequence_parallel = with_sequence_parallel(base, graph.graph, ctx.propagation, layout.tp_size, ctx.node_keys)
             if sequence_parallel is not None:
@@ -193,7 +202,7 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
     if not units:
         raise AutodistError("dynshard: autodist found no placement its policies can make for this graph: " + "; ".join(
             f"{name}: {reason}" for name, reason in skipped.items()))
-    return units, graph_costs(lowered, inputs, ops, 1, None)
+    return units, graph_costs(lowered, inputs, ops, 1, None, blocks)
 
 
 def hand_plans(units, config: Config, world: int, profile: DeviceProfile) -> list[tuple[Candidate, Plan, dict]]:

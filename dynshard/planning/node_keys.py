@@ -8,6 +8,7 @@ of that module's calls of that op it is (0, 1, ...): ``layers.0.attn:aten.mm.def
 
 from __future__ import annotations
 
+import functools
 import re
 from collections import Counter
 
@@ -17,19 +18,24 @@ _ROOT = re.compile(r"^L\['[^']+'\]\.?")
 _INDEX = re.compile(r"\[(\d+)\]")
 
 
+@functools.lru_cache(maxsize=65536)
+def _dotted(source: str) -> str:
+    """Dynamo's module source (``L['self'].blocks[0].attn``) as a module path (``blocks.0.attn``): cached,
+    since every op of a module asks again, in every copy of the graph a search makes."""
+    return _INDEX.sub(r".\1", _ROOT.sub("", source)).strip(".")
+
+
 def module_path(node: fx.Node) -> str:
     """The innermost module whose code produced ``node`` ("" for the model's own forward)."""
     stack = list(node.meta.get("nn_module_stack", {}).values())
     if not stack:
         return ""
-    path = stack[-1][0]
-    return _INDEX.sub(r".\1", _ROOT.sub("", path)).strip(".")
+    return _dotted(stack[-1][0])
 
 
 def module_paths(node: fx.Node) -> list[str]:
     """Every module around ``node``, outermost first."""
-    return [_INDEX.sub(r".\1", _ROOT.sub("", path)).strip(".")
-            for path, _ in node.meta.get("nn_module_stack", {}).values()]
+    return [_dotted(path) for path, _ in node.meta.get("nn_module_stack", {}).values()]
 
 
 def op_name(node: fx.Node) -> str:

@@ -92,24 +92,33 @@ def op_costs(gm: fx.GraphModule, inputs, fake_mode) -> list[OpCost]:
     return costs
 
 
-def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int, propagation=None) -> UnitCosts:
+def repeated_blocks(gm: fx.GraphModule) -> tuple[str | None, dict[str, list[str]]]:
+    """The repeated module class a search may recompute, and its instances' ops (path -> node names): the same
+    for every copy of a graph placed otherwise, so a search reads it once."""
+    recompute = _recompute_class(gm)
+    return recompute, ({} if recompute is None else _instances(gm, recompute))
+
+
+def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int, propagation=None,
+                blocks: tuple[str | None, dict[str, list[str]]] | None = None) -> UnitCosts:
     """``ops`` (of ``gm``, whose placeholders are ``inputs``) on one rank of a unit of ``tp`` ranks placed
-    as ``propagation`` found, with the instances of the repeated module class a search may recompute."""
+    as ``propagation`` found, with the instances of the repeated module class a search may recompute
+    (``blocks``: :func:`repeated_blocks` of ``gm`` or of the graph it copies)."""
     split = {op.name: _split(op.name, tp, propagation) for op in ops}
     written = {op.name: _written(op.name, tp, propagation) for op in ops}
     flops = sum(op.flops * split[op.name] for op in ops)
     moved = sum(op.bytes * split[op.name] for op in ops if not op.flops)     # (see _memory_bound)
     saved = sum(op.saved_bytes * written[op.name] for op in ops)
     largest = max((op.out_bytes * written[op.name] for op in ops), default=0)
-    recompute = _recompute_class(gm)
+    recompute, blocks_of = blocks or repeated_blocks(gm)
     instances = []
     if recompute is not None:
         by_op = {op.name: op for op in ops}
         nodes = {n.name: n for n in gm.graph.nodes}
-        for path, names in _instances(gm, recompute).items():
+        for path, names in blocks_of.items():
             inside = [by_op[n] for n in names if n in by_op]
             again, kept = _recomputed(names, by_op, nodes, propagation)
-            entry = _entry_bytes(gm, names, tp, propagation)
+            entry = _entry_bytes(nodes, names, tp, propagation)
             instances.append(InstanceCosts(
                 path, sum(op.saved_bytes * written[op.name] for op in inside),
                 entry + sum(_kept_bytes(by_op[n], tp, propagation) for n in kept),
@@ -230,10 +239,9 @@ def _stack(node: fx.Node) -> list[tuple[str, str]]:
     return [(path, cls.rsplit(".", 1)[-1]) for path, cls in zip(module_paths(node), classes)]
 
 
-def _entry_bytes(gm: fx.GraphModule, names: list[str], tp: int, propagation) -> float:
+def _entry_bytes(nodes: dict[str, fx.Node], names: list[str], tp: int, propagation) -> float:
     """The activations a module instance reads from outside it: what a recompute keeps."""
     inside = set(names)
-    nodes = {n.name: n for n in gm.graph.nodes}
     entries = set()
     for name in names:
         for arg in nodes[name].all_input_nodes:
@@ -285,4 +293,4 @@ def _broadcast_over_split(node: fx.Node, user: fx.Node, propagation) -> bool:
     return any(isinstance(p, Shard) and p.dim < leading for p in _placements(user.name, propagation))
 
 
-__all__ = ["OpCost", "graph_costs", "op_costs"]
+__all__ = ["OpCost", "graph_costs", "op_costs", "repeated_blocks"]
