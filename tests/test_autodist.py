@@ -22,7 +22,7 @@ from workers_pipeline import pipeline_parity
 from workers_transformers import train_transformers
 from workers_autodist import (candidate_plans_beside_hand_plans, hand_predictions_beside_autodists, hybrid_candidates,
                               hybrid_stage_cut_under_a_budget, interleaved_stage_cut_under_a_budget, measured_peaks,
-                              memory_budget_sweep, nothing_fits, offline_autodist,
+                              memory_budget_sweep, nothing_fits, offline_autodist, pruned_and_every_ilp,
                               pipeline_candidates_beside_hand_plans, planned_units_of, predicted_tp_collectives,
                               stage_cut_under_a_budget, traced_tp_collectives, train_step_without_pipeline,
                               train_with_autodist, within_partition_degree)
@@ -89,6 +89,16 @@ def test_the_same_inputs_give_a_byte_identical_plan():
     assert plan["policy"] == "autodist" and plan["predicted"]["autodist"]["status"] == "optimal"
     assert plan["predicted"]["autodist"]["chosen"] == min(plan["predicted"]["autodist"]["candidates"],
                                                           key=lambda c: c["step_seconds"])["plan"]
+
+
+@pytest.mark.parametrize("pas_config", [{}, {"mem_constraint": 0.0006}], ids=["free", "budget"])
+def test_skipping_the_ilps_of_beaten_placements_chooses_the_same_plan(pas_config):
+    """A placement whose plain plan is predicted slower than a hand plan that fits cannot win by ZeRO rows or
+    recompute (both only add time): skipping its ILPs leaves the plan byte for byte what solving them makes."""
+    pruned, every = (json.loads(p) for p in run_ranks(pruned_and_every_ilp, 1, 4, pas_config, timeout=300)[0])
+    solved = every["predicted"]["autodist"].pop("ilps"), pruned["predicted"]["autodist"].pop("ilps")
+    assert solved[1] < solved[0], solved
+    assert pruned == every
 
 
 def test_a_two_rank_job_trains_like_one_process_on_the_plan_autodist_chose_and_saves_it(tmp_path):

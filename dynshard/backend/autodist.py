@@ -101,13 +101,9 @@ def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, de
     whole_unit = limit is None or limit >= config.plan_ngpus      # may a tensor split over the whole unit?
     hand = hand_plans(units, config, world, profile) if whole_unit else []
     fine = []
-    # a placement's ILPs choose ZeRO rows and recompute, each only adding time: none beats its plan without
-    # either, so a placement whose plain plan is slower than a hand plan that fits cannot win (its ILPs skipped)
-    fitting = min((p["step_seconds"] for _, _, p in hand if budget is None or p["bytes_per_rank"]["peak"] <= budget),
-                  default=math.inf)
-    plain = {c.placement.name: p["step_seconds"] for c, _, p in hand if not c.zero and not c.recompute}
+    hopeless = beaten_placements(hand, budget)
     for placement, base, unit in units if whole_unit else ():
-        if plain.get(placement.name, -math.inf) > fitting:
+        if placement.name in hopeless:
             continue
         for zero in zero_levels(world // config.plan_ngpus):
             start_plan = with_choices(base, zero, base.recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
@@ -152,6 +148,15 @@ def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, de
             len(solved), seconds, name, predicted["step_seconds"], predicted["bytes_per_rank"]["peak"] / GB)
     return dataclasses.replace(plan, policy="autodist", predicted={**(plan.predicted or {}), **predicted,
                                                                     "autodist": record})
+
+
+def beaten_placements(hand: list[tuple[Candidate, Plan, dict]], budget: int | None) -> set[str]:
+    """The placements whose ILPs cannot win: each ILP chooses ZeRO rows and recompute, and each of those only
+    adds time, so none beats the placement's plain plan (no ZeRO, no recompute); when that is predicted
+    slower than a hand plan that fits, the placement is beaten (its ILPs are skipped, exactly)."""
+    fitting = min((p["step_seconds"] for _, _, p in hand if budget is None or p["bytes_per_rank"]["peak"] <= budget),
+                  default=math.inf)
+    return {c.placement.name for c, _, p in hand if not c.zero and not c.recompute and p["step_seconds"] > fitting}
 
 
 def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_for,
