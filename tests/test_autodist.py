@@ -91,7 +91,8 @@ def test_the_same_inputs_give_a_byte_identical_plan():
                                                           key=lambda c: c["step_seconds"])["plan"]
 
 
-@pytest.mark.parametrize("pas_config", [{}, {"mem_constraint": 0.0006}], ids=["free", "budget"])
+@pytest.mark.parametrize("pas_config", [{}, pytest.param({"mem_constraint": 0.0006}, marks=pytest.mark.slow)],
+                         ids=["free", "budget"])
 def test_skipping_the_ilps_of_beaten_placements_chooses_the_same_plan(pas_config):
     """A placement whose plain plan is predicted slower than a hand plan that fits cannot win by ZeRO rows or
     recompute (both only add time): skipping its ILPs leaves the plan byte for byte what solving them makes."""
@@ -277,6 +278,7 @@ def test_autodists_interleaved_pipeline_runs_two_stages_a_rank_through_train_ste
         assert result["modules"] and len(result["modules"][0]) == 4        # 4 stages, 2 on each rank
 
 
+@pytest.mark.slow       # (about 40 s; the stage-cut search is tested fast in test_stage_cuts)
 def test_under_a_budget_the_balanced_cut_misses_autodist_moves_the_stage_cut_and_trains_like_one_process():
     """An 8-layer GPT in 2 stages under 1F1B: the first rank holds two micro-batches, the last one. One byte
     under the FLOPs-balanced cut's peak (4 | 4 layers), autodist cuts where the slowest stage is lightest among

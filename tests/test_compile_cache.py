@@ -33,7 +33,8 @@ def test_a_restarted_job_reuses_inductors_compiled_programs(tmp_path, options):
 
 @pytest.mark.parametrize("options, graphs, programs",
                          [pytest.param({"policy": "dp", "use_zero": 3}, 2, 1, marks=pytest.mark.slow),
-                          ({"policy": "tp", "plan_ngpus": 2}, 3, 2), ({"policy": "dp", "use_zero": 1}, 3, 2)],
+                          ({"policy": "tp", "plan_ngpus": 2}, 3, 2),
+                          pytest.param({"policy": "dp", "use_zero": 1}, 3, 2, marks=pytest.mark.slow)],
                          ids=["zero3", "tp", "zero1"])
 def test_ranks_with_the_same_program_compile_it_once(tmp_path, options, graphs, programs):
     """The ranks of a data-parallel group hold the same program, and so do those of a tensor-parallel
