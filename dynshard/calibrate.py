@@ -54,7 +54,7 @@ def _timed(fn, device: torch.device, repeats: int = REPEATS, warmup: int = WARMU
 
 def compute_rates(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
     rates = []
-    for n in (512, 1024):
+    for n in (512, 1024) + ((2048, 4096) if device.type == "cuda" else ()):   # (a GPU's small matmuls wait on launches)
         a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
         rates.append(2 * n ** 3 / _timed(lambda: torch.mm(a, b), device))
     x = torch.empty(16 * 1024 ** 2, device=device)       # 64 MB of fp32

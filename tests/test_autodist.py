@@ -20,7 +20,8 @@ from distributed import run_ranks
 from parity import assert_trains_like_one_process
 from workers_pipeline import pipeline_parity
 from workers_transformers import train_transformers
-from workers_autodist import (candidate_plans_beside_hand_plans, hand_predictions_beside_autodists, hybrid_candidates,
+from workers_autodist import (candidate_plans_beside_hand_plans, estimated_variants_beside_planned,
+                              hand_predictions_beside_autodists, hybrid_candidates,
                               hybrid_stage_cut_under_a_budget, interleaved_stage_cut_under_a_budget, measured_peaks,
                               memory_budget_sweep, nothing_fits, offline_autodist, pruned_and_every_ilp,
                               pipeline_candidates_beside_hand_plans, planned_units_of, predicted_tp_collectives,
@@ -51,21 +52,38 @@ def test_nnscalers_plan_file_keys_map_onto_the_configs():
         dynshard.Config(policy="autodist", save_plan_path="b.json", pas_config={"save_plan_path": "a.json"})
 
 
-@pytest.mark.slow       # (72 plans made twice: about a minute)
+@pytest.mark.slow       # (128 plans made twice: about two minutes)
 def test_every_candidate_is_the_plan_its_hand_policy_makes():
-    """tp, tp + sequence parallel, data, and tp with each proper subset of the kinds of layer it splits left
-    whole (pinned), or run on the unit's batch shards (pinned, ``batch_parallel``), at every ZeRO level over 2
-    units, with and without recompute: each candidate is byte for byte the plan that policy and config make
-    (autodist's space holds them; a variant is read off tp's plan, and equals tp's with pins)."""
+    """tp, tp + sequence (or batch) parallelism, data, and tp with each proper subset of the kinds of layer it
+    splits left whole (pinned), or run on the unit's batch shards (pinned, ``batch_parallel``), at every ZeRO
+    level over 2 units, with and without recompute: each candidate is byte for byte the plan that policy and
+    config make (autodist's space holds them; a variant is read off tp's plan, and equals tp's with pins; one of
+    several kinds is priced from its parts and planned for real with the estimate's placements)."""
     rows = run_ranks(candidate_plans_beside_hand_plans, 1, 4, timeout=600)[0]
     names = [name for name, _, _ in rows]
     attention, mlp = "blocks.*.attn.{k,proj,q,v}", "blocks.*.{fc1,fc2}"
     subsets = {attention, mlp, "wte", f"{mlp} and {attention}", f"wte and {attention}", f"wte and {mlp}"}
     variants = {f"tp, {kinds} {where}" for kinds in subsets for where in ("whole", "on batch shards")}
-    assert len(names) == 15 * 4 * 2 and {"tp", "tp + sequence parallel + ZeRO-3", "data + ZeRO-1 + recompute Block",
+    assert len(names) == 16 * 4 * 2 and {"tp", "tp + sequence parallel + ZeRO-3", "tp + batch parallel + ZeRO-2",
+                                         "data + ZeRO-1 + recompute Block",
                                          "tp, wte whole + ZeRO-3 + recompute Block"} | variants <= set(names)
     for name, candidate, hand in rows:
         assert candidate == hand, name
+
+
+@pytest.mark.parametrize("model_name", ["gpt", "llama"])
+def test_a_variant_of_several_kinds_priced_from_its_parts_is_priced_as_its_plan(model_name):
+    """Each tp variant with several kinds of layer whole or on batch shards is priced from the variants with
+    one kind each (their changes to tp, or to tp with batch parallelism, summed), and not planned: the
+    estimate places every tensor and activation as the plan autodist makes for real, finds the same forward
+    collectives, and predicts the same step seconds and peak bytes (each term)."""
+    rows = run_ranks(estimated_variants_beside_planned, 1, model_name, timeout=300)[0]
+    expected = {"gpt": 6, "llama": 2 * (2 ** 4 - 2 - 4)}[model_name]
+    assert len(rows) == expected, [name for name, _, _ in rows]
+    for name, (estimate, collectives, tensors, activations), (real, *planned) in rows:
+        assert (collectives, tensors, activations) == tuple(planned), name
+        assert estimate["step_seconds"] == pytest.approx(real["step_seconds"], rel=1e-9), name
+        assert estimate["bytes_per_rank"] == pytest.approx(real["bytes_per_rank"], rel=1e-9), name
 
 
 def test_a_tighter_memory_budget_moves_the_choice_toward_saving_memory_and_the_plan_fits_it():

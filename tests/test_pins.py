@@ -83,10 +83,13 @@ def test_a_pinned_tp_plan_trains_like_one_process():
         assert plan["tensors"]["blocks.0.attn.q.weight"]["tp"] == "S1"
 
 
-def test_layers_pinned_whole_run_on_batch_shards_under_batch_parallel_and_train_like_one_process():
+@pytest.mark.parametrize("pinned", [("blocks.*.attn",), ("wte", "blocks.*.attn")], ids=["attention", "vocabulary"])
+def test_layers_pinned_whole_run_on_batch_shards_under_batch_parallel_and_train_like_one_process(pinned):
     """tp's batch parallelism with attention pinned whole: attention runs on each rank's batch rows (data
-    parallelism inside the unit, its weights' gradients all-reduced), the MLP split over the unit."""
-    options = {"partition_constraints": {"blocks.*.attn": "replicate"}, "pas_config": {"batch_parallel": True}}
+    parallelism inside the unit, its weights' gradients all-reduced), the MLP split over the unit. With the
+    vocabulary whole too, the token lookup's output is split along the batch where it is made (a local slice),
+    so the first block's attention runs on the batch shard as the others do."""
+    options = {"partition_constraints": dict.fromkeys(pinned, "replicate"), "pas_config": {"batch_parallel": True}}
     results = run_ranks(train_parity, 2, "gpt", "tp", 2, "inductor", 3, 4, options, timeout=300)
     for rank, result in enumerate(results):
         assert_trains_like_one_process(result, f"rank {rank}")
@@ -94,6 +97,8 @@ def test_layers_pinned_whole_run_on_batch_shards_under_batch_parallel_and_train_
         assert plan["tensors"]["blocks.0.attn.q.weight"]["tp"] == "R"
         assert plan["tensors"]["blocks.0.fc1.weight"]["tp"] == "S0"
         assert {a["tp"] for a in plan["activations"].values()} == {"R", "S0"}
+        lookup = {key: a["tp"] for key, a in plan["activations"].items() if key.startswith("wte:")}
+        assert lookup == {"wte:aten.embedding.default:0": "S0"}, lookup     # (reduce-scattered, or sliced)
 
 
 def test_autodists_choice_holds_the_pins_of_its_constraints_file(tmp_path):

@@ -41,7 +41,8 @@ def candidate_plans_beside_hand_plans(rank: int, world: int, world_size: int) ->
     rows = []
 
     def hand(gm, inputs, config, world, made_for, device_type):
-        units, _ = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
+        units, _, estimated = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
+        units = [(p, *estimated[p.name]()) if p.name in estimated else (p, b, u) for p, b, u in units]   # (for real)
         rows.extend(autodist.hand_plans(units, config, world, device_profile(config, device_type)))
 
     with beside_the_search(hand):
@@ -137,6 +138,36 @@ def planned_units_of(rank: int, world: int, model_name: str, world_size: int, pl
     return [(placement, plan.to_json(), unit) for placement, plan, unit in found]     # (a Plan holds mapping proxies)
 
 
+def estimated_variants_beside_planned(rank: int, world: int, model_name: str) -> list[tuple]:
+    """In a plain process, for each tp variant autodist prices from its parts (several kinds whole or on batch
+    shards; ``model_name``'s 2-layer model, a unit of 2 ranks): its name, and for the estimate and for the
+    plan as autodist plans it for real, the prediction (one micro-batch, no ZeRO, the CPU profile), the
+    sorted forward collectives, the tensors' and the activations' placements."""
+    from dynshard.planning.cost_model import predict
+
+    cfg = GPTConfig(layers=2)
+    with torch.device("meta"):
+        model = _COUNTED_MODELS[model_name](cfg)
+    config = dynshard.Config(policy="autodist", plan_ngpus=2, pas_config={"device_profile": "cpu"})
+    rows = []
+
+    def described(plan, unit):
+        predicted = predict(plan, unit, 1, device_profile(config, "cpu"), 1.0)
+        collectives = sorted(json.dumps(c, sort_keys=True) for c in plan.predicted["forward_collectives"])
+        return (predicted, collectives, {k: v.tp for k, v in plan.tensors.items()},
+                {k: (v.tp, v.readers) for k, v in plan.activations.items()})
+
+    def estimates(gm, inputs, config, world, made_for, device_type):
+        units, _, estimated = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
+        for placement, plan, unit in units:
+            if placement.name in estimated:
+                rows.append((placement.name, described(plan, unit), described(*estimated[placement.name]())))
+
+    with beside_the_search(estimates):
+        dynshard.plan(model, gpt_batch(cfg, 4, 0), config, world_size=2)
+    return rows
+
+
 def train_step_without_pipeline(rank: int, world: int) -> dict:
     """autodist exploring pipelines with plan_ngpus 1 (pure data parallelism: no pipeline to choose), trained
     by train_step over 4 samples, beside one process summing the same micro-batches' gradients."""
@@ -186,12 +217,12 @@ def pipeline_candidates_beside_hand_plans(rank: int, world: int, world_size: int
     rows, exact = [], {}
 
     def pipelines(gm, inputs, config, world, made_for, device_type):
-        units, whole = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
+        units, whole, _ = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
         tp_unit = next((base, unit) for placement, base, unit in units if placement.name == "tp")
         found, real = autodist.pipeline_plans(gm, inputs, config, world, made_for, device_type,
                                               device_profile(config, device_type), whole, tp_unit)
         rows.extend(found)
-        exact.update({name: plan_for_real()[0] for name, plan_for_real in real.items()})
+        exact.update({name: plan_for_real()[1] for name, plan_for_real in real.items()})
 
     with beside_the_search(pipelines):
         dynshard.plan(model, (sample,), config, world_size=world_size)

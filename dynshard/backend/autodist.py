@@ -6,13 +6,16 @@ The search, on rank 0 (the others receive its plan, or its error), for one captu
    process group behind it (``runtime.mesh.PlanningLayout``), at ZeRO level 1 when there are several
    units (which tensors take ZeRO rows), and costed per micro-batch on one rank
    (:mod:`policies.autodist.graph_costs`); tp + sequence parallel and tp's variants are read off tp's plan
-   (the plans their policy makes, tested byte for byte, without planning tp again);
+   (the plans their policy makes, tested byte for byte, without planning tp again); a variant of several
+   kinds of layer whole or on batch shards is priced from the variants of one kind each
+   (:mod:`policies.autodist.composed`), not planned;
 2. every ZeRO level and recompute choice of it is priced (:func:`planning.cost_model.predict`); with
    ``explore_pipeline``, every pipeline of the unit's ranks too, a hybrid's stages priced from the tp plan of
    step 1 (:mod:`policies.autodist.hybrid_stages`), and a pipeline over ``mem_constraint`` again with the
    stage cut that fits (:mod:`policies.autodist.stage_memory`);
-3. the fastest candidate whose peak fits wins (ties: the smaller peak, then the name); a hybrid priced from
-   the tp plan is planned for real before it can win, and priced again. The space is enumerated whole, so
+3. the fastest candidate whose peak fits wins (ties: the smaller peak, then the name); a candidate whose price
+   was estimated (a hybrid priced from the tp plan, a variant from its parts) is planned for real before it
+   can win, and priced again. The space is enumerated whole, so
    the choice is optimal in it under the cost model (``gap`` 0); the plan records every candidate's
    prediction, as ``explain`` shows them.
 When no candidate fits, every rank raises :class:`AutodistError` naming ``mem_constraint``, the smallest
@@ -37,13 +40,14 @@ from ..config.autodist import INTERLEAVED_CHUNKS
 from ..planning import Plan
 from ..planning.cost_model import DeviceProfile, UnitCosts, load_profile, predict
 from ..policies.autodist.choices import choose
+from ..policies.autodist.composed import composed
 from ..policies.autodist.hybrid_stages import estimated_stages
 from ..policies.autodist.pipeline_costs import predict_pipeline, unit_at
 from ..policies.autodist.stage_memory import cut_for_memory
 from ..policies.autodist.graph_costs import graph_costs, op_costs, repeated_blocks
-from ..policies.autodist.space import (SEQUENCE_PARALLEL, Candidate, Placement, left_whole, on_batch_shards, placements,
-                                       recompute_choices, tp_variants, with_choices, with_sequence_parallel,
-                                       zero_levels)
+from ..policies.autodist.space import (BATCH_PARALLEL, SEQUENCE_PARALLEL, Candidate, Placement, left_whole,
+                                       on_batch_shards, placements, recompute_choices, tp_variants, with_choices,
+                                       with_sequence_parallel, zero_levels)
 from ..runtime.mesh import planning_layout
 from ..runtime.pipeline.schedules import build_schedule
 from .agreement import from_rank0
@@ -96,26 +100,28 @@ def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, de
     options = config.autodist
     profile = device_profile(config, device_type)
     budget = options.mem_constraint_bytes
-    units, whole = planned_units(gm, inputs, config, world, made_for, device_type)
+    units, whole, estimated = planned_units(gm, inputs, config, world, made_for, device_type)
+    real = functools.cache(lambda name: estimated[name]())     # (an estimated placement planned: once)
     limit = options.max_partition_degree
     whole_unit = limit is None or limit >= config.plan_ngpus      # may a tensor split over the whole unit?
     hand = hand_plans(units, config, world, profile) if whole_unit else []
+    exact = {c.name: functools.partial(_hand_row, c, real, config, world, profile)
+             for c, _, _ in hand if c.placement.name in estimated}
     fine = []
-    hopeless = beaten_placements(hand, budget)
+    hopeless = beaten_placements([row for row in hand if row[0].name not in exact], budget)
     for placement, base, unit in units if whole_unit else ():
         if placement.name in hopeless:
             continue
         for zero in zero_levels(world // config.plan_ngpus):
-            start_plan = with_choices(base, zero, base.recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
-            choice = choose(start_plan, unit, options.update_freq, profile, options.transient_mem_coef, budget,
-                            search_recompute=options.recompute_modules is None)
-            if choice.solution.x:
-                predicted = predict(choice.plan, unit, options.update_freq, profile, options.transient_mem_coef)
-                fine.append((_describe(placement.name, choice.plan, unit), choice.plan, choice.solution, predicted))
-    exact = {}
+            row = _ilp_row(placement, base, unit, zero, config, profile)
+            if row is not None:
+                fine.append(row)
+                if placement.name in estimated:
+                    exact[row[0]] = functools.partial(_planned_ilp_row, placement, real, zero, config, profile)
     if options.explore_pipeline and config.plan_ngpus > 1:
         tp_unit = next(((base, unit) for placement, base, unit in units if placement.name == "tp"), None)
-        pipelines, exact = pipeline_plans(gm, inputs, config, world, made_for, device_type, profile, whole, tp_unit)
+        pipelines, hybrids = pipeline_plans(gm, inputs, config, world, made_for, device_type, profile, whole, tp_unit)
+        exact.update(hybrids)
         hand += pipelines
         fine += [(c.name, plan, None, p) for c, plan, p in pipelines]
     if not hand:
@@ -159,10 +165,12 @@ def beaten_placements(hand: list[tuple[Candidate, Plan, dict]], budget: int | No
     return {c.placement.name for c, _, p in hand if not c.zero and not c.recompute and p["step_seconds"] > fitting}
 
 
-def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_for,
-                  device_type: str) -> tuple[list[tuple[Placement, Plan, UnitCosts]], UnitCosts]:
+def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str
+                  ) -> tuple[list[tuple[Placement, Plan, UnitCosts]], UnitCosts, dict[str, Callable[[], tuple]]]:
     """Each placement's plan (its eligible parameters in ZeRO rows when there are several units) and what one
-    rank of its unit computes, keeps and sends per micro-batch; and what the whole graph costs one rank."""
+    rank of its unit computes, keeps and sends per micro-batch; what the whole graph costs one rank; and, for
+    each tp variant of several kinds priced from its parts (:mod:`policies.autodist.composed`) rather than
+    planned, how to plan it for real: (its plan, its costs)."""
     options = config.autodist
     config = config.resolve(world)
     dp = world // config.plan_ngpus
@@ -174,40 +182,82 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
         (placement,) = choices
         base, ctx, _ = plan_graph(gm, inputs, placement.config(config, 1 if dp > 1 else 0, forced), layout, made_for)
         units.append((placement, base, whole_graph_costs(gm, ctx)))
-        return units, units[0][2]
+        return units, units[0][2], {}
     lowered, lowered_ctx = lower_graph(gm, inputs, choices[0].config(config, 1 if dp > 1 else 0, forced), layout,
                                        made_for)
     ops = op_costs(lowered, inputs, lowered_ctx.fake_mode)       # (placement-free: once for every placement)
     blocks = repeated_blocks(lowered)
+
+    def planned(placement: Placement, edit: Plan | None):
+        """(plan, costs, propagated graph, context) of ``placement``, ``edit`` its plan read off another's."""
+        base, ctx, graph = place_graph(lowered, lowered_ctx, placement.config(config, 1 if dp > 1 else 0, forced),
+                                       edit)
+        return base, graph_costs(graph, inputs, ops, layout.tp_size, ctx.propagation, blocks), graph, ctx
+
+    def on_batch(plan: Plan, graph: fx.GraphModule, ctx) -> Plan | None:
+        batch = with_sequence_parallel(plan, graph.graph, ctx.propagation, layout.tp_size, ctx.node_keys, dim=0)
+        return batch if batch is not None and any(a.tp != "R" for a in batch.activations.values()) else None
+
     skipped = {}
     edits: dict[str, Plan] = {}       # a tp variant: tp's plan with a kind left whole, propagated as given
+    several: list[Placement] = []     # tp variants of several kinds: priced from their parts
     for placement in choices:
         try:
-            base, ctx, graph = place_graph(lowered, lowered_ctx, placement.config(config, 1 if dp > 1 else 0, forced),
-                                           edits.get(placement.name))
+            base, unit, graph, ctx = planned(placement, edits.get(placement.name))
         except Exception as error:      # noqa: BLE001 - a placement its policy cannot make is not a candidate
             skipped[placement.name] = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             log.info("autodist: no %s plan for this graph: %s", placement.name, skipped[placement.name])
             continue
-        units.append((placement, base, graph_costs(graph, inputs, ops, layout.tp_size, ctx.propagation, blocks)))
+        units.append((placement, base, unit))
         if placement.name == "tp":      # (then each kind of the layers it splits, left whole: a choice per kind)
             sequence_parallel = with_sequence_parallel(base, graph.graph, ctx.propagation, layout.tp_size, ctx.node_keys)
             if sequence_parallel is not None:
                 edits[SEQUENCE_PARALLEL.name] = sequence_parallel
             for variant in tp_variants(base):
-                choices.append(variant)
                 edited = left_whole(base, variant)
                 if edited is not None:
                     edits[variant.name] = edited
-        elif placement.whole and not placement.pas_config:      # (and those kinds on the unit's batch shards)
-            batch = with_sequence_parallel(base, graph.graph, ctx.propagation, layout.tp_size, ctx.node_keys, dim=0)
-            if batch is not None and any(a.tp != "R" for a in batch.activations.values()):
+                (choices if len(variant.kinds) == 1 else several).append(variant)
+            batch = on_batch(base, graph, ctx) if several else None
+            if batch is not None:       # (the base the variants on batch shards are priced from)
+                choices.append(BATCH_PARALLEL)
+                edits[BATCH_PARALLEL.name] = batch
+        elif placement.whole and not placement.pas_config:      # (and that kind on the unit's batch shards)
+            batch = on_batch(base, graph, ctx)
+            if batch is not None:
                 choices.append(on_batch_shards(placement))
                 edits[choices[-1].name] = batch
     if not units:
         raise AutodistError("dynshard: autodist found no placement its policies can make for this graph: " + "; ".join(
             f"{name}: {reason}" for name, reason in skipped.items()))
-    return units, graph_costs(lowered, inputs, ops, 1, None, blocks)
+
+    def for_real(variant: Placement, whole: Placement) -> tuple[Plan, UnitCosts]:
+        plan, unit, graph, ctx = planned(whole, edits.get(whole.name))
+        if variant is whole:
+            return plan, unit
+        batch = on_batch(plan, graph, ctx)
+        if batch is None:
+            raise ValueError("no activation would be on batch shards")
+        return planned(variant, batch)[:2]
+
+    by_name = {placement.name: (base, unit) for placement, base, unit in units}
+    singles = {(p.kinds, bool(p.pas_config)): p.name for p, _, _ in units if len(p.kinds) == 1}
+    estimated = {}
+    for whole in several:
+        for variant, base in ((whole, "tp"), (on_batch_shards(whole), BATCH_PARALLEL.name)):
+            parts = [singles.get(((kind,), variant is not whole)) for kind in variant.kinds]
+            found = (composed(by_name[base], [by_name[p] for p in parts])
+                     if base in by_name and None not in parts else None)
+            if found is not None:       # (planned for real with the estimate's placements: one propagation)
+                estimated[variant.name] = functools.partial(lambda v, e: planned(v, e)[:2], variant, found[0])
+            else:
+                try:
+                    found = for_real(variant, whole)
+                except Exception as error:      # noqa: BLE001 - as above
+                    log.info("autodist: no %s plan for this graph: %s", variant.name, error)
+                    continue
+            units.append((variant, *found))
+    return units, graph_costs(lowered, inputs, ops, 1, None, blocks), estimated
 
 
 def hand_plans(units, config: Config, world: int, profile: DeviceProfile) -> list[tuple[Candidate, Plan, dict]]:
@@ -281,8 +331,8 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                     rows.append((candidate, staged, predicted))
                     if estimated:
                         exact[candidate.name] = functools.partial(
-                            _planned_for_real, gm, inputs, base, layout, made_for, zero, recompute, config, unit,
-                            profile)
+                            _planned_for_real, candidate.name, gm, inputs, base, layout, made_for, zero, recompute,
+                            config, unit, profile)
                     if budget is None or predicted["bytes_per_rank"]["peak"] <= budget:
                         continue
                     found = cut_for_memory(staged, *cut[1:], unit, predicted["micro_batches_held"], budget,
@@ -300,8 +350,8 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                                                  profile)))
                     if moved_estimated:
                         exact[again.name] = functools.partial(
-                            _planned_for_real, gm, inputs, base, layout, made_for, zero, recompute, config, unit,
-                            profile, given)
+                            _planned_for_real, again.name, gm, inputs, base, layout, made_for, zero, recompute,
+                            config, unit, profile, given)
     return rows, exact
 
 
@@ -338,16 +388,46 @@ def _with_starts(plan: Plan, starts: list[str], searched: str = "") -> Plan:
                                                                   how=how))
 
 
-def _planned_for_real(gm, inputs, base: Config, layout, made_for, zero: int, recompute, config: Config,
-                      unit: UnitCosts, profile: DeviceProfile, given: Plan | None = None) -> tuple[Plan, dict]:
-    return _priced(plan_graph(gm, inputs, base, layout, made_for, given_pipeline=given)[0], zero, recompute, config,
-                   unit, profile)
+def _planned_for_real(name: str, gm, inputs, base: Config, layout, made_for, zero: int, recompute, config: Config,
+                      unit: UnitCosts, profile: DeviceProfile, given: Plan | None = None) -> tuple:
+    """A hybrid candidate's row (name, plan, solution, prediction) with its stages planned."""
+    plan, predicted = _priced(plan_graph(gm, inputs, base, layout, made_for, given_pipeline=given)[0], zero,
+                              recompute, config, unit, profile)
+    return name, plan, None, predicted
+
+
+def _ilp_row(placement: Placement, base: Plan, unit: UnitCosts, zero: int, config: Config,
+             profile: DeviceProfile) -> tuple | None:
+    """The row (name, plan, solution, prediction) of the ILP choosing ZeRO rows and recompute for ``placement``
+    at ZeRO level ``zero``; None when it has no solution."""
+    options = config.autodist
+    start = with_choices(base, zero, base.recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
+    choice = choose(start, unit, options.update_freq, profile, options.transient_mem_coef,
+                    options.mem_constraint_bytes, search_recompute=options.recompute_modules is None)
+    if not choice.solution.x:
+        return None
+    predicted = predict(choice.plan, unit, options.update_freq, profile, options.transient_mem_coef)
+    return _describe(placement.name, choice.plan, unit), choice.plan, choice.solution, predicted
+
+
+def _planned_ilp_row(placement: Placement, real, zero: int, config: Config, profile: DeviceProfile) -> tuple | None:
+    """:func:`_ilp_row` of an estimated placement (:mod:`policies.autodist.composed`), planned for real."""
+    return _ilp_row(placement, *real(placement.name), zero, config, profile)
+
+
+def _hand_row(candidate: Candidate, real, config: Config, world: int, profile: DeviceProfile) -> tuple:
+    """The row of an estimated placement's hand plan, planned for real."""
+    base, unit = real(candidate.placement.name)
+    plan = with_choices(base, candidate.zero, candidate.recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
+    options = config.autodist
+    return candidate.name, plan, None, predict(plan, unit, options.update_freq, profile, options.transient_mem_coef)
 
 
 def _fastest_fitting(rows: list, exact: dict, budget: float | None, hand: list, mem_constraint: float):
-    """The fastest row that fits (ties: the smaller peak), a hybrid pipeline priced from the tp plan planned
-    for real first: its row (in ``rows`` and in ``hand``, whose record explain prints) is replaced by the real
-    plan's, and the choice made again."""
+    """The fastest row that fits (ties: the smaller peak), a candidate whose prediction was estimated (a hybrid
+    pipeline priced from the tp plan, a tp variant priced from its parts) planned for real first: its row (in
+    ``rows`` and in ``hand``, whose record explain prints) is replaced by the real plan's (or dropped when its
+    ILP has no solution), and the choice made again."""
     rows = list(rows)
     while True:
         fitting = [row for row in rows if budget is None or row[3]["bytes_per_rank"]["peak"] <= budget]
@@ -356,11 +436,15 @@ def _fastest_fitting(rows: list, exact: dict, budget: float | None, hand: list, 
         best = min(fitting, key=lambda row: (row[3]["step_seconds"], row[3]["bytes_per_rank"]["peak"]))
         if best[0] not in exact:
             return best
-        plan, predicted = exact.pop(best[0])()
-        rows[rows.index(best)] = (best[0], plan, None, predicted)
+        found = exact.pop(best[0])()
+        if found is None:
+            rows.remove(best)
+            continue
+        rows[rows.index(best)] = found
         for i, (candidate, _, _) in enumerate(hand):
             if candidate.name == best[0]:
-                hand[i] = (candidate, plan, predicted)
+                hand[i] = (candidate, found[1], found[3])
+        exact.pop(found[0], None)
 
 
 def _same_stages(plan: Plan, schedule: str, nstages: int) -> bool:

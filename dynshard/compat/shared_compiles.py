@@ -101,8 +101,9 @@ def rank_free_compiles() -> bool:
     the code (overlap scheduling buckets gathers with Inductor's in-place merge)."""
     from torch._inductor import config
 
-    return not (config.aten_distributed_optimizations.enable_overlap_scheduling
-                or config.aten_distributed_optimizations.spmd_check or config.distributed_max_autotune_gemm)
+    optimizations = config.aten_distributed_optimizations      # (spmd_check: torch 2.13; absent before)
+    return not (optimizations.enable_overlap_scheduling or getattr(optimizations, "spmd_check", False)
+                or config.distributed_max_autotune_gemm)
 
 
 def _cache_on(cache: str) -> bool:

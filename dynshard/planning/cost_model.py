@@ -153,6 +153,7 @@ class UnitCosts:
     recompute_class: str | None = None
     instances: tuple[InstanceCosts, ...] = ()
     replicated_grads: int = 0       # how many such gradients (one all-reduce each, per micro-batch)
+    outputs: tuple[float, ...] = ()  # each op's output bytes on the rank, in the graph's order (largest_output's)
 
     def recomputed(self, recompute: tuple[str, ...]) -> list[InstanceCosts]:
         return [i for i in self.instances if i.path in recompute or self.recompute_class in recompute]

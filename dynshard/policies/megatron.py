@@ -187,10 +187,17 @@ def sequence_parallel_activations(graph: fx.Graph, base: Propagation, tp_size: i
             readers = _matmul_readers(node, None if dim == -2 else base)
             if readers:
                 placed.append((node, Replicate(), readers))
-        elif node.name in base.reduced_partials and isinstance(value, torch.Tensor) and value.dim() >= 2 \
-                and value.shape[dim] % tp_size == 0:
+        elif isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[dim] % tp_size == 0 and (
+                node.name in base.reduced_partials or dim == 0 and _whole_token_lookup(node, base)):
             placed.append((node, Shard(dim % value.dim()), None))
     return placed
+
+
+def _whole_token_lookup(node: fx.Node, base: Propagation) -> bool:
+    """A lookup of a whole table with indices from an input (token ids, [B, T]): along the batch its output is
+    split where it is made (a local slice), so the layers after it run on the batch shard from the start."""
+    return node.target == aten.embedding.default and view_root(node.args[1]).op == "placeholder" and all(
+        p == Replicate() for p in base.placements.get(node.name, (Shard(0),)))
 
 
 def _split_vocabulary(plan: PlanBuilder, base: Propagation) -> Propagation:

@@ -109,7 +109,7 @@ def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int, propagat
     flops = sum(op.flops * split[op.name] for op in ops)
     moved = sum(op.bytes * split[op.name] for op in ops if not op.flops)     # (see _memory_bound)
     saved = sum(op.saved_bytes * written[op.name] for op in ops)
-    largest = max((op.out_bytes * written[op.name] for op in ops), default=0)
+    outputs = tuple(op.out_bytes * written[op.name] for op in ops)
     recompute, blocks_of = blocks or repeated_blocks(gm)
     instances = []
     if recompute is not None:
@@ -125,7 +125,8 @@ def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int, propagat
                 sum(by_op[n].flops * split[n] for n in again),
                 sum(by_op[n].bytes * split[n] for n in again if not by_op[n].flops), entry))
     grads = _replicated_grads(gm, inputs, tp, propagation)
-    return UnitCosts(flops, moved, saved, largest, sum(grads), recompute, tuple(instances), len(grads))
+    return UnitCosts(flops, moved, saved, max(outputs, default=0), sum(grads), recompute, tuple(instances), len(grads),
+                     outputs)
 
 
 def _flops(node: fx.Node) -> int:

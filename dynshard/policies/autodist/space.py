@@ -34,6 +34,7 @@ class Placement:
     policy: str
     pas_config: tuple[tuple[str, object], ...] = ()
     whole: tuple[str, ...] = ()
+    kinds: tuple[str, ...] = ()     # a tp variant's kinds of layer whole or on batch shards (:func:`tp_variants`)
 
     def config(self, user: Config, zero: int, recompute: str) -> Config:
         pins = dict(user.partition_constraints)
@@ -45,6 +46,7 @@ class Placement:
 
 
 SEQUENCE_PARALLEL = Placement("tp + sequence parallel", "tp", (("sequence_parallel", True),))
+BATCH_PARALLEL = Placement("tp + batch parallel", "tp", (("batch_parallel", True),))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +94,7 @@ def tp_variants(tp: Plan) -> list[Placement]:
     labels = {kind: _kind_label(kind, patterns) for kind, patterns in kinds.items()}
     sizes = range(1, len(kinds)) if len(kinds) <= WHOLE_KINDS else (1,)
     return [Placement(f"tp, {' and '.join(labels[k] for k in subset)} whole", "tp", (),
-                      tuple(sorted(p for k in subset for p in kinds[k])))
+                      tuple(sorted(p for k in subset for p in kinds[k])), subset)
             for size in sizes for subset in itertools.combinations(sorted(kinds), size)]
 
 
@@ -116,7 +118,7 @@ def on_batch_shards(variant: Placement) -> Placement:
     """``variant`` (tp with some kinds whole) with the activations between split layers split along the batch:
     the kinds left whole run on the unit's batch shards (data parallelism for them, tp for the rest)."""
     return Placement(variant.name.removesuffix(" whole") + " on batch shards", "tp", (("batch_parallel", True),),
-                     variant.whole)
+                     variant.whole, variant.kinds)
 
 
 def with_sequence_parallel(tp: Plan, graph: fx.Graph, propagation: Propagation, tp_size: int,
