@@ -50,6 +50,7 @@ import hashlib
 import json
 import math
 import os
+from collections import Counter
 
 from .costs import (ADAM_STATE_BYTES, group_of, itemsize, local_numel, memory_at_rest, mirrored, tensor_collectives,
                     tp_collectives, whole_bytes)
@@ -169,9 +170,9 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
     forward = forward_seconds(unit, profile)
     compute = nmicros * (3 * forward + sum(instance_seconds(i, profile) for i in recomputed))
     tp_comm = tp_seconds(plan, unit, profile)
-    parameters = [t for t in plan.tensors.values() if t.kind == "parameter"]
+    parameters = Counter(t for t in plan.tensors.values() if t.kind == "parameter")     # (repeated layers': once)
     dp_kinds = {(k, w) for t in parameters for k, _, _, w in tensor_collectives(plan, t)}
-    dp_comm = sum(parameter_seconds(plan, t, profile) for t in parameters) + regions(unit) * sum(
+    dp_comm = sum(n * parameter_seconds(plan, t, profile) for t, n in parameters.items()) + regions(unit) * sum(
         profile.alpha_s[kind] for kind, what in dp_kinds)
     # waiting for the slowest rank: the tp collectives spread over each micro-batch, the data-parallel ones
     # region by region (dp_waits). Priced on the compute without recompute, so that the ILP's choices leave
@@ -181,7 +182,7 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
     if dp_kinds:
         dp_comm += dp_waits(plan, unit, nmicros, profile, any(t.dp == "zero" for t in parameters))
     rest = memory_at_rest(plan)[0]
-    gathered = sum(gathered_bytes(plan, t, nmicros, unit.blocks) for t in parameters)
+    gathered = sum(n * gathered_bytes(plan, t, nmicros, unit.blocks) for t, n in parameters.items())
     activations = unit.saved_bytes - sum(i.saved_bytes - i.entry_bytes for i in recomputed) + max(
         (i.saved_bytes for i in recomputed), default=0.0)
     transient = transient_mem_coef * unit.largest_output

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 
@@ -101,10 +101,11 @@ def tensor_bytes(plan: Plan, tensor: TensorChoice) -> int:
 def _bytes_of(plan: Plan, tensors: list[TensorChoice], ranks: str) -> RankBytes:
     totals: dict[str, int] = defaultdict(int)
     exact = True
-    for tensor in tensors:
+    for tensor, count in Counter(tensors).items():      # (a model's repeated layers: the same choices, costed once)
         if tensor.kind == "input":
             continue
         numel, precise = local_numel(plan, tensor)
+        numel *= count
         exact &= precise
         size = numel * itemsize(tensor.dtype)
         if tensor.kind == "buffer":
