@@ -7,10 +7,11 @@ or one GPU each), and the collectives over the job's backend (gloo on CPU, NCCL 
 - ``flops_per_s``: fp32 square matmuls (and bf16 on CUDA is not used: the model's dtype decides, so the
   profile is fp32's; run it under the dtype the job computes in with ``--dtype``);
 - ``bytes_per_s``: copies of a 64 MB tensor (read + write);
-- per collective kind, ``alpha_s`` and ``bandwidth`` fitted to ``t = alpha + ring * bytes / bandwidth`` by
-  relative least squares over sizes 4 KB - 16 MB (ring: 2(p-1)/p for an all-reduce, (p-1)/p otherwise), each
-  size's time the median over rounds (every kind and size in turn) of the fastest call of a burst, averaged
-  over the ranks;
+- per collective kind, the seconds of a call at each size from 4 KB to 16 MB (``table``, used for groups of
+  the job's size: interpolated, extrapolated beyond 16 MB by the last segment's slope), and ``alpha_s`` and
+  ``bandwidth`` fitted to ``t = alpha + ring * bytes / bandwidth`` by relative least squares over them (ring:
+  2(p-1)/p for an all-reduce, (p-1)/p otherwise; for other group sizes), each size's time the median over
+  rounds (every kind and size in turn) of the fastest call of a burst, averaged over the ranks;
 - ``skew``: how long a collective waits for the slowest rank after every rank ran the same compute, beyond its
   idle latency: a 4 KB all-reduce after about 3 ms and 12 ms of matmuls on each rank, the mean wait's excess
   over ``sqrt(compute seconds)`` (the cost model's ``meeting_seconds``).
@@ -192,10 +193,13 @@ def calibrate(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple
     flops, bandwidth = compute_rates(device, dtype)
     base = DEFAULT_PROFILES["cuda" if device.type == "cuda" else "cpu"]
     alpha, links, errors, skew = dict(base.alpha_s), dict(base.bandwidth), {}, base.skew
+    table, table_ranks = {}, 0
     if dist.is_initialized() and dist.get_world_size() > 1:
         world = dist.get_world_size()
         for kind, times in collective_times(device).items():
             alpha[kind], links[kind], errors[kind] = collective_fit(kind, times, world)
+            table[kind] = tuple((_payload(kind, size, world), float(f"{t:.4g}")) for size, t in zip(SIZES, times))
+        table_ranks = world
         skew = statistics.median(meeting_skew(device) for _ in range(3))     # (one in twenty reads 0)
     world = dist.get_world_size() if dist.is_initialized() else 1
     backend = dist.get_backend() if dist.is_initialized() else "none"
@@ -204,7 +208,7 @@ def calibrate(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple
                                bytes_per_s=float(f"{bandwidth:.4g}"),
                                alpha_s={k: float(f"{v:.4g}") for k, v in alpha.items()},
                                bandwidth={k: float(f"{v:.4g}") for k, v in links.items()},
-                               skew=float(f"{skew:.4g}")), errors
+                               skew=float(f"{skew:.4g}"), table=table, table_ranks=table_ranks), errors
 
 
 def main(argv=None) -> None:

@@ -21,8 +21,9 @@ this is an upper bound):
 - dp communication, per step: each parameter's gradient and ZeRO collectives (``costs.tensor_collectives``),
   their latency once per kind and program region (each block's run in the block) and once per
   ``BUCKET_BYTES`` (Inductor's buckets).
-A collective of ``kind`` over ``p`` ranks moving ``n`` bytes (the whole buffer) costs
-``alpha + ring(kind, p) * n / bandwidth``: ring = 2(p-1)/p for an all-reduce, (p-1)/p otherwise.
+A collective of ``kind`` over ``p`` ranks moving ``n`` bytes (the whole buffer) costs what the profile's
+table measured for ``n`` over ``p`` ranks (interpolated), or without one ``alpha + ring(kind, p) * n /
+bandwidth``: ring = 2(p-1)/p for an all-reduce, (p-1)/p otherwise.
 
 Every collective is also a meeting point: it waits for the slowest rank, and ranks that ran the same work
 since the last one arrive apart by their jitter, which grows with that work. Measured on this project's
@@ -70,10 +71,18 @@ class DeviceProfile:
     alpha_s: dict           # collective kind -> seconds per call
     bandwidth: dict         # collective kind -> bytes per second (bus bandwidth)
     skew: float = 0.0       # seconds per sqrt(second of compute since the last collective): its wait for peers
+    table: dict = dataclasses.field(default_factory=dict)   # collective kind -> ((whole bytes, seconds a call), ...)
+    table_ranks: int = 0    # the group size ``table`` was measured over (other sizes: alpha-beta)
 
     def collective_seconds(self, kind: str, whole_bytes: float, group: int, calls: int = 1) -> float:
+        """``calls`` calls of ``kind`` over ``group`` ranks moving ``whole_bytes`` between them: measured per size
+        where the profile has a table for that group (gloo's bandwidth falls by half beyond a few MB, as the
+        buffers leave the caches: no one line fits 4 KB and 16 MB), else ``alpha + ring * bytes / bandwidth``."""
         if group <= 1 or whole_bytes <= 0:
             return 0.0
+        points = self.table.get(kind) if group == self.table_ranks else None
+        if points:
+            return calls * _interpolated(points, whole_bytes / calls)
         ring = 2 * (group - 1) / group if kind == "all_reduce" else (group - 1) / group
         return calls * self.alpha_s[kind] + ring * whole_bytes / self.bandwidth[kind]
 
@@ -82,17 +91,33 @@ class DeviceProfile:
         return self.skew * math.sqrt(meetings * compute_seconds) if meetings > 0 and compute_seconds > 0 else 0.0
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True, indent=1)
+        data = dataclasses.asdict(self)
+        if not self.table:          # (a profile without one reads, and hashes, as before tables existed)
+            del data["table"], data["table_ranks"]
+        return json.dumps(data, sort_keys=True, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "DeviceProfile":
         data = json.loads(text)
+        table = {k: tuple((float(b), float(t)) for b, t in data["table"][k]) for k in KINDS if k in data.get("table", {})}
         return cls(data["name"], float(data["flops_per_s"]), float(data["bytes_per_s"]),
                    {k: float(data["alpha_s"][k]) for k in KINDS}, {k: float(data["bandwidth"][k]) for k in KINDS},
-                   float(data.get("skew", 0.0)))
+                   float(data.get("skew", 0.0)), table, int(data.get("table_ranks", 0)) if table else 0)
 
     def digest(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+
+def _interpolated(points, size: float) -> float:
+    """Seconds of one call moving ``size`` bytes, read off measured (bytes, seconds) points: linear between
+    them, the smallest's below them (latency), the last segment's slope beyond them."""
+    if size <= points[0][0]:
+        return points[0][1]
+    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+        if size <= b1:
+            return t0 + (t1 - t0) * (size - b0) / (b1 - b0)
+    (b0, t0), (b1, t1) = points[-2], points[-1]
+    return t1 + (t1 - t0) * (size - b1) / (b1 - b0)
 
 
 def _uniform(name: str, flops: float, bandwidth: float, alpha: float, link: float) -> DeviceProfile:
@@ -100,13 +125,22 @@ def _uniform(name: str, flops: float, bandwidth: float, alpha: float, link: floa
 
 
 # Built-in constants when no calibration file is given: a CPU core per rank with gloo over loopback (what
-# ``dynshard.calibrate`` measured on this project's 2-core x86 machine, 2 ranks, rounded), and an H100 with
+# ``dynshard.calibrate`` measured on this project's 2-core x86 machine, 2 ranks, rounded; per size for groups
+# of 2), and an H100 with
 # NCCL over NVLink (achieved, not peak: ~60% of dense bf16 / HBM, NCCL's bus bandwidth).
 DEFAULT_PROFILES = {
     "cpu": DeviceProfile("cpu-gloo (built-in)", 1e11, 5e10,
                          {"all_reduce": 2.5e-4, "all_gather": 2e-4, "reduce_scatter": 3.5e-4, "all_to_all": 1.5e-4},
                          {"all_reduce": 2e9, "all_gather": 1.5e9, "reduce_scatter": 5e8, "all_to_all": 1.5e9},
-                         skew=0.027),
+                         skew=0.027, table_ranks=2, table={      # (3 calibrations' mean, made non-decreasing)
+        "all_reduce": ((4096, 0.00035), (16384, 0.00035), (65536, 0.0004), (262144, 0.0004), (1048576, 0.00059),
+                       (4194304, 0.002), (16777216, 0.011)),
+        "all_gather": ((8192, 0.00023), (32768, 0.00023), (131072, 0.00025), (524288, 0.00036), (2097152, 0.0009),
+                       (8388608, 0.0038), (33554432, 0.031)),
+        "reduce_scatter": ((4096, 0.00032), (16384, 0.00035), (65536, 0.0004), (262144, 0.00043),
+                           (1048576, 0.00095), (4194304, 0.0035), (16777216, 0.014)),
+        "all_to_all": ((4096, 0.00018), (16384, 0.00018), (65536, 0.00018), (262144, 0.00025), (1048576, 0.00046),
+                       (4194304, 0.0013), (16777216, 0.0052))}),
     "cuda": _uniform("cuda-nccl (built-in)", 4e14, 2e12, 2e-5, 1.5e11),
 }
 
@@ -253,6 +287,9 @@ def parameter_seconds(plan: Plan, tensor, profile: DeviceProfile) -> float:
     for kind, _, size, what in tensor_collectives(plan, tensor):
         group = group_of(plan, "dp", what)
         whole = size * group if kind == "all_gather" else size
+        if kind in profile.table and group == profile.table_ranks:      # (its share of a bucket's call)
+            seconds += whole * profile.collective_seconds(kind, BUCKET_BYTES, group) / BUCKET_BYTES
+            continue
         ring = 2 * (group - 1) / group if kind == "all_reduce" else (group - 1) / group
         seconds += whole * (ring / profile.bandwidth[kind] + profile.alpha_s[kind] / BUCKET_BYTES)
     return seconds
