@@ -38,6 +38,7 @@ HAND = {
     "ZeRO-3 + recompute": ("dynshard:zero3-recompute", 1, "dp + ZeRO-3 + recompute Block"),
     "tp": ("dynshard:tp", 2, "tp"),
     "tp + sp": ("dynshard:tpsp", 2, "tp + sequence parallel"),
+    "tp + batch parallel": ("dynshard:tp-batch", 2, "tp + batch parallel"),
     "data": ("dynshard:data", 2, "data"),
     "tp + recompute": ("dynshard:tp-recompute", 2, "tp + recompute Block"),
     "tp + sp + recompute": ("dynshard:tpsp-recompute", 2, "tp + sequence parallel + recompute Block"),

@@ -59,6 +59,8 @@ DYNSHARD = {
         f"blocks.*.attn.{m}.*": "replicate" for m in ("q", "k", "v", "proj")}),
     "dynshard:tp-fc-whole": dict(policy="tp", plan_ngpus=2, partition_constraints={
         "blocks.*.fc1.*": "replicate", "blocks.*.fc2.*": "replicate"}),
+    # tp with the activations between split layers split along the batch (sequence parallelism's, on dim 0)
+    "dynshard:tp-batch": dict(policy="tp", plan_ngpus=2, pas_config={"batch_parallel": True}),
     # the same kinds on the unit's batch shards, the rest tp with the activations between split along the batch
     "dynshard:tp-attn-batch": dict(policy="tp", plan_ngpus=2, pas_config={"batch_parallel": True},
                                    partition_constraints={f"blocks.*.attn.{m}.*": "replicate"
