@@ -71,7 +71,7 @@ def test_every_candidate_is_the_plan_its_hand_policy_makes():
         assert candidate == hand, name
 
 
-@pytest.mark.parametrize("model_name", ["gpt", "llama"])
+@pytest.mark.parametrize("model_name", ["gpt", pytest.param("llama", marks=pytest.mark.slow)])
 def test_a_variant_of_several_kinds_priced_from_its_parts_is_priced_as_its_plan(model_name):
     """Each tp variant with several kinds of layer whole or on batch shards is priced from the variants with
     one kind each (their changes to tp, or to tp with batch parallelism, summed), and not planned: the

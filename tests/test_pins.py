@@ -83,7 +83,8 @@ def test_a_pinned_tp_plan_trains_like_one_process():
         assert plan["tensors"]["blocks.0.attn.q.weight"]["tp"] == "S1"
 
 
-@pytest.mark.parametrize("pinned", [("blocks.*.attn",), ("wte", "blocks.*.attn")], ids=["attention", "vocabulary"])
+@pytest.mark.parametrize("pinned", [pytest.param(("blocks.*.attn",), marks=pytest.mark.slow), ("wte", "blocks.*.attn")],
+                         ids=["attention", "vocabulary"])      # (attention alone: transformers' Llama, test_transformers_tp)
 def test_layers_pinned_whole_run_on_batch_shards_under_batch_parallel_and_train_like_one_process(pinned):
     """tp's batch parallelism with attention pinned whole: attention runs on each rank's batch rows (data
     parallelism inside the unit, its weights' gradients all-reduced), the MLP split over the unit. With the
