@@ -45,7 +45,8 @@ from ..policies.autodist.hybrid_stages import estimated_stages
 from ..policies.autodist.pipeline_costs import predict_pipeline, unit_at
 from ..policies.autodist.stage_memory import cut_for_memory
 from ..policies.autodist.graph_costs import graph_costs, op_costs, repeated_blocks
-from ..policies.autodist.space import (BATCH_PARALLEL, SEQUENCE_PARALLEL, Candidate, Placement, left_whole,
+from ..policies.autodist.op_placement import per_op_plan
+from ..policies.autodist.space import (BATCH_PARALLEL, PER_OP, SEQUENCE_PARALLEL, Candidate, Placement, left_whole,
                                        on_batch_shards, placements, recompute_choices, tp_variants, with_choices,
                                        with_sequence_parallel, zero_levels)
 from ..runtime.mesh import planning_layout
@@ -105,10 +106,10 @@ def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, de
     limit = options.max_partition_degree
     whole_unit = limit is None or limit >= config.plan_ngpus      # may a tensor split over the whole unit?
     hand = hand_plans(units, config, world, profile) if whole_unit else []
-    exact = {c.name: functools.partial(_hand_row, c, real, config, world, profile)
-             for c, _, _ in hand if c.placement.name in estimated}
+    guessed = {c.name for c, _, _ in hand if c.placement.name in estimated}     # (hand rows priced from parts)
+    exact = {}          # a row whose price was estimated -> its row planned for real
     fine = []
-    hopeless = beaten_placements([row for row in hand if row[0].name not in exact], budget)
+    hopeless = beaten_placements([row for row in hand if row[0].name not in guessed], budget)
     for placement, base, unit in units if whole_unit else ():
         if placement.name in hopeless:
             continue
@@ -128,7 +129,7 @@ def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, de
         raise AutodistError(f"dynshard: autodist found no plan whose tensors split over at most max_partition_degree="
                             f"{limit} ranks: no pipeline of this graph qualifies. Raise max_partition_degree or set "
                             f"plan_ngpus to at most {limit}")
-    name, plan, solution, predicted = _fastest_fitting(fine, exact, budget, hand, options.mem_constraint)
+    name, plan, solution, predicted = _fastest_fitting(fine, exact, budget, hand, options.mem_constraint, guessed)
     seconds = time.perf_counter() - start
     solved = [row[2] for row in fine if row[2] is not None]
     statuses = {s.status for s in solved}
@@ -145,7 +146,7 @@ def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, de
                         "communication_seconds": p["communication_seconds"], "bubble_seconds": p["bubble_seconds"],
                         "peak_bytes": p["bytes_per_rank"]["peak"],
                         "fits": budget is None or p["bytes_per_rank"]["peak"] <= budget,
-                        "estimated": c.name in exact}     # (a hybrid's stages priced from the tp plan)
+                        "estimated": c.name in exact or c.name in guessed}     # (priced from tp's plan, or parts)
                        for c, _, p in sorted(hand, key=lambda row: (row[2]["step_seconds"], row[0].name))],
     }
     level = logging.INFO if options.verbose else logging.DEBUG    # (the search's time is logged, not kept: a plan
@@ -222,6 +223,10 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
             if batch is not None:       # (the base the variants on batch shards are priced from)
                 choices.append(BATCH_PARALLEL)
                 edits[BATCH_PARALLEL.name] = batch
+            per_op = placed_per_op(lowered, inputs, ops, blocks[1], base, ctx.node_keys, layout, config)
+            if per_op is not None:
+                choices.append(PER_OP)
+                edits[PER_OP.name] = per_op
         elif placement.whole and not placement.pas_config:      # (and that kind on the unit's batch shards)
             batch = on_batch(base, graph, ctx)
             if batch is not None:
@@ -258,6 +263,19 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
                     continue
             units.append((variant, *found))
     return units, graph_costs(lowered, inputs, ops, 1, None, blocks), estimated
+
+
+def placed_per_op(lowered: fx.GraphModule, inputs, ops, blocks, tp: Plan, keys, layout, config: Config) -> Plan | None:
+    """The per-op ILP's plan (:mod:`policies.autodist.op_placement`), unless it splits nothing (a unit repeating
+    the whole graph on every rank: data's batch split beats it) or is tp's own plan."""
+    plan, placed, unsaid = per_op_plan(lowered.graph, inputs, ops, blocks, tp, keys, layout,
+                                       device_profile(config, layout.device_type), config.autodist.update_freq,
+                                       config.partition_constraints)
+    log.debug("autodist: per-op placement ILP over %d nodes and %d edges: %s in %.3fs%s", placed.nodes, placed.edges,
+              placed.solution.status, placed.solution.seconds, f"; not said: {unsaid}" if unsaid else "")
+    if all(t.tp == "R" for t in plan.tensors.values()) and all(a.tp == "R" for a in plan.activations.values()):
+        return None
+    return None if (plan.tensors, plan.activations) == (tp.tensors, tp.activations) else plan
 
 
 def hand_plans(units, config: Config, world: int, profile: DeviceProfile) -> list[tuple[Candidate, Plan, dict]]:
@@ -415,19 +433,12 @@ def _planned_ilp_row(placement: Placement, real, zero: int, config: Config, prof
     return _ilp_row(placement, *real(placement.name), zero, config, profile)
 
 
-def _hand_row(candidate: Candidate, real, config: Config, world: int, profile: DeviceProfile) -> tuple:
-    """The row of an estimated placement's hand plan, planned for real."""
-    base, unit = real(candidate.placement.name)
-    plan = with_choices(base, candidate.zero, candidate.recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
-    options = config.autodist
-    return candidate.name, plan, None, predict(plan, unit, options.update_freq, profile, options.transient_mem_coef)
-
-
-def _fastest_fitting(rows: list, exact: dict, budget: float | None, hand: list, mem_constraint: float):
+def _fastest_fitting(rows: list, exact: dict, budget: float | None, hand: list, mem_constraint: float,
+                     guessed: set[str]):
     """The fastest row that fits (ties: the smaller peak), a candidate whose prediction was estimated (a hybrid
     pipeline priced from the tp plan, a tp variant priced from its parts) planned for real first: its row (in
-    ``rows`` and in ``hand``, whose record explain prints) is replaced by the real plan's (or dropped when its
-    ILP has no solution), and the choice made again."""
+    ``rows`` and in ``hand``, whose record explain prints; no longer ``guessed``) is replaced by the real
+    plan's (or dropped when its ILP has no solution), and the choice made again."""
     rows = list(rows)
     while True:
         fitting = [row for row in rows if budget is None or row[3]["bytes_per_rank"]["peak"] <= budget]
@@ -444,6 +455,7 @@ def _fastest_fitting(rows: list, exact: dict, budget: float | None, hand: list, 
         for i, (candidate, _, _) in enumerate(hand):
             if candidate.name == best[0]:
                 hand[i] = (candidate, found[1], found[3])
+                guessed.discard(best[0])
         exact.pop(found[0], None)
 
 

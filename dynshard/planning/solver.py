@@ -34,19 +34,25 @@ class Solution:
                 "bound": _round(self.bound), "gap": _round(self.gap), "lp_integral": self.lp_integral}
 
 
-def solve(cost, rows, upper, integer, time_limit: float = 30.0, counts=None) -> Solution:
-    """Minimise ``cost @ x`` subject to ``rows @ x <= upper``, ``x`` an integer in ``0..counts`` (1 when not
-    given) where ``integer`` (a 0/1 mask) and ``x >= 0`` elsewhere."""
+def solve(cost, rows, upper, integer, time_limit: float = 30.0, counts=None, equal=None) -> Solution:
+    """Minimise ``cost @ x`` subject to ``rows @ x <= upper`` (and ``A @ x == b`` for ``equal=(A, b)``; either
+    matrix may be a scipy sparse one), ``x`` an integer in ``0..counts`` (1 when not given) where ``integer``
+    (a 0/1 mask) and ``x >= 0`` elsewhere."""
     from scipy.optimize import Bounds, LinearConstraint, linprog, milp
+    from scipy.sparse import issparse
 
     start = time.perf_counter()
     cost = np.asarray(cost, dtype=float)
-    rows = np.asarray(rows, dtype=float).reshape(-1, len(cost))
+    rows = rows if issparse(rows) else np.asarray(rows, dtype=float).reshape(-1, len(cost))
     integer = np.asarray(integer, dtype=int)
     upper_x = np.where(integer == 1, 1.0 if counts is None else np.asarray(counts, dtype=float), np.inf)
     upper = np.asarray(upper, dtype=float)
-    constraints = [LinearConstraint(rows, -np.inf, upper)] if len(rows) else []
-    lp = linprog(cost, A_ub=rows if len(rows) else None, b_ub=upper if len(rows) else None,
+    constraints = [LinearConstraint(rows, -np.inf, upper)] if rows.shape[0] else []
+    equal_rows, equal_to = equal if equal is not None else (None, None)
+    if equal_rows is not None:
+        constraints.append(LinearConstraint(equal_rows, equal_to, equal_to))
+    lp = linprog(cost, A_ub=rows if rows.shape[0] else None, b_ub=upper if rows.shape[0] else None,
+                 A_eq=equal_rows, b_eq=equal_to,
                  bounds=list(zip([0.0] * len(cost), [None if u == np.inf else u for u in upper_x])), method="highs")
     if lp.status == 2:
         return Solution("infeasible", None, None, None, time.perf_counter() - start, False)

@@ -9,7 +9,8 @@ and the reduce-scatter after it), its weights' placements and their gradients' a
 a variant's costs are the base's plus each of its kinds' change from the base: the base is tp for kinds left
 whole and tp with batch parallelism (every kind split, the activations between them on batch shards) for
 kinds on batch shards. Planning one variant is a propagation of the whole graph (about 0.2 s at 32 layers);
-this makes ``2k + 1`` of them price every one of the ``2 * (2^k - 2)`` variants of ``k`` kinds.
+this makes ``2k + 2`` of them (tp, the batch base, each kind whole and on batch shards) price every one
+of the ``2 * (2^k - 2)`` variants of ``k`` kinds.
 
 Summed term by term (each op's output too, whose largest is the transient), the estimate is what
 :func:`dynshard.planning.cost_model.predict` reads off the plan the tp policy makes, wherever the kinds'
@@ -96,4 +97,3 @@ def _composed_costs(base: UnitCosts, parts: list[UnitCosts]) -> UnitCosts:
     outputs = tuple(out + sum(p.outputs[i] - out for p in parts) for i, out in enumerate(base.outputs))
     return dataclasses.replace(base, **fields, instances=instances, outputs=outputs,
                                largest_output=max(outputs, default=0))
-

@@ -1,0 +1,165 @@
+"""What each process runs in the per-op placement tests (module level, so spawned processes can import it)."""
+
+from __future__ import annotations
+
+import collections
+import copy
+import itertools
+
+import torch
+import torch.distributed as dist
+
+import dynshard
+from dynshard.backend import offline
+from dynshard.backend.plan_graph import lower_graph, place_graph
+from dynshard.passes.propagate_sharding import reduced_placements
+from dynshard.planning.cost_model import DeviceProfile, load_profile, predict
+from dynshard.policies.autodist import op_placement
+from dynshard.policies.autodist.graph_costs import graph_costs, op_costs, repeated_blocks
+from dynshard.policies.autodist.space import placements
+from dynshard.runtime.mesh import planning_layout
+from models import GPT, GPTConfig, gpt_batch
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# compute dear, collectives nearly free: the ILP splits every op it can
+DEAR_COMPUTE = DeviceProfile("dear compute", 1e6, 1e6, {k: 1e-9 for k in KINDS}, {k: 1e15 for k in KINDS})
+
+
+class TwoLayerMLP(torch.nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.up = torch.nn.Linear(dim, 4 * dim, bias=False)
+        self.down = torch.nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x))).square().mean()
+
+
+def _model(name: str):
+    torch.manual_seed(0)
+    if name.startswith("mlp"):
+        dim = int(name[3:])
+        with torch.device("meta"):
+            model = TwoLayerMLP(dim)
+        return model, (torch.randn(8, dim),)
+    if name == "gpt":
+        return GPT(GPTConfig()), gpt_batch(GPTConfig(), 4, 0)
+    layers = int(name.removeprefix("wide-gpt"))      # "wide-gptN": d 1024, seq 512, vocab 32k, N layers, on meta
+    cfg = GPTConfig(vocab=32768, seq=512, d_model=1024, heads=16, layers=layers)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    return model, gpt_batch(cfg, 8, 0)
+
+
+class _Captured(Exception):
+    pass
+
+
+def _with_lowered(model, batch, world_size: int, look):
+    """``look(lowered graph, its context, inputs, tp config, layout)`` on the graph ``dynshard.plan`` captures,
+    planned for a ``world_size``-rank job with units of 2 (no search runs)."""
+    found = {}
+
+    def search(gm, inputs, config, world, made_for, device_type):
+        config = config.resolve(world)
+        layout = planning_layout(world, config.plan_ngpus, device_type)
+        tp = next(p for p in placements(config) if p.name == "tp").config(config, 0, "")
+        lowered, ctx = lower_graph(gm, inputs, tp, layout, made_for)
+        found["result"] = look(lowered, ctx, inputs, tp, layout)
+        raise _Captured
+
+    offline.search = search
+    try:
+        dynshard.plan(model, batch, dynshard.Config(policy="autodist", plan_ngpus=2), world_size=world_size)
+    except Exception:       # noqa: BLE001 - the capture ends the planning on purpose
+        if "result" not in found:
+            raise
+    finally:
+        offline.search = dynshard.backend.autodist.search
+    return found["result"]
+
+
+def per_op_report(rank: int, world: int, model_name: str, profile_name: str, tie: bool = True,
+                  world_size: int = 2) -> dict:
+    """The per-op ILP's plan of a model beside the tp policy's: its solve, whether propagation given the plan
+    places every value as the ILP did, and both plans' predictions under the cost model."""
+    profile = DEAR_COMPUTE if profile_name == "dear" else load_profile(profile_name, "cpu")
+    model, batch = _model(model_name)
+
+    def look(lowered, ctx, inputs, config, layout):
+        ops = op_costs(lowered, inputs, ctx.fake_mode)
+        blocks = repeated_blocks(lowered)
+        tp_plan, tp_ctx, _ = place_graph(lowered, ctx, config)
+        fixed_pins = config.partition_constraints
+        plan, placed, unsaid = op_placement.per_op_plan(
+            lowered.graph, inputs, ops, blocks[1] if tie else {}, tp_plan, tp_ctx.node_keys, layout, profile, 1,
+            fixed_pins)
+        given, given_ctx, _ = place_graph(lowered, ctx, config, plan)
+        mismatches = []
+        for name, placement in placed.values.items():
+            got = given_ctx.propagation.placements.get(name)
+            if got is not None and tuple(reduced_placements(got)) != (placement,):
+                mismatches.append(f"{name}: planned {placement}, propagated {got}")
+        predicted = {}
+        for label, made, made_ctx in (("tp", tp_plan, tp_ctx), ("per op", given, given_ctx)):
+            unit = graph_costs(lowered, inputs, ops, layout.tp_size, made_ctx.propagation, blocks)
+            predicted[label] = predict(made, unit, 1, profile, 2.0)["step_seconds"]
+        return {"objective": placed.solution.objective, "status": placed.solution.status,
+                "lp_integral": placed.solution.lp_integral, "nodes": placed.nodes, "edges": placed.edges,
+                "unsaid": unsaid, "mismatches": mismatches, "predicted": predicted, "plan": given.to_json(),
+                "collectives": dict(collections.Counter(c.kind for c in given_ctx.propagation.collectives))}
+
+    return _with_lowered(model, batch, world_size, look)
+
+
+def ilp_beside_every_choice(rank: int, world: int, model_name: str, profile_name: str) -> dict:
+    """The per-op ILP's objective, and the least objective found by trying every option of every node."""
+    profile = DEAR_COMPUTE if profile_name == "dear" else load_profile(profile_name, "cpu")
+    model, batch = _model(model_name)
+
+    def look(lowered, ctx, inputs, config, layout):
+        ops = {op.name: op for op in op_costs(lowered, inputs, ctx.fake_mode)}
+        fixed = {n.name: torch.distributed.tensor.Replicate() for n, inp in
+                 zip([n for n in lowered.graph.nodes if n.op == "placeholder"], inputs) if not inp.is_state}
+        problem = op_placement.PlacementProblem(lowered.graph, inputs, ops, layout.tp_size, layout.tp_mesh, profile,
+                                                1, layout.world_size // layout.plan_ngpus, fixed, {})
+        nodes = list(problem.options)
+        best, tried = None, 0
+        for combination in itertools.product(*(problem.options[n] for n in nodes)):
+            seconds = problem.objective(dict(zip(nodes, combination)))
+            tried += 1
+            if seconds is not None and (best is None or seconds < best):
+                best = seconds
+        solved = problem.solve(30.0)
+        chosen = {n: solved.options[n.name] for n in nodes}
+        return {"ilp": solved.solution.objective, "ilp_checked": problem.objective(chosen), "best": best,
+                "tried": tried, "split": any(o.split for o in solved.options.values())}
+
+    return _with_lowered(model, batch, 2, look)
+
+
+def train_on_plan(rank: int, world: int, path: str, steps: int = 3) -> dict:
+    """The test GPT trained on a plan file beside one process, SGD with momentum."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig())
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        plan_ngpus=2, compiler="aot_eager", load_plan_path=path))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    losses, ref_losses = [], []
+    for step in range(steps):
+        batch = gpt_batch(GPTConfig(), 4, step)
+        loss, ref_loss = compiled(*batch), reference(*batch)
+        loss.backward()
+        ref_loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        losses.append(loss.item())
+        ref_losses.append(ref_loss.item())
+    report = dynshard.explain(compiled)
+    assert dist.get_world_size() == world
+    return {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
+            "ref_params": {k: v.detach() for k, v in reference.state_dict().items()},
+            "collectives": collections.Counter(c.kind for c in report.collectives() if c.phase == "forward")}
