@@ -18,7 +18,7 @@ from dynshard.policies.autodist import op_placement
 from dynshard.policies.autodist.graph_costs import graph_costs, op_costs, repeated_blocks
 from dynshard.policies.autodist.space import placements
 from dynshard.runtime.mesh import planning_layout
-from models import GPT, GPTConfig, gpt_batch
+from models import GPT, GPTConfig, LlamaLM, gpt_batch
 
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 # compute dear, collectives nearly free: the ILP splits every op it can
@@ -44,6 +44,8 @@ def _model(name: str):
         return model, (torch.randn(8, dim),)
     if name == "gpt":
         return GPT(GPTConfig()), gpt_batch(GPTConfig(), 4, 0)
+    if name == "llama":
+        return LlamaLM(GPTConfig()), gpt_batch(GPTConfig(), 4, 0)
     layers = int(name.removeprefix("wide-gpt"))      # "wide-gptN": d 1024, seq 512, vocab 32k, N layers, on meta
     cfg = GPTConfig(vocab=32768, seq=512, d_model=1024, heads=16, layers=layers)
     with torch.device("meta"):
