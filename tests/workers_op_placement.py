@@ -46,8 +46,10 @@ def _model(name: str):
         return GPT(GPTConfig()), gpt_batch(GPTConfig(), 4, 0)
     if name == "llama":
         return LlamaLM(GPTConfig()), gpt_batch(GPTConfig(), 4, 0)
-    layers = int(name.removeprefix("wide-gpt"))      # "wide-gptN": d 1024, seq 512, vocab 32k, N layers, on meta
-    cfg = GPTConfig(vocab=32768, seq=512, d_model=1024, heads=16, layers=layers)
+    if name == "bench-gpt":     # (benchmarks/gpt_job.py's default sizes)
+        cfg = GPTConfig(vocab=4096, seq=128, d_model=256, heads=4, layers=4)
+    else:                       # "wide-gptN": d 1024, seq 512, vocab 32k, N layers, on meta
+        cfg = GPTConfig(vocab=32768, seq=512, d_model=1024, heads=16, layers=int(name.removeprefix("wide-gpt")))
     with torch.device("meta"):
         model = GPT(cfg)
     return model, gpt_batch(cfg, 8, 0)
@@ -92,10 +94,10 @@ def per_op_report(rank: int, world: int, model_name: str, profile_name: str, tie
         ops = op_costs(lowered, inputs, ctx.fake_mode)
         blocks = repeated_blocks(lowered)
         tp_plan, tp_ctx, _ = place_graph(lowered, ctx, config)
-        fixed_pins = config.partition_constraints
+        tp_unit = graph_costs(lowered, inputs, ops, layout.tp_size, tp_ctx.propagation, blocks)
         plan, placed, unsaid = op_placement.per_op_plan(
-            lowered.graph, inputs, ops, blocks[1] if tie else {}, tp_plan, tp_ctx.node_keys, layout, profile, 1,
-            fixed_pins)
+            lowered.graph, inputs, ops, blocks[1] if tie else {}, tp_plan, tp_unit, tp_ctx.node_keys, layout, profile,
+            1, config.partition_constraints)
         given, given_ctx, _ = place_graph(lowered, ctx, config, plan)
         mismatches = []
         for name, placement in placed.values.items():

@@ -223,7 +223,7 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
             if batch is not None:       # (the base the variants on batch shards are priced from)
                 choices.append(BATCH_PARALLEL)
                 edits[BATCH_PARALLEL.name] = batch
-            per_op = placed_per_op(lowered, inputs, ops, blocks[1], base, ctx.node_keys, layout, config)
+            per_op = placed_per_op(lowered, inputs, ops, blocks[1], base, unit, ctx.node_keys, layout, config)
             if per_op is not None:
                 choices.append(PER_OP)
                 edits[PER_OP.name] = per_op
@@ -265,10 +265,11 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
     return units, graph_costs(lowered, inputs, ops, 1, None, blocks), estimated
 
 
-def placed_per_op(lowered: fx.GraphModule, inputs, ops, blocks, tp: Plan, keys, layout, config: Config) -> Plan | None:
+def placed_per_op(lowered: fx.GraphModule, inputs, ops, blocks, tp: Plan, unit: UnitCosts, keys, layout,
+                  config: Config) -> Plan | None:
     """The per-op ILP's plan (:mod:`policies.autodist.op_placement`), unless it splits nothing (a unit repeating
     the whole graph on every rank: data's batch split beats it) or is tp's own plan."""
-    plan, placed, unsaid = per_op_plan(lowered.graph, inputs, ops, blocks, tp, keys, layout,
+    plan, placed, unsaid = per_op_plan(lowered.graph, inputs, ops, blocks, tp, unit, keys, layout,
                                        device_profile(config, layout.device_type), config.autodist.update_freq,
                                        config.partition_constraints)
     log.debug("autodist: per-op placement ILP over %d nodes and %d edges: %s in %.3fs%s", placed.nodes, placed.edges,

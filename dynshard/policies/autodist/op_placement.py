@@ -48,6 +48,7 @@ planning mesh cannot trace one: DTensor asks the fake group for a local rank).
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from collections import defaultdict
 
@@ -61,7 +62,7 @@ from ...passes.propagate_sharding import transition_kind
 from ...passes.vocab_parallel_loss import loss_pairs
 from ...config.pins import pin_of
 from ...planning import ActivationChoice, Plan, decode_placement, encode_placement
-from ...planning.cost_model import BUCKET_BYTES, DeviceProfile
+from ...planning.cost_model import BUCKET_BYTES, DeviceProfile, UnitCosts, forward_seconds, tp_calls
 from ...planning.solver import Solution, solve
 
 MEMORY_TIE = 1e-15          # seconds per byte held: among equally fast options, the smaller
@@ -89,24 +90,25 @@ class OpPlacements:
 
 
 def op_placement(graph: fx.Graph, inputs, ops, tp: int, mesh, profile: DeviceProfile, nmicros: int, dp: int,
-                 fixed: dict[str, Placement], blocks: dict[str, list[str]] | None = None,
+                 fixed: dict[str, Placement], blocks: dict[str, list[str]] | None = None, wait: float = 0.0,
                  time_limit: float = 30.0) -> OpPlacements:
     """The per-op placements of ``graph`` (its placeholders are ``inputs``, its ops' costs ``ops`` from
     ``graph_costs.op_costs``) on a unit of ``tp`` ranks over ``mesh`` that the ILP predicts fastest;
     ``fixed``: placeholder names whose placement is given; ``blocks``: the instances of a repeated module
     (path -> node names, ``graph_costs.repeated_blocks``), tied: each instance takes the first one's options,
     its parameters too (one variable per node of one instance, its costs counted once per instance; the edge
-    from one instance's output to the next one's input is an edge of the first instance to itself)."""
+    from one instance's output to the next one's input is an edge of the first instance to itself); ``wait``:
+    seconds each forward collective waits for the slowest rank of the unit."""
     return PlacementProblem(graph, inputs, {op.name: op for op in ops}, tp, mesh, profile, nmicros, dp, fixed,
-                            _tied(graph, blocks or {}, fixed)).solve(time_limit)
+                            _tied(graph, blocks or {}, fixed), wait).solve(time_limit)
 
 
 class PlacementProblem:
     """The nodes, their options and the costs of :func:`op_placement`'s ILP."""
 
-    def __init__(self, graph, inputs, ops, tp, mesh, profile, nmicros, dp, fixed, tied):
+    def __init__(self, graph, inputs, ops, tp, mesh, profile, nmicros, dp, fixed, tied, wait=0.0):
         self.graph, self.ops, self.tp, self.mesh, self.profile = graph, ops, tp, mesh, profile
-        self.nmicros, self.dp = nmicros, dp
+        self.nmicros, self.dp, self.wait = nmicros, dp, wait
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         self.input_of = dict(zip(placeholders, inputs))
         self.needs_grad = _needs_grad(graph, self.input_of)
@@ -195,12 +197,12 @@ class PlacementProblem:
         whole = _local_bytes(value, Replicate(), 1)
         grad = self.needs_grad.get(node, False)
         options = [Option(strategy.inputs, (Replicate(), *strategy.outputs[1:]), split,
-                          compute + self.micro(self.collective("all_reduce", whole)))]
+                          compute + self.micro(self.collective("all_reduce", whole, forward=True)))]
         if type(first) is Partial:      # (a masked partial, the split table's, is only ever made whole)
             for target in self.placements(value)[1:]:
                 back = self.collective("all_gather", whole) if grad else 0.0
                 options.append(Option(strategy.inputs, (target, *strategy.outputs[1:]), split,
-                                      compute + self.micro(self.collective("reduce_scatter", whole) + back),
+                                      compute + self.micro(self.collective("reduce_scatter", whole, forward=True) + back),
                                       reduced_to=target))
         return options
 
@@ -214,7 +216,7 @@ class PlacementProblem:
         rows = logits.numel() // logits.shape[classes.dim] * logits.element_size()
         inputs = (classes,) + (Replicate(),) * (len(arguments) - 1)
         return Option(inputs, _whole_outputs(node), True,
-                      self.compute(node, True) + self.micro(3 * self.collective("all_reduce", rows)))
+                      self.compute(node, True) + self.micro(3 * self.collective("all_reduce", rows, forward=True)))
 
     # -- costs ----------------------------------------------------------------------------------------
     def micro(self, seconds: float) -> float:
@@ -227,8 +229,11 @@ class PlacementProblem:
         seconds = op.flops / self.profile.flops_per_s if op.flops else op.bytes / self.profile.bytes_per_s
         return self.micro((1 + BACKWARD) * seconds / (self.tp if split else 1))
 
-    def collective(self, kind: str | None, whole_bytes: float) -> float:
-        return 0.0 if kind is None else self.profile.collective_seconds(kind, whole_bytes, self.tp)
+    def collective(self, kind: str | None, whole_bytes: float, forward: bool = False) -> float:
+        """A collective over the unit, and (``forward``) its wait for the slowest rank."""
+        if kind is None:
+            return 0.0
+        return self.profile.collective_seconds(kind, whole_bytes, self.tp) + (self.wait if forward else 0.0)
 
     def read_seconds(self, arg: fx.Node, made: Placement, read: tuple[Placement, bool]) -> float | None:
         """What reading ``arg`` made as ``made`` costs a reader's option (``read``: the placement it reads, and
@@ -253,7 +258,7 @@ class PlacementProblem:
             return 0.0 if isinstance(made, Replicate) and not grad else None
         if isinstance(made, Shard) and isinstance(read, Shard) and made != read:
             return None     # (an all-to-all: not yet planned, see the module's docstring)
-        seconds = self.collective(transition_kind(made, read), _moved_bytes(value, made, read, self.tp))
+        seconds = self.collective(transition_kind(made, read), _moved_bytes(value, made, read, self.tp), forward=True)
         if grad:
             arrives = Partial() if isinstance(read, Replicate) and split else read
             kind, moved = transition_kind(arrives, made), _moved_bytes(value, arrives, made, self.tp)
@@ -368,16 +373,23 @@ class PlacementProblem:
         return OpPlacements({n.name: o for n, o in chosen.items()}, values, reads, solution, len(chosen), edges)
 
 
-def per_op_plan(graph: fx.Graph, inputs, ops, blocks: dict[str, list[str]], tp: Plan, keys: dict[str, str], layout,
-                profile: DeviceProfile, nmicros: int, pins) -> tuple[Plan, OpPlacements, list[str]]:
-    """The ILP's placements of ``graph`` as a plan of the unit ``tp`` (the tp policy's plan of it, whose node
-    ``keys`` by name) was made for: user inputs, tensors an earlier program placed and pinned ones keep
-    ``tp``'s placement; and what the plan cannot say."""
+def per_op_plan(graph: fx.Graph, inputs, ops, blocks: dict[str, list[str]], tp: Plan, unit: UnitCosts,
+                keys: dict[str, str], layout, profile: DeviceProfile, nmicros: int, pins
+                ) -> tuple[Plan, OpPlacements, list[str]]:
+    """The ILP's placements of ``graph`` as a plan of the unit ``tp`` (the tp policy's plan of it, ``unit`` its
+    costs, whose node ``keys`` by name) was made for: user inputs, tensors an earlier program placed and
+    pinned ones keep ``tp``'s placement; and what the plan cannot say.
+
+    Each forward collective waits for the slowest rank: the cost model's wait, ``skew * sqrt(calls * 3 *
+    forward)`` a micro-batch, is not linear in the calls, so the ILP charges each call its derivative at tp's
+    plan's calls."""
     placeholders = [n.name for n in graph.nodes if n.op == "placeholder"]
     fixed = {name: decode_placement(tp.tensors[inp.name].tp) for name, inp in zip(placeholders, inputs)
              if not inp.is_state or inp.tag is not None or inp.is_split_value or pin_of(inp.name, pins) is not None}
+    calls, forward = tp_calls(tp, unit), forward_seconds(unit, profile)
+    wait = profile.skew * math.sqrt(3 * forward / calls) / 2 if calls else 0.0
     placed = op_placement(graph, inputs, ops, layout.tp_size, layout.tp_mesh, profile, nmicros,
-                          layout.world_size // layout.plan_ngpus, fixed, blocks)
+                          layout.world_size // layout.plan_ngpus, fixed, blocks, wait)
     plan, unsaid = as_plan(tp, placed, graph, inputs, keys)
     return plan, placed, unsaid
 
