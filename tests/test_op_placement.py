@@ -10,7 +10,8 @@ import pytest
 
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
-from workers_op_placement import ilp_beside_every_choice, per_op_report, train_on_plan
+from workers_op_placement import (autodist_candidates, ilp_beside_every_choice, per_op_budget_sweep, per_op_report,
+                                  train_on_plan)
 
 
 @pytest.mark.parametrize("model_name, profile", [
@@ -51,6 +52,34 @@ def test_repeated_layers_tied_choose_the_plan_untied_layers_choose():
     assert tied["edges"] < untied["edges"] / 3
     assert tied["objective"] == pytest.approx(untied["objective"], rel=1e-9)
     assert tied["plan"] == untied["plan"]
+
+
+def test_under_a_tighter_memory_budget_the_per_op_plan_holds_less_and_is_slower():
+    """The memory row: a GPT with d 1024 on 2 ranks under the CUDA profile, budgets of 99% down to 95% of what
+    its plan holds without one (splitting saves time and memory alike, so little is left to trade: its plan
+    is near the least a rank can hold). Each plan holds at most its budget, each tighter budget costs at
+    least as much time, propagation places each plan as planned, and a budget below the least it can hold is
+    an error that names it."""
+    rows = run_ranks(per_op_budget_sweep, 1, "wide-gpt2", "cuda", (0.99, 0.97, 0.95, 0.5), timeout=300)[0]
+    free, *constrained, impossible = rows
+    assert free[0] is None and free[3]
+    objective = free[2]
+    for budget, held, seconds, planned in constrained:
+        assert held <= budget * (1 + 1e-9) and planned, (budget, held)
+        assert seconds > objective * (1 + 1e-6), (budget, seconds, objective)
+        objective = seconds
+    assert "a rank holding at most" in impossible[1]
+
+
+def test_under_a_budget_its_plan_misses_autodist_chooses_the_per_op_plan_with_its_memory_row():
+    """The same GPT under mem_constraint 1.6 GB: the per-op plan (1.65 GB) is over it; the ILP with its memory
+    row places a plan that fits, faster than every other candidate that fits (recompute or ZeRO rows)."""
+    chosen, candidates = run_ranks(autodist_candidates, 1, "wide-gpt2",
+                                   {"device_profile": "cuda", "update_freq": 1, "mem_constraint": 1.6}, timeout=300)[0]
+    free, fitting = candidates["tp, placed per op"], candidates["tp, placed per op within mem_constraint"]
+    assert not free[2] and fitting[2] and fitting[1] < free[1] and fitting[0] > free[0]
+    assert chosen == "tp, placed per op within mem_constraint"
+    assert all(step > fitting[0] for name, (step, _, fits) in candidates.items() if fits and name != chosen)
 
 
 def test_a_job_trains_like_one_process_on_the_per_op_plan(tmp_path):

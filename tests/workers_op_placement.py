@@ -83,6 +83,14 @@ def _with_lowered(model, batch, world_size: int, look):
     return found["result"]
 
 
+def _tp_of(lowered, ctx, inputs, config, layout):
+    """The ops' costs, the repeated blocks, and the tp policy's plan, its context and its unit's costs."""
+    ops = op_costs(lowered, inputs, ctx.fake_mode)
+    blocks = repeated_blocks(lowered)
+    tp_plan, tp_ctx, _ = place_graph(lowered, ctx, config)
+    return ops, blocks, tp_plan, tp_ctx, graph_costs(lowered, inputs, ops, layout.tp_size, tp_ctx.propagation, blocks)
+
+
 def per_op_report(rank: int, world: int, model_name: str, profile_name: str, tie: bool = True,
                   world_size: int = 2) -> dict:
     """The per-op ILP's plan of a model beside the tp policy's: its solve, whether propagation given the plan
@@ -91,10 +99,7 @@ def per_op_report(rank: int, world: int, model_name: str, profile_name: str, tie
     model, batch = _model(model_name)
 
     def look(lowered, ctx, inputs, config, layout):
-        ops = op_costs(lowered, inputs, ctx.fake_mode)
-        blocks = repeated_blocks(lowered)
-        tp_plan, tp_ctx, _ = place_graph(lowered, ctx, config)
-        tp_unit = graph_costs(lowered, inputs, ops, layout.tp_size, tp_ctx.propagation, blocks)
+        ops, blocks, tp_plan, tp_ctx, tp_unit = _tp_of(lowered, ctx, inputs, config, layout)
         plan, placed, unsaid = op_placement.per_op_plan(
             lowered.graph, inputs, ops, blocks[1] if tie else {}, tp_plan, tp_unit, tp_ctx.node_keys, layout, profile,
             1, config.partition_constraints)
@@ -114,6 +119,43 @@ def per_op_report(rank: int, world: int, model_name: str, profile_name: str, tie
                 "collectives": dict(collections.Counter(c.kind for c in given_ctx.propagation.collectives))}
 
     return _with_lowered(model, batch, world_size, look)
+
+
+def per_op_budget_sweep(rank: int, world: int, model_name: str, profile_name: str, fractions: tuple) -> list:
+    """The per-op ILP under memory budgets, fractions of what its plan holds without one: for each, (the budget,
+    what its plan holds, its objective, whether propagation places every value as planned), or the error."""
+    profile = load_profile(profile_name, "cpu")
+    model, batch = _model(model_name)
+
+    def look(lowered, ctx, inputs, config, layout):
+        ops, blocks, tp_plan, tp_ctx, tp_unit = _tp_of(lowered, ctx, inputs, config, layout)
+        rows, free = [], None
+        for fraction in (None, *fractions):
+            budget = None if fraction is None else fraction * free
+            try:
+                plan, placed, unsaid = op_placement.per_op_plan(
+                    lowered.graph, inputs, ops, blocks[1], tp_plan, tp_unit, tp_ctx.node_keys, layout, profile, 1,
+                    config.partition_constraints, budget)
+            except ValueError as error:
+                rows.append((budget, str(error)))
+                continue
+            free = free or placed.held
+            given_ctx = place_graph(lowered, ctx, config, plan)[1]
+            planned = all(tuple(reduced_placements(given_ctx.propagation.placements[n])) == (p,)
+                          for n, p in placed.values.items() if n in given_ctx.propagation.placements)
+            rows.append((budget, placed.held, placed.solution.objective, planned and not unsaid))
+        return rows
+
+    return _with_lowered(model, batch, 2, look)
+
+
+def autodist_candidates(rank: int, world: int, model_name: str, pas_config: dict) -> tuple[str, dict]:
+    """``dynshard.plan`` with autodist on 2 ranks: the chosen candidate and each candidate's (step, peak, fits)."""
+    model, batch = _model(model_name)
+    plan, = dynshard.plan(model, batch, dynshard.Config(policy="autodist", plan_ngpus=2, pas_config=pas_config),
+                          world_size=2)
+    record = plan.predicted["autodist"]
+    return record["chosen"], {c["plan"]: (c["step_seconds"], c["peak_bytes"], c["fits"]) for c in record["candidates"]}
 
 
 def ilp_beside_every_choice(rank: int, world: int, model_name: str, profile_name: str) -> dict:

@@ -46,7 +46,7 @@ from ..policies.autodist.pipeline_costs import predict_pipeline, unit_at
 from ..policies.autodist.stage_memory import cut_for_memory
 from ..policies.autodist.graph_costs import graph_costs, op_costs, repeated_blocks
 from ..policies.autodist.op_placement import per_op_plan
-from ..policies.autodist.space import (BATCH_PARALLEL, PER_OP, SEQUENCE_PARALLEL, Candidate, Placement, left_whole,
+from ..policies.autodist.space import (BATCH_PARALLEL, PER_OP, PER_OP_FITTING, SEQUENCE_PARALLEL, Candidate, Placement, left_whole,
                                        on_batch_shards, placements, recompute_choices, tp_variants, with_choices,
                                        with_sequence_parallel, zero_levels)
 from ..runtime.mesh import planning_layout
@@ -223,10 +223,10 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
             if batch is not None:       # (the base the variants on batch shards are priced from)
                 choices.append(BATCH_PARALLEL)
                 edits[BATCH_PARALLEL.name] = batch
-            per_op = placed_per_op(lowered, inputs, ops, blocks[1], base, unit, ctx.node_keys, layout, config)
-            if per_op is not None:
-                choices.append(PER_OP)
-                edits[PER_OP.name] = per_op
+            for candidate, edited in placed_per_op(lowered, inputs, ops, blocks[1], base, unit, ctx.node_keys, layout,
+                                                   config):
+                choices.append(candidate)
+                edits[candidate.name] = edited
         elif placement.whole and not placement.pas_config:      # (and that kind on the unit's batch shards)
             batch = on_batch(base, graph, ctx)
             if batch is not None:
@@ -266,17 +266,33 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
 
 
 def placed_per_op(lowered: fx.GraphModule, inputs, ops, blocks, tp: Plan, unit: UnitCosts, keys, layout,
-                  config: Config) -> Plan | None:
+                  config: Config) -> list[tuple[Placement, Plan]]:
     """The per-op ILP's plan (:mod:`policies.autodist.op_placement`), unless it splits nothing (a unit repeating
-    the whole graph on every rank: data's batch split beats it) or is tp's own plan."""
-    plan, placed, unsaid = per_op_plan(lowered.graph, inputs, ops, blocks, tp, unit, keys, layout,
-                                       device_profile(config, layout.device_type), config.autodist.update_freq,
-                                       config.partition_constraints)
-    log.debug("autodist: per-op placement ILP over %d nodes and %d edges: %s in %.3fs%s", placed.nodes, placed.edges,
-              placed.solution.status, placed.solution.seconds, f"; not said: {unsaid}" if unsaid else "")
-    if all(t.tp == "R" for t in plan.tensors.values()) and all(a.tp == "R" for a in plan.activations.values()):
-        return None
-    return None if (plan.tensors, plan.activations) == (tp.tensors, tp.activations) else plan
+    the whole graph on every rank: data's batch split beats it) or is tp's own plan; and when what it holds is
+    over ``mem_constraint`` (less tp's transient), the ILP's plan with a row that holds it there too: ZeRO and
+    recompute, chosen for every candidate afterwards, may make the first fit and keep it faster."""
+    options = config.autodist
+    profile = device_profile(config, layout.device_type)
+
+    def solved(placement: Placement, budget: float | None):
+        plan, placed, unsaid = per_op_plan(lowered.graph, inputs, ops, blocks, tp, unit, keys, layout, profile,
+                                           options.update_freq, config.partition_constraints, budget)
+        log.debug("autodist: %s: an ILP over %d nodes and %d edges, %s in %.3fs%s", placement.name, placed.nodes,
+                  placed.edges, placed.solution.status, placed.solution.seconds,
+                  f"; not said: {unsaid}" if unsaid else "")
+        splits = any(t.tp != "R" for t in plan.tensors.values()) or any(a.tp != "R" for a in plan.activations.values())
+        keep = splits and (plan.tensors, plan.activations) != (tp.tensors, tp.activations)
+        return ([(placement, plan)] if keep else []), placed.held
+
+    found, held = solved(PER_OP, None)
+    if options.mem_constraint_bytes is not None:
+        budget = options.mem_constraint_bytes - options.transient_mem_coef * unit.largest_output
+        if held > budget:
+            try:
+                found += solved(PER_OP_FITTING, budget)[0]
+            except ValueError as error:     # (nothing it places fits the row)
+                log.info("autodist: %s: %s", PER_OP_FITTING.name, error)
+    return found
 
 
 def hand_plans(units, config: Config, world: int, profile: DeviceProfile) -> list[tuple[Candidate, Plan, dict]]:

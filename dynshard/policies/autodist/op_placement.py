@@ -22,6 +22,7 @@ placement ``v``'s option needs, with whether that option splits its work).
     subject to sum_k x[v,k] = 1                                 for every node v
                sum_q z[e,p,q] = sum_{k: out(u,k) = p} x[u,k]     for every edge e and each p
                sum_p z[e,p,q] = sum_{k: in(v,k,a) = q} x[v,k]    for every edge e and each q
+               sum_{v,k} h[v,k] x[v,k] <= budget                 (with a memory budget)
                (no z[e,p,q] where p cannot become q: a partial read from anything but a whole value; a placeholder
                read otherwise than it is held, since a plan places a tensor for every reader (a parameter
                held split and used whole is gathered from a view of it, e.g. its transpose); one split
@@ -36,12 +37,14 @@ Costs, in seconds a step (the device profile's; a micro-batch's terms times ``nm
 - ``r``: the redistribution ``p -> q`` (all-gather, all-to-all; a slice is free) and its transpose in the
   backward: the gradient arrives as ``q``, or partial when ``v``'s option reads a whole value but splits its
   work (a column-parallel matmul's input), and goes back to ``p``.
-Collectives are priced by ``DeviceProfile.collective_seconds`` over the unit's ranks.
+Collectives are priced by ``DeviceProfile.collective_seconds`` over the unit's ranks; ``h``: the bytes a rank
+holds for the node at the peak (a trainable parameter's shard 4x: with its gradient and Adam's moments; the
+bytes autograd saves of an op's output, split when the option's output is), times its tied copies.
 
 The chosen placements are a :class:`~dynshard.planning.Plan` (:func:`as_plan`): each placeholder's, and each
 value redistributed for the readers whose option needs it otherwise (``Plan.activations``), so that sharding
-propagation, given the plan, runs each op on the inputs its option reads. Not yet: a memory row, several
-placements of one value for different readers, all-to-all redistributions (sharding propagation on the
+propagation, given the plan, runs each op on the inputs its option reads. Not yet: several placements of
+one value for different readers, all-to-all redistributions (sharding propagation on the
 planning mesh cannot trace one: DTensor asks the fake group for a local rank).
 """
 
@@ -87,20 +90,22 @@ class OpPlacements:
     solution: Solution
     nodes: int
     edges: int
+    held: float                             # bytes a rank holds at the peak, as the ILP counts them
 
 
 def op_placement(graph: fx.Graph, inputs, ops, tp: int, mesh, profile: DeviceProfile, nmicros: int, dp: int,
                  fixed: dict[str, Placement], blocks: dict[str, list[str]] | None = None, wait: float = 0.0,
-                 time_limit: float = 30.0) -> OpPlacements:
+                 budget: float | None = None, time_limit: float = 30.0) -> OpPlacements:
     """The per-op placements of ``graph`` (its placeholders are ``inputs``, its ops' costs ``ops`` from
     ``graph_costs.op_costs``) on a unit of ``tp`` ranks over ``mesh`` that the ILP predicts fastest;
     ``fixed``: placeholder names whose placement is given; ``blocks``: the instances of a repeated module
     (path -> node names, ``graph_costs.repeated_blocks``), tied: each instance takes the first one's options,
     its parameters too (one variable per node of one instance, its costs counted once per instance; the edge
     from one instance's output to the next one's input is an edge of the first instance to itself); ``wait``:
-    seconds each forward collective waits for the slowest rank of the unit."""
+    seconds each forward collective waits for the slowest rank of the unit; ``budget``: the bytes a rank may
+    hold (:meth:`PlacementProblem.held`), a row of the ILP."""
     return PlacementProblem(graph, inputs, {op.name: op for op in ops}, tp, mesh, profile, nmicros, dp, fixed,
-                            _tied(graph, blocks or {}, fixed), wait).solve(time_limit)
+                            _tied(graph, blocks or {}, fixed), wait).solve(time_limit, budget)
 
 
 class PlacementProblem:
@@ -201,9 +206,9 @@ class PlacementProblem:
         if type(first) is Partial:      # (a masked partial, the split table's, is only ever made whole)
             for target in self.placements(value)[1:]:
                 back = self.collective("all_gather", whole) if grad else 0.0
+                reduced = self.collective("reduce_scatter", whole, forward=True)
                 options.append(Option(strategy.inputs, (target, *strategy.outputs[1:]), split,
-                                      compute + self.micro(self.collective("reduce_scatter", whole, forward=True) + back),
-                                      reduced_to=target))
+                                      compute + self.micro(reduced + back), reduced_to=target))
         return options
 
     def vocabulary_parallel(self, node: fx.Node, arguments) -> Option:
@@ -299,6 +304,18 @@ class PlacementProblem:
                 copies[node] += 1
         return copies
 
+    def held(self, node: fx.Node, option: Option) -> float:
+        """What a rank holds at the peak for this node: a trainable parameter's shard with its gradient and
+        Adam's two moments (4x), another placeholder's shard, the bytes autograd saves of an op's output
+        (split when the option's first output is)."""
+        if node.op == "placeholder":
+            inp = self.input_of[node]
+            held = _local_bytes(node.meta["val"], option.outputs[0], self.tp)
+            return held * (4 if inp.is_state and inp.requires_grad else 1)
+        op = self.ops.get(node.name)
+        saved = op.saved_bytes if op is not None else 0
+        return saved / self.tp if isinstance(option.outputs[0] if option.outputs else None, Shard) else saved
+
     def objective(self, chosen: dict[fx.Node, Option]) -> float | None:
         """The ILP's objective for an option of each node (of ``self.options``; None: a read it cannot make)."""
         copies, total = self.copies(), 0.0
@@ -313,7 +330,7 @@ class PlacementProblem:
             total += count * seconds
         return total
 
-    def solve(self, time_limit: float) -> OpPlacements:
+    def solve(self, time_limit: float, budget: float | None = None) -> OpPlacements:
         from scipy.sparse import csr_matrix
 
         nodes = list(self.options)
@@ -349,16 +366,24 @@ class PlacementProblem:
                 rows.add({**by_read[q], **{m: -1.0 for m in members}}, 0.0)
         integer = np.array([1] * binaries + [0] * (len(cost) - binaries))
         equal = csr_matrix((rows.values, (rows.rows, rows.cols)), shape=(len(rows.rhs), len(cost)))
-        solution = solve(np.array(cost), np.zeros((0, len(cost))), np.zeros(0), integer, time_limit,
+        memory = np.zeros((0, len(cost)))
+        if budget is not None:
+            memory = np.zeros((1, len(cost)))
+            for node in nodes:
+                for k, option in enumerate(self.options[node]):
+                    memory[0, offset[node] + k] = copies[node] * self.held(node, option)
+        solution = solve(np.array(cost), memory, np.full(len(memory), budget or 0.0), integer, time_limit,
                          equal=(equal, np.array(rows.rhs)))
         if solution.x == ():
-            raise ValueError(f"dynshard: the per-op placement ILP found no solution ({solution.status})")
+            raise ValueError(f"dynshard: the per-op placement ILP found no solution ({solution.status}"
+                             f"{'' if budget is None else f', a rank holding at most {budget:.4g} bytes'})")
         x = np.array(solution.x)
         chosen = {n: self.options[n][int(np.argmax(x[offset[n]:offset[n] + len(self.options[n])]))] for n in nodes}
+        held = sum(copies[n] * self.held(n, chosen[n]) for n in nodes)
         chosen.update({node: chosen[first] for node, first in self.tied.items() if first in chosen})
-        return self.result(chosen, solution, len(edges))
+        return self.result(chosen, solution, len(edges), held)
 
-    def result(self, chosen: dict[fx.Node, Option], solution: Solution, edges: int) -> OpPlacements:
+    def result(self, chosen: dict[fx.Node, Option], solution: Solution, edges: int, held: float) -> OpPlacements:
         values, reads = {}, {}
         for node in self.graph.nodes:
             producer, out = self.source(node) if node.op == "call_function" else (node, 0)
@@ -370,15 +395,16 @@ class PlacementProblem:
             for arg, placement in zip(tensor_arguments(node), option.inputs):
                 if arg.name in values and placement != values[arg.name] and not isinstance(placement, Partial):
                     reads[arg.name, node.name] = placement
-        return OpPlacements({n.name: o for n, o in chosen.items()}, values, reads, solution, len(chosen), edges)
+        return OpPlacements({n.name: o for n, o in chosen.items()}, values, reads, solution, len(chosen), edges, held)
 
 
 def per_op_plan(graph: fx.Graph, inputs, ops, blocks: dict[str, list[str]], tp: Plan, unit: UnitCosts,
-                keys: dict[str, str], layout, profile: DeviceProfile, nmicros: int, pins
+                keys: dict[str, str], layout, profile: DeviceProfile, nmicros: int, pins, budget: float | None = None
                 ) -> tuple[Plan, OpPlacements, list[str]]:
     """The ILP's placements of ``graph`` as a plan of the unit ``tp`` (the tp policy's plan of it, ``unit`` its
     costs, whose node ``keys`` by name) was made for: user inputs, tensors an earlier program placed and
-    pinned ones keep ``tp``'s placement; and what the plan cannot say.
+    pinned ones keep ``tp``'s placement; and what the plan cannot say. ``budget``: bytes a rank may hold, as
+    :meth:`PlacementProblem.held` counts them.
 
     Each forward collective waits for the slowest rank: the cost model's wait, ``skew * sqrt(calls * 3 *
     forward)`` a micro-batch, is not linear in the calls, so the ILP charges each call its derivative at tp's
@@ -389,7 +415,7 @@ def per_op_plan(graph: fx.Graph, inputs, ops, blocks: dict[str, list[str]], tp: 
     calls, forward = tp_calls(tp, unit), forward_seconds(unit, profile)
     wait = profile.skew * math.sqrt(3 * forward / calls) / 2 if calls else 0.0
     placed = op_placement(graph, inputs, ops, layout.tp_size, layout.tp_mesh, profile, nmicros,
-                          layout.world_size // layout.plan_ngpus, fixed, blocks, wait)
+                          layout.world_size // layout.plan_ngpus, fixed, blocks, wait, budget)
     plan, unsaid = as_plan(tp, placed, graph, inputs, keys)
     return plan, placed, unsaid
 

@@ -48,6 +48,7 @@ class Placement:
 SEQUENCE_PARALLEL = Placement("tp + sequence parallel", "tp", (("sequence_parallel", True),))
 BATCH_PARALLEL = Placement("tp + batch parallel", "tp", (("batch_parallel", True),))
 PER_OP = Placement("tp, placed per op", "tp")     # the per-op ILP's plan (policies.autodist.op_placement)
+PER_OP_FITTING = Placement("tp, placed per op within mem_constraint", "tp")     # (the same, with its memory row)
 
 
 @dataclasses.dataclass(frozen=True)
