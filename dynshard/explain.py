@@ -283,12 +283,13 @@ def _autodist_lines(plan: Plan) -> list[str]:
              f"{p['bytes_per_rank']['peak']} bytes per rank" + (f" of {budget} GB" if budget is not None else "")
              + f"; {record['solver']}, {record['ilps']} ILPs, {record['status']} (bound {record['bound']}, gap "
              f"{record['gap']}); device profile {record['device_profile']['name']}",
-             "  the hand plans under the same cost model:"]
-    lines += _table([("hand plan", "step seconds", "peak bytes", "fits")] + [
+             "  every plan it priced, under the same cost model:"]
+    lines += _table([("plan", "step seconds", "peak bytes", "fits")] + [
         (c["plan"] + (" *" if c.get("estimated") else ""), f"{c['step_seconds']:.4g}", str(c["peak_bytes"]),
          "yes" if c["fits"] else "no") for c in record["candidates"]])
     if any(c.get("estimated") for c in record["candidates"]):
-        lines.append("  * stages priced with the tp plan's placements and collectives (planned only if chosen)")
+        lines.append("  * priced from other plans (a hybrid's stages from the tp plan, a variant of several kinds from its "
+                     "parts); planned for real only if chosen")
     return lines
 
 
