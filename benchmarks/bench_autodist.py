@@ -49,6 +49,7 @@ HAND_GPT = {     # (the GPT's module names)
     "tp, fc1/fc2 whole": ("dynshard:tp-fc-whole", 2, "tp, blocks.*.{fc1,fc2} whole"),
     "tp, attention on batch shards": ("dynshard:tp-attn-batch", 2, "tp, blocks.*.attn.{k,proj,q,v} on batch shards"),
     "tp, fc1/fc2 on batch shards": ("dynshard:tp-fc-batch", 2, "tp, blocks.*.{fc1,fc2} on batch shards"),
+    "tp, placed per op (ILP)": ("dynshard:plan-file", 2, "tp, placed per op"),     # (its plan file: per_op_plan)
 }
 AUTODIST = {"autodist (plan_ngpus 2)": ("dynshard:autodist", 2), "autodist (plan_ngpus 1)": ("dynshard:autodist-dp", 1)}
 
@@ -76,6 +77,21 @@ def predictions(args, profile: str) -> dict[int, dict]:
             policy="autodist", plan_ngpus=n, pas_config={"device_profile": profile}), world_size=2)
         out[n] = plan.predicted
     return out
+
+
+def per_op_plan(args, profile: str, path: str) -> str:
+    """The per-op placement ILP's plan of the model at plan_ngpus 2 (an autodist candidate), into ``path``."""
+    import torch
+
+    from models import GPTConfig, gpt_batch
+    from workers_op_placement import per_op_plan_json
+
+    cfg = GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, heads=args.heads, layers=args.layers)
+    with torch.device("meta"):
+        model = MODELS[args.model][0](cfg)
+    with open(path, "w") as f:
+        f.write(per_op_plan_json(model, gpt_batch(cfg, args.batch, 0), profile))
+    return path
 
 
 def _median(values: list[float]) -> float | None:
@@ -220,7 +236,10 @@ def main() -> None:
     predicted = predictions(args, profile)
     environ = {"DYNSHARD_PAS_CONFIG": json.dumps({"device_profile": profile})}
     hand_plans = {**HAND, **(HAND_GPT if args.model == "gpt" else {})}
-    jobs = [(name, system, {}) for name, (system, _, _) in hand_plans.items()] + [
+    plan_file = {"BENCH_PLAN_FILE": per_op_plan(args, profile, os.path.join(results_dir, "per_op.json"))} \
+        if args.model == "gpt" else {}
+    jobs = [(name, system, plan_file if system == "dynshard:plan-file" else {})
+            for name, (system, _, _) in hand_plans.items()] + [
         (name, system, environ) for name, (system, _) in AUTODIST.items()]
     runs: dict[str, list[float]] = {name: [] for name, _, _ in jobs}
     memory: dict[str, dict] = {}

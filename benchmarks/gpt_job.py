@@ -67,6 +67,8 @@ DYNSHARD = {
                                                           for m in ("q", "k", "v", "proj")}),
     "dynshard:tp-fc-batch": dict(policy="tp", plan_ngpus=2, pas_config={"batch_parallel": True},
                                  partition_constraints={"blocks.*.fc1.*": "replicate", "blocks.*.fc2.*": "replicate"}),
+    # the plan in the file BENCH_PLAN_FILE names (bench_autodist.py writes the per-op ILP's there)
+    "dynshard:plan-file": dict(plan_ngpus=2, load_plan_path=os.environ.get("BENCH_PLAN_FILE")),
     # autodist: its pas_config (the device profile) comes from DYNSHARD_PAS_CONFIG (bench_autodist.py sets it)
     "dynshard:autodist": dict(policy="autodist", plan_ngpus=2),
     "dynshard:autodist-dp": dict(policy="autodist"),

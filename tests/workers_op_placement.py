@@ -91,6 +91,17 @@ def _tp_of(lowered, ctx, inputs, config, layout):
     return ops, blocks, tp_plan, tp_ctx, graph_costs(lowered, inputs, ops, layout.tp_size, tp_ctx.propagation, blocks)
 
 
+def _per_op(lowered, ctx, inputs, config, layout, profile, tie: bool = True):
+    """The per-op ILP's plan, its solve and what the plan cannot say; the tp policy's plan, context and costs;
+    the per-op plan propagated, and its context."""
+    ops, blocks, tp_plan, tp_ctx, tp_unit = _tp_of(lowered, ctx, inputs, config, layout)
+    plan, placed, unsaid = op_placement.per_op_plan(
+        lowered.graph, inputs, ops, blocks[1] if tie else {}, tp_plan, tp_unit, tp_ctx.node_keys, layout, profile,
+        1, config.partition_constraints)
+    given, given_ctx, _ = place_graph(lowered, ctx, config, plan)
+    return placed, unsaid, (tp_plan, tp_ctx), (given, given_ctx), (ops, blocks)
+
+
 def per_op_report(rank: int, world: int, model_name: str, profile_name: str, tie: bool = True,
                   world_size: int = 2) -> dict:
     """The per-op ILP's plan of a model beside the tp policy's: its solve, whether propagation given the plan
@@ -99,11 +110,8 @@ def per_op_report(rank: int, world: int, model_name: str, profile_name: str, tie
     model, batch = _model(model_name)
 
     def look(lowered, ctx, inputs, config, layout):
-        ops, blocks, tp_plan, tp_ctx, tp_unit = _tp_of(lowered, ctx, inputs, config, layout)
-        plan, placed, unsaid = op_placement.per_op_plan(
-            lowered.graph, inputs, ops, blocks[1] if tie else {}, tp_plan, tp_unit, tp_ctx.node_keys, layout, profile,
-            1, config.partition_constraints)
-        given, given_ctx, _ = place_graph(lowered, ctx, config, plan)
+        placed, unsaid, (tp_plan, tp_ctx), (given, given_ctx), (ops, blocks) = _per_op(
+            lowered, ctx, inputs, config, layout, profile, tie)
         mismatches = []
         for name, placement in placed.values.items():
             got = given_ctx.propagation.placements.get(name)
@@ -119,6 +127,13 @@ def per_op_report(rank: int, world: int, model_name: str, profile_name: str, tie
                 "collectives": dict(collections.Counter(c.kind for c in given_ctx.propagation.collectives))}
 
     return _with_lowered(model, batch, world_size, look)
+
+
+def per_op_plan_json(model, batch, profile_source) -> str:
+    """The per-op ILP's plan of ``model`` called with ``batch`` in a 2-rank job, as a plan file holds it
+    (``benchmarks/bench_autodist.py`` measures it)."""
+    profile = load_profile(profile_source, "cpu")
+    return _with_lowered(model, batch, 2, lambda *a: _per_op(*a, profile)[3][0].to_json())
 
 
 def per_op_budget_sweep(rank: int, world: int, model_name: str, profile_name: str, fractions: tuple) -> list:
