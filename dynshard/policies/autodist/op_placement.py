@@ -23,10 +23,10 @@ placement ``v``'s option needs, with whether that option splits its work).
                sum_q z[e,p,q] = sum_{k: out(u,k) = p} x[u,k]     for every edge e and each p
                sum_p z[e,p,q] = sum_{k: in(v,k,a) = q} x[v,k]    for every edge e and each q
                sum_{v,k} h[v,k] x[v,k] <= budget                 (with a memory budget)
-               (no z[e,p,q] where p cannot become q: a partial read from anything but a whole value; a placeholder
-               read otherwise than it is held, since a plan places a tensor for every reader (a parameter
-               held split and used whole is gathered from a view of it, e.g. its transpose); one split
-               read along another dimension, an all-to-all)
+               (no z[e,p,q] where p cannot become q: a partial read from anything but a whole value;
+               a placeholder read otherwise than it is held, since a plan places a tensor for every
+               reader (a parameter held split and used whole is gathered from a view of it, e.g. its
+               transpose); one split read along another dimension, an all-to-all)
 
 Costs, in seconds a step (the device profile's; a micro-batch's terms times ``nmicros``):
 - ``c``: the op's forward and backward (3x the forward: its FLOPs at the device's rate, else its bytes at
@@ -34,12 +34,16 @@ Costs, in seconds a step (the device profile's; a micro-batch's terms times ``nm
   reduce-scatter, its gradient's all-gather; a trainable parameter's gradient all-reduce over the
   data-parallel units (its shard's bytes), and a vanishing 1e-15 s per byte it holds, so that among equally
   fast options the one that holds less wins;
-- ``r``: the redistribution ``p -> q`` (all-gather, all-to-all; a slice is free) and its transpose in the
-  backward: the gradient arrives as ``q``, or partial when ``v``'s option reads a whole value but splits its
-  work (a column-parallel matmul's input), and goes back to ``p``.
+- ``r``: the redistribution ``p -> q`` (an all-gather; a slice is free) and its transpose in the backward:
+  the gradient arrives as ``q``, or partial when ``v``'s option reads a whole value but splits its work (a
+  column-parallel matmul's input), and goes back to ``p`` (a parameter's, in buckets: no latency of its own).
+Each forward collective also waits for the slowest rank (``wait`` seconds, :func:`per_op_plan`).
 Collectives are priced by ``DeviceProfile.collective_seconds`` over the unit's ranks; ``h``: the bytes a rank
 holds for the node at the peak (a trainable parameter's shard 4x: with its gradient and Adam's moments; the
 bytes autograd saves of an op's output, split when the option's output is), times its tied copies.
+
+Repeated layers are tied (:func:`op_placement`'s ``blocks``): a later instance's nodes take the first one's
+variables, so the ILP's size is one layer's whatever the depth.
 
 The chosen placements are a :class:`~dynshard.planning.Plan` (:func:`as_plan`): each placeholder's, and each
 value redistributed for the readers whose option needs it otherwise (``Plan.activations``), so that sharding
