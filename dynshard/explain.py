@@ -283,14 +283,25 @@ def _autodist_lines(plan: Plan) -> list[str]:
              f"{p['bytes_per_rank']['peak']} bytes per rank" + (f" of {budget} GB" if budget is not None else "")
              + f"; {record['solver']}, {record['ilps']} ILPs, {record['status']} (bound {record['bound']}, gap "
              f"{record['gap']}); device profile {record['device_profile']['name']}",
+             *_op_placement_lines(p.get("op_placement")),
              "  every plan it priced, under the same cost model:"]
     lines += _table([("plan", "step seconds", "peak bytes", "fits")] + [
         (c["plan"] + (" *" if c.get("estimated") else ""), f"{c['step_seconds']:.4g}", str(c["peak_bytes"]),
          "yes" if c["fits"] else "no") for c in record["candidates"]])
     if any(c.get("estimated") for c in record["candidates"]):
-        lines.append("  * priced from other plans (a hybrid's stages from the tp plan, a variant of several kinds from its "
-                     "parts); planned for real only if chosen")
+        lines.append("  * priced from other plans (a hybrid's stages from the tp plan, a variant of several kinds "
+                     "from its parts); planned for real only if chosen")
     return lines
+
+
+def _op_placement_lines(solve: dict | None) -> list[str]:
+    """The per-op placement ILP's solve, when the chosen plan is its."""
+    if solve is None:
+        return []
+    budget = "" if solve["budget_bytes"] is None else f", a memory row of {solve['budget_bytes']} bytes"
+    return [f"  its placements: a per-op ILP over DTensor's strategies ({solve['nodes']} nodes, {solve['reads']} "
+            f"reads{budget}), {solve['status']}, objective {solve['objective']} s, bound {solve['bound']}, gap "
+            f"{solve['gap']}; it holds {solve['held_bytes']} bytes as the ILP counts them"]
 
 
 def _predicted_lines(plan: Plan) -> list[str]:

@@ -164,13 +164,15 @@ def per_op_budget_sweep(rank: int, world: int, model_name: str, profile_name: st
     return _with_lowered(model, batch, 2, look)
 
 
-def autodist_candidates(rank: int, world: int, model_name: str, pas_config: dict) -> tuple[str, dict]:
-    """``dynshard.plan`` with autodist on 2 ranks: the chosen candidate and each candidate's (step, peak, fits)."""
+def autodist_candidates(rank: int, world: int, model_name: str, pas_config: dict) -> tuple[str, dict, dict, str]:
+    """``dynshard.plan`` with autodist on 2 ranks: the chosen candidate, each candidate's (step, peak, fits), the
+    per-op ILP's solve the plan records (if it is its plan) and what ``explain`` says of the plan."""
     model, batch = _model(model_name)
     plan, = dynshard.plan(model, batch, dynshard.Config(policy="autodist", plan_ngpus=2, pas_config=pas_config),
                           world_size=2)
     record = plan.predicted["autodist"]
-    return record["chosen"], {c["plan"]: (c["step_seconds"], c["peak_bytes"], c["fits"]) for c in record["candidates"]}
+    candidates = {c["plan"]: (c["step_seconds"], c["peak_bytes"], c["fits"]) for c in record["candidates"]}
+    return record["chosen"], candidates, plan.predicted.get("op_placement"), str(dynshard.explain([plan]))
 
 
 def ilp_beside_every_choice(rank: int, world: int, model_name: str, profile_name: str) -> dict:

@@ -189,10 +189,15 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
     ops = op_costs(lowered, inputs, lowered_ctx.fake_mode)       # (placement-free: once for every placement)
     blocks = repeated_blocks(lowered)
 
+    solves: dict[str, dict] = {}      # a per-op ILP's plan -> its solve, which the plan records
+
     def planned(placement: Placement, edit: Plan | None):
         """(plan, costs, propagated graph, context) of ``placement``, ``edit`` its plan read off another's."""
         base, ctx, graph = place_graph(lowered, lowered_ctx, placement.config(config, 1 if dp > 1 else 0, forced),
                                        edit)
+        if placement.name in solves:
+            solve = {"op_placement": solves[placement.name]}
+            base = dataclasses.replace(base, predicted={**(base.predicted or {}), **solve})
         return base, graph_costs(graph, inputs, ops, layout.tp_size, ctx.propagation, blocks), graph, ctx
 
     def on_batch(plan: Plan, graph: fx.GraphModule, ctx) -> Plan | None:
@@ -223,10 +228,10 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
             if batch is not None:       # (the base the variants on batch shards are priced from)
                 choices.append(BATCH_PARALLEL)
                 edits[BATCH_PARALLEL.name] = batch
-            for candidate, edited in placed_per_op(lowered, inputs, ops, blocks[1], base, unit, ctx.node_keys, layout,
-                                                   config):
+            for candidate, edited, solve in placed_per_op(lowered, inputs, ops, blocks[1], base, unit, ctx.node_keys,
+                                                          layout, config):
                 choices.append(candidate)
-                edits[candidate.name] = edited
+                edits[candidate.name], solves[candidate.name] = edited, solve
         elif placement.whole and not placement.pas_config:      # (and that kind on the unit's batch shards)
             batch = on_batch(base, graph, ctx)
             if batch is not None:
@@ -266,11 +271,12 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
 
 
 def placed_per_op(lowered: fx.GraphModule, inputs, ops, blocks, tp: Plan, unit: UnitCosts, keys, layout,
-                  config: Config) -> list[tuple[Placement, Plan]]:
+                  config: Config) -> list[tuple[Placement, Plan, dict]]:
     """The per-op ILP's plan (:mod:`policies.autodist.op_placement`), unless it splits nothing (a unit repeating
     the whole graph on every rank: data's batch split beats it) or is tp's own plan; and when what it holds is
     over ``mem_constraint`` (less tp's transient), the ILP's plan with a row that holds it there too: ZeRO and
-    recompute, chosen for every candidate afterwards, may make the first fit and keep it faster."""
+    recompute, chosen for every candidate afterwards, may make the first fit and keep it faster. Each with its
+    solve, as its plan records it (``predicted["op_placement"]``)."""
     options = config.autodist
     profile = device_profile(config, layout.device_type)
 
@@ -282,7 +288,9 @@ def placed_per_op(lowered: fx.GraphModule, inputs, ops, blocks, tp: Plan, unit: 
                   f"; not said: {unsaid}" if unsaid else "")
         splits = any(t.tp != "R" for t in plan.tensors.values()) or any(a.tp != "R" for a in plan.activations.values())
         keep = splits and (plan.tensors, plan.activations) != (tp.tensors, tp.activations)
-        return ([(placement, plan)] if keep else []), placed.held
+        solve = {**placed.solution.record(), "nodes": placed.nodes, "reads": placed.edges,
+                 "held_bytes": int(placed.held), "budget_bytes": None if budget is None else int(budget)}
+        return ([(placement, plan, solve)] if keep else []), placed.held
 
     found, held = solved(PER_OP, None)
     if options.mem_constraint_bytes is not None:
