@@ -181,11 +181,11 @@ def ilp_beside_every_choice(rank: int, world: int, model_name: str, profile_name
     model, batch = _model(model_name)
 
     def look(lowered, ctx, inputs, config, layout):
-        ops = {op.name: op for op in op_costs(lowered, inputs, ctx.fake_mode)}
+        ops = op_costs(lowered, inputs, ctx.fake_mode)
         fixed = {n.name: torch.distributed.tensor.Replicate() for n, inp in
                  zip([n for n in lowered.graph.nodes if n.op == "placeholder"], inputs) if not inp.is_state}
-        problem = op_placement.PlacementProblem(lowered.graph, inputs, ops, layout.tp_size, layout.tp_mesh, profile,
-                                                1, layout.world_size // layout.plan_ngpus, fixed, {})
+        problem = op_placement.placement_problem(lowered.graph, inputs, ops, layout.tp_size, layout.tp_mesh, profile,
+                                                 1, layout.world_size // layout.plan_ngpus, fixed)
         nodes = list(problem.options)
         best, tried = None, 0
         for combination in itertools.product(*(problem.options[n] for n in nodes)):

@@ -45,10 +45,10 @@ from ..policies.autodist.hybrid_stages import estimated_stages
 from ..policies.autodist.pipeline_costs import predict_pipeline, unit_at
 from ..policies.autodist.stage_memory import cut_for_memory
 from ..policies.autodist.graph_costs import graph_costs, op_costs, repeated_blocks
-from ..policies.autodist.op_placement import per_op_plan
-from ..policies.autodist.space import (BATCH_PARALLEL, PER_OP, PER_OP_FITTING, SEQUENCE_PARALLEL, Candidate, Placement, left_whole,
-                                       on_batch_shards, placements, recompute_choices, tp_variants, with_choices,
-                                       with_sequence_parallel, zero_levels)
+from ..policies.autodist.op_placement import as_plan, per_op_problem
+from ..policies.autodist.space import (BATCH_PARALLEL, PER_OP, PER_OP_FITTING, SEQUENCE_PARALLEL, Candidate, Placement,
+                                       left_whole, on_batch_shards, placements, recompute_choices, tp_variants,
+                                       with_choices, with_sequence_parallel, zero_levels)
 from ..runtime.mesh import planning_layout
 from ..runtime.pipeline.schedules import build_schedule
 from .agreement import from_rank0
@@ -278,11 +278,13 @@ def placed_per_op(lowered: fx.GraphModule, inputs, ops, blocks, tp: Plan, unit: 
     recompute, chosen for every candidate afterwards, may make the first fit and keep it faster. Each with its
     solve, as its plan records it (``predicted["op_placement"]``)."""
     options = config.autodist
-    profile = device_profile(config, layout.device_type)
+    problem = per_op_problem(lowered.graph, inputs, ops, blocks, tp, unit, layout,
+                             device_profile(config, layout.device_type), options.update_freq,
+                             config.partition_constraints)       # (built once, solved with a budget or without)
 
     def solved(placement: Placement, budget: float | None):
-        plan, placed, unsaid = per_op_plan(lowered.graph, inputs, ops, blocks, tp, unit, keys, layout, profile,
-                                           options.update_freq, config.partition_constraints, budget)
+        placed = problem.solve(30.0, budget)
+        plan, unsaid = as_plan(tp, placed, lowered.graph, inputs, keys)
         log.debug("autodist: %s: an ILP over %d nodes and %d edges, %s in %.3fs%s", placement.name, placed.nodes,
                   placed.edges, placed.solution.status, placed.solution.seconds,
                   f"; not said: {unsaid}" if unsaid else "")

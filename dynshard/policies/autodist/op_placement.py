@@ -14,9 +14,9 @@ Nodes. Every tensor value of the forward graph whose placement is chosen:
   all-reduces of one value per row). An op DTensor cannot shard has one option: whole, its inputs gathered.
   A ``getitem`` is not a node: its readers read the producer's output of that index.
 
-Variables: ``x[v,k]`` in {0, 1}, node ``v`` takes option ``k``; ``z[e,p,q]`` >= 0 for each edge ``e`` (a value
-``u`` read as argument ``a`` of node ``v``, or as a graph output), ``u`` made as ``p`` and read as ``q`` (the
-placement ``v``'s option needs, with whether that option splits its work).
+Variables (:func:`placement_problem`): ``x[v,k]`` in {0, 1}, node ``v`` takes option ``k``; ``z[e,p,q]`` >= 0
+for each edge ``e`` (a value ``u`` read as argument ``a`` of node ``v``, or as a graph output), ``u`` made as
+``p`` and read as ``q`` (the placement ``v``'s option needs, with whether that option splits its work).
 
     minimise   sum_{v,k} c[v,k] x[v,k] + sum_{e,p,q} r[e,p,q] z[e,p,q]
     subject to sum_k x[v,k] = 1                                 for every node v
@@ -42,7 +42,7 @@ Collectives are priced by ``DeviceProfile.collective_seconds`` over the unit's r
 holds for the node at the peak (a trainable parameter's shard 4x: with its gradient and Adam's moments; the
 bytes autograd saves of an op's output, split when the option's output is), times its tied copies.
 
-Repeated layers are tied (:func:`op_placement`'s ``blocks``): a later instance's nodes take the first one's
+Repeated layers are tied (:func:`placement_problem`'s ``blocks``): a later instance's nodes take the first one's
 variables, so the ILP's size is one layer's whatever the depth.
 
 The chosen placements are a :class:`~dynshard.planning.Plan` (:func:`as_plan`): each placeholder's, and each
@@ -97,23 +97,23 @@ class OpPlacements:
     held: float                             # bytes a rank holds at the peak, as the ILP counts them
 
 
-def op_placement(graph: fx.Graph, inputs, ops, tp: int, mesh, profile: DeviceProfile, nmicros: int, dp: int,
-                 fixed: dict[str, Placement], blocks: dict[str, list[str]] | None = None, wait: float = 0.0,
-                 budget: float | None = None, time_limit: float = 30.0) -> OpPlacements:
-    """The per-op placements of ``graph`` (its placeholders are ``inputs``, its ops' costs ``ops`` from
+def placement_problem(graph: fx.Graph, inputs, ops, tp: int, mesh, profile: DeviceProfile, nmicros: int, dp: int,
+                      fixed: dict[str, Placement], blocks: dict[str, list[str]] | None = None,
+                      wait: float = 0.0) -> "PlacementProblem":
+    """The ILP (solved by :meth:`PlacementProblem.solve`, with a memory budget or without) for the per-op
+    placements of ``graph`` (its placeholders are ``inputs``, its ops' costs ``ops`` from
     ``graph_costs.op_costs``) on a unit of ``tp`` ranks over ``mesh`` that the ILP predicts fastest;
     ``fixed``: placeholder names whose placement is given; ``blocks``: the instances of a repeated module
     (path -> node names, ``graph_costs.repeated_blocks``), tied: each instance takes the first one's options,
     its parameters too (one variable per node of one instance, its costs counted once per instance; the edge
     from one instance's output to the next one's input is an edge of the first instance to itself); ``wait``:
-    seconds each forward collective waits for the slowest rank of the unit; ``budget``: the bytes a rank may
-    hold (:meth:`PlacementProblem.held`), a row of the ILP."""
+    seconds each forward collective waits for the slowest rank of the unit."""
     return PlacementProblem(graph, inputs, {op.name: op for op in ops}, tp, mesh, profile, nmicros, dp, fixed,
-                            _tied(graph, blocks or {}, fixed), wait).solve(time_limit, budget)
+                            _tied(graph, blocks or {}, fixed), wait)
 
 
 class PlacementProblem:
-    """The nodes, their options and the costs of :func:`op_placement`'s ILP."""
+    """The nodes, their options and the costs of the per-op placement ILP."""
 
     def __init__(self, graph, inputs, ops, tp, mesh, profile, nmicros, dp, fixed, tied, wait=0.0):
         self.graph, self.ops, self.tp, self.mesh, self.profile = graph, ops, tp, mesh, profile
@@ -402,13 +402,10 @@ class PlacementProblem:
         return OpPlacements({n.name: o for n, o in chosen.items()}, values, reads, solution, len(chosen), edges, held)
 
 
-def per_op_plan(graph: fx.Graph, inputs, ops, blocks: dict[str, list[str]], tp: Plan, unit: UnitCosts,
-                keys: dict[str, str], layout, profile: DeviceProfile, nmicros: int, pins, budget: float | None = None
-                ) -> tuple[Plan, OpPlacements, list[str]]:
-    """The ILP's placements of ``graph`` as a plan of the unit ``tp`` (the tp policy's plan of it, ``unit`` its
-    costs, whose node ``keys`` by name) was made for: user inputs, tensors an earlier program placed and
-    pinned ones keep ``tp``'s placement; and what the plan cannot say. ``budget``: bytes a rank may hold, as
-    :meth:`PlacementProblem.held` counts them.
+def per_op_problem(graph: fx.Graph, inputs, ops, blocks: dict[str, list[str]], tp: Plan, unit: UnitCosts, layout,
+                   profile: DeviceProfile, nmicros: int, pins) -> PlacementProblem:
+    """The ILP for ``graph`` on the unit ``tp`` (the tp policy's plan of it, ``unit`` its costs) was made for:
+    user inputs, tensors an earlier program placed and pinned ones keep ``tp``'s placement.
 
     Each forward collective waits for the slowest rank: the cost model's wait, ``skew * sqrt(calls * 3 *
     forward)`` a micro-batch, is not linear in the calls, so the ILP charges each call its derivative at tp's
@@ -418,8 +415,16 @@ def per_op_plan(graph: fx.Graph, inputs, ops, blocks: dict[str, list[str]], tp: 
              if not inp.is_state or inp.tag is not None or inp.is_split_value or pin_of(inp.name, pins) is not None}
     calls, forward = tp_calls(tp, unit), forward_seconds(unit, profile)
     wait = profile.skew * math.sqrt(3 * forward / calls) / 2 if calls else 0.0
-    placed = op_placement(graph, inputs, ops, layout.tp_size, layout.tp_mesh, profile, nmicros,
-                          layout.world_size // layout.plan_ngpus, fixed, blocks, wait, budget)
+    return placement_problem(graph, inputs, ops, layout.tp_size, layout.tp_mesh, profile, nmicros,
+                             layout.world_size // layout.plan_ngpus, fixed, blocks, wait)
+
+
+def per_op_plan(graph: fx.Graph, inputs, ops, blocks: dict[str, list[str]], tp: Plan, unit: UnitCosts,
+                keys: dict[str, str], layout, profile: DeviceProfile, nmicros: int, pins, budget: float | None = None
+                ) -> tuple[Plan, OpPlacements, list[str]]:
+    """:func:`per_op_problem` solved (``budget``: bytes a rank may hold, as :meth:`PlacementProblem.held`
+    counts them) as a plan of ``tp``'s unit (node ``keys`` by name), and what the plan cannot say."""
+    placed = per_op_problem(graph, inputs, ops, blocks, tp, unit, layout, profile, nmicros, pins).solve(30.0, budget)
     plan, unsaid = as_plan(tp, placed, graph, inputs, keys)
     return plan, placed, unsaid
 
@@ -500,8 +505,6 @@ def _needs_grad(graph: fx.Graph, input_of) -> dict[fx.Node, bool]:
         if node.op == "placeholder":
             needs[node] = floating and bool(getattr(input_of.get(node), "requires_grad", False))
         elif node.op == "call_function":
-            if node.target is operator.getitem:
-                floating = isinstance(value, torch.Tensor) and value.is_floating_point()
             needs[node] = floating and any(needs.get(a, False) for a in node.all_input_nodes)
     return needs
 
@@ -534,6 +537,5 @@ def _local_bytes(value: torch.Tensor, placement: Placement, tp: int) -> int:
 
 def _moved_bytes(value: torch.Tensor, src: Placement, dst: Placement, tp: int) -> int:
     """The collective's bytes as sharding propagation counts them: the larger of the two local sizes."""
-    local = (lambda p: _local_bytes(value, p, tp) if not isinstance(p, Partial) else _local_bytes(value, p, 1))
-    return max(local(src), local(dst))
+    return max(_local_bytes(value, src, tp), _local_bytes(value, dst, tp))
 
