@@ -27,7 +27,7 @@ from ..runtime.sharding import is_sharded, present_global_shapes, restore_local_
 from ..runtime.unit_inputs import InputCheck
 from .agreement import ensure_ranks_agree, ensure_ranks_agree_on_source
 from .autodist import autodist_plan
-from .capture import describe_inputs
+from .capture import describe_inputs, raising_not_breaking
 from .compile import compile_program
 from .pipeline import plan_pipeline
 from .plan_and_compile import plan_and_compile
@@ -40,6 +40,7 @@ log = logging.getLogger("dynshard")
 _logged_configs: set[str] = set()
 
 
+@raising_not_breaking
 def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Any = None, **kwargs):
     """Dynamo backend entry point (``torch.compile(model, backend="dynshard", options=...)``)."""
     if kwargs:

@@ -12,6 +12,7 @@ process mixes them (``F.cross_entropy(logits, labels)``), and Dynamo's trace onl
 from __future__ import annotations
 
 import contextlib
+import functools
 import re
 from typing import Any, Sequence
 
@@ -25,6 +26,29 @@ from ..runtime.graph_inputs import GraphInput, mesh_identity  # noqa: F401  (re-
 from ..runtime.sharding import get_tag
 
 _MODULE_PATH = re.compile(r"\._modules\['([^']+)'\]|\._(parameters|buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)")
+
+
+class BackendFailedError(RuntimeError):
+    """dynshard failed on FakeTensors while planning or compiling a graph (an error Dynamo would have made a
+    graph break of, running the frame eagerly outside the plan)."""
+
+
+def raising_not_breaking(backend):
+    """``backend`` with the errors Dynamo turns into a graph break raised instead. Dynamo takes FakeTensor's
+    data-dependent, dynamic-shape and unsupported-operator errors from a backend as the graph's own and runs
+    the frame eagerly, with a warning: the model would then train partly outside dynshard (its inner frames
+    planned alone, its parameters placed per inner graph). Dynamo has already traced the graph, so such an
+    error comes from dynshard's planning on fake values, never from the user's code."""
+    @functools.wraps(backend)
+    def raising(*args, **kwargs):
+        try:
+            return backend(*args, **kwargs)
+        except compat.graph_break_exceptions() as error:
+            raise BackendFailedError(
+                f"dynshard: planning this graph failed on FakeTensors ({type(error).__name__}: {error}). Dynamo "
+                "would have made a graph break of it and run the frame eagerly, outside the plan. Please report "
+                "it with the model; a different policy or partition_constraints may avoid it") from error
+    return raising
 
 
 _LOCAL = re.compile(r"^L\['([^']+)'\]$")

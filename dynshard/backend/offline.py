@@ -23,7 +23,7 @@ from ..planning import Plan
 from ..planning.cost_model import DeviceProfile, load_profile
 from ..planning.plan import fingerprint
 from ..runtime import mesh
-from .capture import describe_inputs
+from .capture import describe_inputs, raising_not_breaking
 from .plan_cache import modes_token
 from .autodist import search
 from .planner import run_planner
@@ -70,6 +70,7 @@ def plan(model: torch.nn.Module, args: Sequence[Any], config: Config | Mapping[s
     return plans
 
 
+@raising_not_breaking
 def _plan_graph(gm: fx.GraphModule, example_inputs, config: Config, plans: list[Plan], profile: DeviceProfile | None):
     world = dist.get_world_size()
     config = config.resolve(world)

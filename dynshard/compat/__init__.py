@@ -240,6 +240,14 @@ def graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
     return _LazyGraphModule(root, graph)
 
 
+def graph_break_exceptions() -> tuple[type[Exception], ...]:
+    """The exceptions a backend may raise that Dynamo turns into a graph break, running the frame eagerly with
+    only a warning (``torch._dynamo.exc.exceptions_allowed_to_be_fallback``: FakeTensor's data-dependent,
+    dynamic-shape and unsupported-operator errors)."""
+    from torch._dynamo.exc import exceptions_allowed_to_be_fallback
+    return tuple(exceptions_allowed_to_be_fallback)
+
+
 def keep_shapes_static() -> None:
     """dynshard plans static shapes: a new batch size recompiles instead of going symbolic."""
     torch._dynamo.config.automatic_dynamic_shapes = False
