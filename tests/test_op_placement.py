@@ -11,7 +11,7 @@ import pytest
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
 from workers_op_placement import (autodist_candidates, ilp_beside_every_choice, per_op_budget_sweep, per_op_report,
-                                  train_on_plan)
+                                  train_on_plan, unit_flops)
 
 
 @pytest.mark.parametrize("model_name, profile", [
@@ -86,17 +86,43 @@ def test_under_a_budget_its_plan_misses_autodist_chooses_the_per_op_plan_with_it
     assert all(step > fitting[0] for name, (step, _, fits) in candidates.items() if fits and name != chosen)
 
 
-def test_a_job_trains_like_one_process_on_the_per_op_plan(tmp_path):
-    """The test GPT under a profile where compute is dear and collectives free: the ILP splits every op it can
-    (parameters at rest split and gathered where used whole, values read in other placements by some of
-    their readers). Two ranks train on that plan like one process (SGD with momentum, strict), issuing the
-    forward collectives the plan predicts."""
-    report = run_ranks(per_op_report, 1, "gpt", "dear", timeout=300)[0]
+def test_a_fused_projection_costs_what_its_three_projections_cost():
+    """nanoGPT's c_attn, split into one matmul per block for the unit: the cost model counts the FLOPs and
+    bytes of the blocks' matmuls (they had no values on FakeTensors, and counted nothing)."""
+    assert run_ranks(unit_flops, 1, "fused-gpt")[0] == run_ranks(unit_flops, 1, "gpt")[0]
+
+
+def test_a_fused_projection_is_split_by_blocks_where_its_three_projections_are_split():
+    """Under a profile where compute is dear, the ILP holds the fused c_attn weight as this rank's rows of each
+    block (``S0x3``, the tp policy's placement for it) where it splits the unfused q, k and v weights, and
+    places everything else alike; propagation places every value as it planned."""
+    fused, unfused = (run_ranks(per_op_report, 1, name, "dear", timeout=300)[0] for name in ("fused-gpt", "gpt"))
+    assert fused["mismatches"] == [] and fused["unsaid"] == []
+    fused_tp = {name: t["tp"] for name, t in json.loads(fused["plan"])["tensors"].items()}
+    unfused_tp = {name: t["tp"] for name, t in json.loads(unfused["plan"])["tensors"].items()}
+    for layer in (0, 1):
+        attn = f"blocks.{layer}.attn"
+        assert fused_tp.pop(f"{attn}.c_attn.weight") == "S0x3"
+        assert {unfused_tp.pop(f"{attn}.{p}.weight") for p in "qkv"} == {"S0"}
+        assert fused_tp.pop(f"{attn}.c_attn.bias") == unfused_tp.pop(f"{attn}.q.bias") == "R"
+        unfused_tp.pop(f"{attn}.v.bias")
+    assert fused_tp == unfused_tp
+    assert fused["collectives"] == unfused["collectives"]
+
+
+@pytest.mark.parametrize("model_name", ["gpt", "fused-gpt", "llama"])
+def test_a_job_trains_like_one_process_on_the_per_op_plan(tmp_path, model_name):
+    """A test model under a profile where compute is dear and collectives free: the ILP splits every op it can
+    (parameters at rest split and gathered where used whole, a fused projection's blocks, values read in other
+    placements by some of their readers; transformers' Llama with grouped-query attention). Two ranks train on
+    that plan like one process (SGD with momentum, strict), issuing the forward collectives the plan
+    predicts."""
+    report = run_ranks(per_op_report, 1, model_name, "dear", timeout=300)[0]
     assert report["mismatches"] == [] and report["unsaid"] == []
     plan = json.loads(report["plan"])
     assert any(a["readers"] for a in plan["activations"].values())
     path = tmp_path / "per_op.json"
     path.write_text(report["plan"])
-    for rank, result in enumerate(run_ranks(train_on_plan, 2, str(path), timeout=600)):
+    for rank, result in enumerate(run_ranks(train_on_plan, 2, str(path), model_name, timeout=600)):
         assert_trains_like_one_process(result, f"rank {rank}")
         assert result["collectives"] == report["collectives"], rank

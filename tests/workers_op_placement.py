@@ -42,8 +42,8 @@ def _model(name: str):
         with torch.device("meta"):
             model = TwoLayerMLP(dim)
         return model, (torch.randn(8, dim),)
-    if name == "gpt":
-        return GPT(GPTConfig()), gpt_batch(GPTConfig(), 4, 0)
+    if name in ("gpt", "fused-gpt"):       # (fused: one c_attn projection split into q, k and v)
+        return GPT(GPTConfig(fused_qkv=name == "fused-gpt")), gpt_batch(GPTConfig(), 4, 0)
     if name == "llama":
         return LlamaLM(GPTConfig()), gpt_batch(GPTConfig(), 4, 0)
     if name == "bench-gpt":     # (benchmarks/gpt_job.py's default sizes)
@@ -175,6 +175,18 @@ def autodist_candidates(rank: int, world: int, model_name: str, pas_config: dict
     return record["chosen"], candidates, plan.predicted.get("op_placement"), str(dynshard.explain([plan]))
 
 
+def unit_flops(rank: int, world: int, model_name: str) -> tuple[int, int]:
+    """The FLOPs and the bytes written of the ops of a model's graph as lowered for a unit of 2 ranks (the cost
+    model's figures)."""
+    model, batch = _model(model_name)
+
+    def look(lowered, ctx, inputs, config, layout):
+        ops = op_costs(lowered, inputs, ctx.fake_mode)
+        return sum(op.flops for op in ops), sum(op.out_bytes for op in ops if op.flops)
+
+    return _with_lowered(model, batch, 2, look)
+
+
 def ilp_beside_every_choice(rank: int, world: int, model_name: str, profile_name: str) -> dict:
     """The per-op ILP's objective, and the least objective found by trying every option of every node."""
     profile = DEAR_COMPUTE if profile_name == "dear" else load_profile(profile_name, "cpu")
@@ -201,10 +213,9 @@ def ilp_beside_every_choice(rank: int, world: int, model_name: str, profile_name
     return _with_lowered(model, batch, 2, look)
 
 
-def train_on_plan(rank: int, world: int, path: str, steps: int = 3) -> dict:
-    """The test GPT trained on a plan file beside one process, SGD with momentum."""
-    torch.manual_seed(0)
-    model = GPT(GPTConfig())
+def train_on_plan(rank: int, world: int, path: str, model_name: str = "gpt", steps: int = 3) -> dict:
+    """A test model ("gpt", "fused-gpt", "llama") trained on a plan file beside one process, SGD with momentum."""
+    model, _ = _model(model_name)
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
         plan_ngpus=2, compiler="aot_eager", load_plan_path=path))

@@ -116,17 +116,31 @@ def _parameter_of(node) -> fx.Node | None:
 
 def _rewrite(graph: fx.Graph, split, weight, weight_dim, bias, activation, reshapes, count, size) -> None:
     users = {u.args[1]: u for u in split.users}
+    product = reshapes[0].args[0] if reshapes else split.args[0]
+    while product.target is not aten.mm.default:        # (the matched mm, under a bias added after it)
+        product = product.args[0]
     with graph.inserting_before(split):
         for index in range(count):
-            block = graph.call_function(param_block, (weight, index, count, weight_dim))
-            operand = graph.call_function(aten.t.default, (block,)) if weight_dim == 0 else block
-            value = graph.call_function(aten.mm.default, (activation, operand))
+            block = _call(graph, param_block, (weight, index, count, weight_dim), product)
+            operand = _call(graph, aten.t.default, (block,), product) if weight_dim == 0 else block
+            value = _call(graph, aten.mm.default, (activation, operand), product)
             for reshape in reshapes:
                 shape = list(reshape.args[1])
                 shape[-1] = size
-                value = graph.call_function(aten.reshape.default, (value, shape))
+                value = _call(graph, aten.reshape.default, (value, shape), reshape)
             if bias is not None:
-                value = graph.call_function(aten.add.Tensor, (value, graph.call_function(
-                    param_block, (bias, index, count, 0))))
+                value = _call(graph, aten.add.Tensor, (value, _call(graph, param_block, (bias, index, count, 0),
+                                                                     product)), product)
             if index in users:
                 users[index].replace_all_uses_with(value)
+
+
+def _call(graph: fx.Graph, target, args: tuple, like: fx.Node) -> fx.Node:
+    """A new node with its value on FakeTensors (what the cost model and the per-op placement ILP read) and the
+    module path of the node it replaces."""
+    node = graph.call_function(target, args)
+    node.meta["val"] = target(*fx.node.map_arg(args, lambda a: a.meta["val"]))
+    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node"):
+        if key in like.meta:
+            node.meta[key] = like.meta[key]
+    return node

@@ -4,8 +4,10 @@ forward choice priced with what it implies in the backward (the backward is auto
 redistribution's gradient is its transpose).
 
 Nodes. Every tensor value of the forward graph whose placement is chosen:
-- a parameter, buffer or input (a placeholder): whole, or split along a dimension the unit's size divides
-  (user inputs and tensors the builder fixed, e.g. pins, keep their placement);
+- a parameter, buffer or input (a placeholder): whole, or split along a dimension the unit's size divides,
+  or, a fused projection's weight or bias read only as blocks (``passes/split_fused_projections``), this
+  rank's rows of every block (``_StridedShard``, the tp policy's placement of it), each ``param_block`` then
+  this rank's rows of its block (user inputs and tensors the builder fixed, e.g. pins, keep their placement);
 - an op: each of DTensor's strategies for it (:func:`dynshard.compat.op_strategies.op_strategies`) whose
   inputs are whole or split (a partial input only from a whole value that needs no gradient: the
   vocabulary's indices under a split table), its partial output reduced where it is made, as dynshard's
@@ -26,7 +28,8 @@ for each edge ``e`` (a value ``u`` read as argument ``a`` of node ``v``, or as a
                (no z[e,p,q] where p cannot become q: a partial read from anything but a whole value;
                a placeholder read otherwise than it is held, since a plan places a tensor for every
                reader (a parameter held split and used whole is gathered from a view of it, e.g. its
-               transpose); one split read along another dimension, an all-to-all)
+               transpose); one split read along another dimension, an all-to-all; a strided shard read
+               otherwise than it is)
 
 Costs, in seconds a step (the device profile's; a micro-batch's terms times ``nmicros``):
 - ``c``: the op's forward and backward (3x the forward: its FLOPs at the device's rate, else its bytes at
@@ -48,8 +51,8 @@ variables, so the ILP's size is one layer's whatever the depth.
 The chosen placements are a :class:`~dynshard.planning.Plan` (:func:`as_plan`): each placeholder's, and each
 value redistributed for the readers whose option needs it otherwise (``Plan.activations``), so that sharding
 propagation, given the plan, runs each op on the inputs its option reads. Not yet: several placements of
-one value for different readers, all-to-all redistributions (sharding propagation on the
-planning mesh cannot trace one: DTensor asks the fake group for a local rank).
+one value for different readers, all-to-all redistributions and gathers of a strided shard (sharding
+propagation on the planning mesh cannot trace them: DTensor asks the fake group for the rank's coordinate).
 """
 
 from __future__ import annotations
@@ -64,13 +67,16 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
+from ...compat import StridedShard
 from ...compat.op_strategies import OpStrategyChoice, op_strategies, tensor_arguments
 from ...passes.propagate_sharding import transition_kind
+from ...passes.split_fused_projections import param_block
 from ...passes.vocab_parallel_loss import loss_pairs
 from ...config.pins import pin_of
 from ...planning import ActivationChoice, Plan, decode_placement, encode_placement
 from ...planning.cost_model import BUCKET_BYTES, DeviceProfile, UnitCosts, forward_seconds, tp_calls
 from ...planning.solver import Solution, solve
+from ...runtime.sharding import SHARDS
 
 MEMORY_TIE = 1e-15          # seconds per byte held: among equally fast options, the smaller
 BACKWARD = 2                # the backward's work, in forwards
@@ -144,7 +150,7 @@ class PlacementProblem:
         value, inp = node.meta["val"], self.input_of[node]
         trainable = inp.is_state and inp.requires_grad
         options = []
-        for placement in ([given] if given is not None else self.placements(value)):
+        for placement in ([given] if given is not None else self.placements(value) + _blocked(node, self.tp)):
             held = _local_bytes(value, placement, self.tp)
             seconds = MEMORY_TIE * held * (4 if trainable else 1)
             if trainable and self.dp > 1:
@@ -172,6 +178,8 @@ class PlacementProblem:
 
     def op_options(self, node: fx.Node) -> list[Option]:
         arguments = tensor_arguments(node)
+        if node.target is param_block:
+            return _block_options(node, self.made_as(arguments[0]))
         if not arguments:
             return [Option((), _whole_outputs(node), False, self.compute(node, False))]
         arriving = {a: self.made_as(a) for a in arguments}
@@ -265,8 +273,10 @@ class PlacementProblem:
     def _redistribution(self, value, made, read, split, grad, parameter) -> float | None:
         if isinstance(read, Partial):
             return 0.0 if isinstance(made, Replicate) and not grad else None
-        if isinstance(made, Shard) and isinstance(read, Shard) and made != read:
+        if isinstance(made, SHARDS) and isinstance(read, SHARDS) and made != read:
             return None     # (an all-to-all: not yet planned, see the module's docstring)
+        if isinstance(made, StridedShard) and made != read:
+            return None     # (gathering a strided shard asks the planning mesh's fake group for a coordinate)
         seconds = self.collective(transition_kind(made, read), _moved_bytes(value, made, read, self.tp), forward=True)
         if grad:
             arrives = Partial() if isinstance(read, Replicate) and split else read
@@ -318,7 +328,7 @@ class PlacementProblem:
             return held * (4 if inp.is_state and inp.requires_grad else 1)
         op = self.ops.get(node.name)
         saved = op.saved_bytes if op is not None else 0
-        return saved / self.tp if isinstance(option.outputs[0] if option.outputs else None, Shard) else saved
+        return saved / self.tp if isinstance(option.outputs[0] if option.outputs else None, SHARDS) else saved
 
     def objective(self, chosen: dict[fx.Node, Option]) -> float | None:
         """The ILP's objective for an option of each node (of ``self.options``; None: a read it cannot make)."""
@@ -530,9 +540,30 @@ def _whole_outputs(node: fx.Node) -> tuple[Placement | None, ...]:
     return tuple(Replicate() if isinstance(v, torch.Tensor) else None for v in values)
 
 
+def _blocked(node: fx.Node, tp: int) -> list[Placement]:
+    """A fused projection's weight or bias, read only as blocks (``passes/split_fused_projections``): this rank's
+    rows of every block (``_StridedShard(dim, blocks)``), as the tp policy holds it, when each block splits."""
+    readers = {(u.args[2], u.args[3]) if u.target is param_block else None for u in node.users}
+    if len(readers) != 1 or None in readers:
+        return []
+    (count, dim), = readers
+    size = node.meta["val"].shape[dim] // count
+    return [StridedShard(dim, split_factor=count)] if size % tp == 0 and size >= tp else []
+
+
+def _block_options(node: fx.Node, held: list[Placement]) -> list[Option]:
+    """A block of a fused parameter: of a whole one, whole; of its strided shard, this rank's rows of the block,
+    no communication (``param_block``)."""
+    strided = StridedShard(node.args[3], split_factor=node.args[2])
+    options = [Option((Replicate(),), (Replicate(),), False, 0.0)]
+    if strided in held:
+        options.append(Option((strided,), (Shard(node.args[3]),), False, 0.0))
+    return options
+
+
 def _local_bytes(value: torch.Tensor, placement: Placement, tp: int) -> int:
     whole = value.numel() * value.element_size()
-    return whole // tp if isinstance(placement, Shard) else whole
+    return whole // tp if isinstance(placement, SHARDS) else whole
 
 
 def _moved_bytes(value: torch.Tensor, src: Placement, dst: Placement, tp: int) -> int:
