@@ -6,8 +6,10 @@ from __future__ import annotations
 import itertools
 import random
 import time
+import types
 
 import numpy as np
+import pytest
 
 from dynshard.planning.stage_cuts import balanced_cuts, enumerated_cuts, fitting_cut, searched_cut
 
@@ -324,3 +326,37 @@ def test_a_32_layer_model_in_4_ranks_of_2_stages_gets_a_cut_under_a_budget_its_b
               f"{cut.heaviest / cut.bound:.4f} x the bound {cut.note()}")
         assert excess([[0, *cut.cuts, n]])[0] == 0 and set(cut.cuts) <= set(candidates) and len(cut.cuts) == 7
         assert cut.bound <= cut.heaviest == max(_stages(weights, cut.cuts))
+
+
+@pytest.mark.parametrize("model_name", ["gpt", "fused-gpt", "llama"])
+def test_each_distinct_call_measured_once_counts_every_nodes_flops(model_name):
+    """The stage cut's FLOPs per node of Dynamo's graph: each distinct call (target, argument shapes, layouts
+    and values) run once on the values Dynamo recorded gives every node the count running the whole graph
+    gives it, with fewer calls run than the graph has nodes (its repeated layers)."""
+    import torch
+
+    from dynshard import compat
+    from dynshard.backend.capture import describe_inputs
+    from dynshard.passes.cut_stages import _measure_every_node, _measure_flops, _signature
+    from models import GPT, GPTConfig, LlamaLM, gpt_batch
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(layers=4, fused_qkv=model_name == "fused-gpt")
+    model = LlamaLM(cfg) if model_name == "llama" else GPT(cfg)
+    captured = []
+
+    def capture(gm, example_inputs):
+        captured.append((gm, example_inputs))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=capture)(*gpt_batch(cfg, 4, 0))
+    torch._dynamo.reset()
+    (gm, example_inputs), = captured
+    ctx = types.SimpleNamespace(fake_mode=compat.new_fake_mode(), layout=types.SimpleNamespace(device_type="cpu"),
+                                inputs=describe_inputs(gm, example_inputs))
+    measured, every = _measure_flops(gm, ctx), _measure_every_node(gm, ctx)
+    assert measured == every and sum(every.values()) > 0
+    signatures = [_signature(node) for node in gm.graph.nodes]
+    assert False not in signatures      # (measured call by call, not by the whole graph's run)
+    assert len({s for s in signatures if s is not None}) < len(signatures) / 2

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import operator
 import re
 from collections import Counter
 from typing import Any
@@ -95,6 +96,73 @@ def _node_flops(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, int]:
 
 
 def _measure_flops(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, int]:
+    """Each node's forward FLOPs: the nodes of a repeated layer run the same calls on the same shapes, so a
+    node whose call (target, argument shapes, layouts and values) was measured takes that count, and each
+    distinct call runs once, alone, on the values Dynamo recorded for its arguments (``example_value``);
+    the graph runs whole when a node has none or a call mutates its arguments."""
+    signatures = {node: _signature(node) for node in gm.graph.nodes}
+    if any(s is False for s in signatures.values()):
+        return _measure_every_node(gm, ctx)
+    counter = FlopCounterMode(display=False)
+    measured: dict[Any, int] = {}
+
+    def fresh(arg: fx.Node):        # (a value of this fake mode like the one Dynamo recorded)
+        value = arg.meta["example_value"]
+        if not isinstance(value, torch.Tensor):
+            return value
+        device = ctx.layout.device_type if value.device.type == "meta" else value.device
+        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+
+    with ctx.fake_mode, counter, torch.no_grad():
+        for node, signature in signatures.items():
+            if signature is not None and signature not in measured:
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), fresh)
+                before = counter.get_total_flops()
+                if node.op == "call_function":
+                    node.target(*args, **kwargs)
+                else:
+                    getattr(args[0], node.target)(*args[1:], **kwargs)
+                measured[signature] = counter.get_total_flops() - before
+    return {node: 0 if signature is None else measured[signature] for node, signature in signatures.items()}
+
+
+def _signature(node: fx.Node):
+    """What a node's FLOPs depend on (None: it has none; False: it cannot be measured alone)."""
+    if node.op not in ("call_function", "call_method", "call_module"):
+        return None
+    if node.op == "call_module" or _mutates(node):      # (a module's state, or an in-place call)
+        return False
+
+    def described(arg):
+        value = arg.meta.get("example_value", _MISSING)
+        if value is _MISSING:
+            raise LookupError
+        if isinstance(value, torch.Tensor):
+            return ("tensor", tuple(value.shape), value.stride(), value.dtype, value.requires_grad)
+        return repr(value)
+
+    try:
+        return node.op, node.target, repr(fx.node.map_arg((node.args, node.kwargs), described))
+    except LookupError:
+        return False
+
+
+def _mutates(node: fx.Node) -> bool:
+    if node.kwargs.get("inplace") or node.target in _OPERATOR_IN_PLACE:
+        return True
+    if getattr(node.target, "__module__", None) == "_operator":     # (operator.and_ is not in place)
+        return False
+    name = getattr(node.target, "__name__", str(node.target))
+    return name.endswith("_") and not name.endswith("__")
+
+
+_OPERATOR_IN_PLACE = {operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+                      operator.imod, operator.ipow, operator.imatmul, operator.iand, operator.ior, operator.ixor,
+                      operator.ilshift, operator.irshift}
+_MISSING = object()
+
+
+def _measure_every_node(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, int]:
     flops: dict[fx.Node, int] = {node: 0 for node in gm.graph.nodes}
 
     counter = FlopCounterMode(display=False)      # (one counter, read before and after each node)
