@@ -11,6 +11,8 @@ needs all of them. Private API: ``ShardingPropagator.op_strategy_funcs`` (an ``O
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 
 import torch
 import torch.fx as fx
@@ -40,7 +42,31 @@ def tensor_arguments(node: fx.Node) -> list[fx.Node]:
 def op_strategies(node: fx.Node, mesh, options: dict[fx.Node, list[Placement]]) -> list[OpStrategyChoice] | None:
     """DTensor's strategies for ``node`` on the 1-D ``mesh`` when each tensor argument may arrive in any of
     ``options[argument]``; None when DTensor has no strategy function for the op (or its function refuses
-    these arguments)."""
+    these arguments). A function that refuses one of the placements offered (``nll_loss_forward`` over
+    log-probabilities split on their classes) is asked again for each combination of one placement per
+    argument, and what it accepts is kept."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    if not isinstance(node.target, OpOverload) or (node.target not in propagator.op_strategy_funcs and node.target
+                                                   not in getattr(propagator, "op_single_dim_strategy_funcs", {})):
+        return None
+    found = _asked(node, mesh, options)
+    arguments = list(dict.fromkeys(tensor_arguments(node)))
+    combinations = math.prod(len(options[a]) for a in arguments)
+    if found is None and 1 < combinations <= _MOST_COMBINATIONS:
+        found = []
+        for chosen in itertools.product(*(options[a] for a in arguments)):
+            for choice in _asked(node, mesh, {a: [p] for a, p in zip(arguments, chosen)}) or ():
+                if choice not in found:
+                    found.append(choice)
+    return found or None
+
+
+_MOST_COMBINATIONS = 64
+
+
+def _asked(node: fx.Node, mesh, options: dict[fx.Node, list[Placement]]) -> list[OpStrategyChoice] | None:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
     from torch.distributed.tensor._op_schema import OpSchema, OpSpec, OpStrategy, TupleStrategy
@@ -49,8 +75,6 @@ def op_strategies(node: fx.Node, mesh, options: dict[fx.Node, list[Placement]]) 
     from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
     op = node.target
-    if not isinstance(op, OpOverload):
-        return None
     propagator = DTensor._op_dispatcher.sharding_propagator
 
     def meta(value):

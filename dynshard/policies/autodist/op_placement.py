@@ -203,23 +203,26 @@ class PlacementProblem:
         for arg, placement in zip(arguments, strategy.inputs):
             if isinstance(placement, Partial) and self.needs_grad.get(arg, False):
                 return []
-        if any(isinstance(p, Partial) for p in strategy.outputs[1:]):
-            return []
         split = any(not isinstance(p, Replicate) for p in (*strategy.inputs, *strategy.outputs) if p is not None)
         compute = self.compute(node, split)
+        rest = []       # a later partial output (nll_loss's total weight over batch shards) is made whole
+        for placement, value in zip(strategy.outputs[1:], _output_values(node)[1:]):
+            if isinstance(placement, Partial):
+                compute += self.micro(self.collective("all_reduce", _local_bytes(value, Replicate(), 1), forward=True))
+            rest.append(Replicate() if isinstance(placement, Partial) else placement)
         first = strategy.outputs[0] if strategy.outputs else None
         if not isinstance(first, Partial):
-            return [Option(strategy.inputs, strategy.outputs, split, compute)]
+            return [Option(strategy.inputs, (*strategy.outputs[:1], *rest), split, compute)]
         value = _first_value(node)
         whole = _local_bytes(value, Replicate(), 1)
         grad = self.needs_grad.get(node, False)
-        options = [Option(strategy.inputs, (Replicate(), *strategy.outputs[1:]), split,
+        options = [Option(strategy.inputs, (Replicate(), *rest), split,
                           compute + self.micro(self.collective("all_reduce", whole, forward=True)))]
         if type(first) is Partial:      # (a masked partial, the split table's, is only ever made whole)
             for target in self.placements(value)[1:]:
                 back = self.collective("all_gather", whole) if grad else 0.0
                 reduced = self.collective("reduce_scatter", whole, forward=True)
-                options.append(Option(strategy.inputs, (target, *strategy.outputs[1:]), split,
+                options.append(Option(strategy.inputs, (target, *rest), split,
                                       compute + self.micro(reduced + back), reduced_to=target))
         return options
 
@@ -532,6 +535,11 @@ def _structure(value) -> str:
 def _first_value(node: fx.Node) -> torch.Tensor:
     value = node.meta["val"]
     return value if isinstance(value, torch.Tensor) else next(v for v in value if isinstance(v, torch.Tensor))
+
+
+def _output_values(node: fx.Node) -> tuple:
+    value = node.meta.get("val")
+    return tuple(value) if isinstance(value, (list, tuple)) else (value,)
 
 
 def _whole_outputs(node: fx.Node) -> tuple[Placement | None, ...]:
