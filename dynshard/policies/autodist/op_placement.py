@@ -11,7 +11,8 @@ Nodes. Every tensor value of the forward graph whose placement is chosen:
 - an op: each of DTensor's strategies for it (:func:`dynshard.compat.op_strategies.op_strategies`) whose
   inputs are whole or split (a partial input only from a whole value that needs no gradient: the
   vocabulary's indices under a split table), its partial output reduced where it is made, as dynshard's
-  propagation does, to whole (all-reduce) or to a split (reduce-scatter); plus dynshard's own
+  propagation does, to whole (all-reduce) or to a split (reduce-scatter), a later partial output (a loss's
+  total weight) to whole; plus dynshard's own
   vocabulary-parallel cross-entropy (log_softmax and nll_loss over logits split on their classes: three
   all-reduces of one value per row). An op DTensor cannot shard has one option: whole, its inputs gathered.
   A ``getitem`` is not a node: its readers read the producer's output of that index.
