@@ -59,6 +59,16 @@ def test_a_loss_over_the_batchs_shards_is_an_option_and_under_gloo_the_ilp_runs_
     assert result["predicted"]["per op"] < 0.85 * result["predicted"]["tp"]
 
 
+def test_on_the_ilps_plan_with_the_loss_over_the_batchs_shards_padded_targets_train_like_one_process(tmp_path):
+    """The same plan, the bench GPT's targets padded (-100, a different count in each row, so each rank's
+    rows hold a different share of the loss's weight): two ranks train like one process (SGD, strict)."""
+    path = tmp_path / "per_op.json"
+    path.write_text(run_ranks(per_op_report, 1, "bench-gpt", "cpu", timeout=300)[0]["plan"])
+    for rank, result in enumerate(run_ranks(train_on_plan, 2, str(path), "bench-gpt", timeout=600)):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert result["collectives"] == {"all_reduce": 2}, rank
+
+
 def test_repeated_layers_tied_choose_the_plan_untied_layers_choose():
     """Tied, each layer's nodes share the first layer's variables: fewer edges, the same objective and plan."""
     tied, untied = (run_ranks(per_op_report, 1, "wide-gpt4", "cuda", tie, timeout=300)[0] for tie in (True, False))

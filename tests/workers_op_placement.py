@@ -25,6 +25,9 @@ KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 DEAR_COMPUTE = DeviceProfile("dear compute", 1e6, 1e6, {k: 1e-9 for k in KINDS}, {k: 1e15 for k in KINDS})
 
 
+BENCH_GPT = GPTConfig(vocab=4096, seq=128, d_model=256, heads=4, layers=4)    # (benchmarks/gpt_job.py's sizes)
+
+
 class TwoLayerMLP(torch.nn.Module):
     def __init__(self, dim: int):
         super().__init__()
@@ -46,8 +49,8 @@ def _model(name: str):
         return GPT(GPTConfig(fused_qkv=name == "fused-gpt")), gpt_batch(GPTConfig(), 4, 0)
     if name == "llama":
         return LlamaLM(GPTConfig()), gpt_batch(GPTConfig(), 4, 0)
-    if name == "bench-gpt":     # (benchmarks/gpt_job.py's default sizes)
-        cfg = GPTConfig(vocab=4096, seq=128, d_model=256, heads=4, layers=4)
+    if name == "bench-gpt":
+        cfg = BENCH_GPT
     else:                       # "wide-gptN": d 1024, seq 512, vocab 32k, N layers, on meta
         cfg = GPTConfig(vocab=32768, seq=512, d_model=1024, heads=16, layers=int(name.removeprefix("wide-gpt")))
     with torch.device("meta"):
@@ -175,6 +178,14 @@ def autodist_candidates(rank: int, world: int, model_name: str, pas_config: dict
     return record["chosen"], candidates, plan.predicted.get("op_placement"), str(dynshard.explain([plan]))
 
 
+def _padded(batch):
+    idx, targets = batch
+    targets = targets.clone()
+    for row in range(targets.shape[0]):
+        targets[row, targets.shape[1] - 9 * row:] = -100
+    return idx, targets
+
+
 def unit_flops(rank: int, world: int, model_name: str) -> tuple[int, int]:
     """The FLOPs and the bytes written of the ops of a model's graph as lowered for a unit of 2 ranks (the cost
     model's figures)."""
@@ -214,8 +225,10 @@ def ilp_beside_every_choice(rank: int, world: int, model_name: str, profile_name
 
 
 def train_on_plan(rank: int, world: int, path: str, model_name: str = "gpt", steps: int = 3) -> dict:
-    """A test model ("gpt", "fused-gpt", "llama") trained on a plan file beside one process, SGD with momentum."""
-    model, _ = _model(model_name)
+    """A test model ("gpt", "fused-gpt", "llama", or "bench-gpt" built for real, its targets padded with -100: a
+    different count in each row) trained on a plan file beside one process, SGD with momentum."""
+    torch.manual_seed(0)
+    model = GPT(BENCH_GPT) if model_name == "bench-gpt" else _model(model_name)[0]
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
         plan_ngpus=2, compiler="aot_eager", load_plan_path=path))
@@ -223,7 +236,7 @@ def train_on_plan(rank: int, world: int, path: str, model_name: str = "gpt", ste
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     losses, ref_losses = [], []
     for step in range(steps):
-        batch = gpt_batch(GPTConfig(), 4, step)
+        batch = gpt_batch(GPTConfig(), 4, step) if model_name != "bench-gpt" else _padded(gpt_batch(BENCH_GPT, 8, step))
         loss, ref_loss = compiled(*batch), reference(*batch)
         loss.backward()
         ref_loss.backward()
