@@ -4,6 +4,7 @@
 """
 
 from .backend.agreement import PlanMismatchError, PlanningFailedError
+from .backend.capture import BackendFailedError
 from .backend.offline import plan
 from .backend.planner import Planning, PlannerError
 from .config import Config, ConfigError
@@ -54,4 +55,4 @@ __all__ = ["broadcast_weights", "deduped_state_dict", "load_deduped_state_dict",
            "collect_state_dict",
            "data_parallel_rank", "explain", "get_parallel_dim", "infer_step", "no_sync", "register_ddp_parameters_to_ignore",
            "register_parallel_attribute", "register_parallel_dim", "relocate_state_dict", "slice", "summon_full_params", "tensor_parallel",
-           "train_step", "DDPWrapError", "EagerCallOnShardsError", "UnitInputMismatchError"]
+           "train_step", "BackendFailedError", "DDPWrapError", "EagerCallOnShardsError", "UnitInputMismatchError"]

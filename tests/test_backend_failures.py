@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
+import dynshard
 from dynshard.backend import dynshard_backend
 from dynshard.backend.capture import BackendFailedError, raising_not_breaking
 from dynshard.backend.offline import _plan_graph
@@ -38,6 +39,10 @@ def test_a_failure_on_fake_values_is_raised_naming_what_failed():
         torch.compile(_double, backend=raising_not_breaking(_fails_on_fake))(torch.ones(3))
     assert isinstance(raised.value.inner_exception, BackendFailedError)     # (Dynamo's BackendCompilerFailed)
     torch._dynamo.reset()
+
+
+def test_the_error_is_one_of_dynshards_public_errors():
+    assert dynshard.BackendFailedError is BackendFailedError and issubclass(BackendFailedError, RuntimeError)
 
 
 def test_other_errors_pass_through_unchanged():
