@@ -10,8 +10,8 @@ import pytest
 
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
-from workers_op_placement import (autodist_candidates, ilp_beside_every_choice, per_op_budget_sweep, per_op_report,
-                                  train_on_plan, unit_flops)
+from workers_op_placement import (autodist_candidates, graph_left_as_it_was, ilp_beside_every_choice,
+                                  per_op_budget_sweep, per_op_report, train_on_plan, unit_flops)
 
 
 @pytest.mark.parametrize("model_name, profile", [
@@ -107,6 +107,15 @@ def test_under_a_budget_its_plan_misses_autodist_chooses_the_per_op_plan_with_it
     assert not free[2] and fitting[2] and fitting[1] < free[1] and fitting[0] > free[0]
     assert chosen == "tp, placed per op within mem_constraint"
     assert all(step > fitting[0] for name, (step, _, fits) in candidates.items() if fits and name != chosen)
+
+
+@pytest.mark.parametrize("model_name", ["fused-gpt", "llama"])
+def test_placing_candidates_on_one_lowered_graph_leaves_it_as_it_was(model_name):
+    """A search places every candidate on one lowered graph, not on copies of it: the tp policy (its trials),
+    the per-op ILP's plan given, data and tp + sequence parallel leave its nodes, arguments and values as they
+    were."""
+    assert run_ranks(graph_left_as_it_was, 1, model_name, timeout=300)[0] == {
+        "per op": True, "data": True, "tp + sp": True}
 
 
 def test_a_fused_projection_costs_what_its_three_projections_cost():

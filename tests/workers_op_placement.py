@@ -186,6 +186,28 @@ def _padded(batch):
     return idx, targets
 
 
+def graph_left_as_it_was(rank: int, world: int, model_name: str) -> dict:
+    """Each candidate a search places on one lowered graph (the tp policy with its trials, data, tp + sequence
+    parallel, the per-op ILP's plan given): whether the graph's nodes, arguments and values are as before."""
+    model, batch = _model(model_name)
+
+    def state(graph):
+        return [(n.name, n.op, str(n.target), str(n.args), str(n.kwargs), sorted(n.meta),
+                 str(n.meta.get("val"))) for n in graph.nodes]
+
+    def look(lowered, ctx, inputs, config, layout):
+        before, found = state(lowered.graph), {}
+        placed = _per_op(lowered, ctx, inputs, config, layout, load_profile("cuda", "cpu"))
+        found["per op"] = placed[3][0] is not None and state(lowered.graph) == before
+        for name, options in (("data", dict(policy="data")), ("tp + sp", dict(policy="tp", pas_config={
+                "sequence_parallel": True}))):
+            place_graph(lowered, ctx, dynshard.Config(plan_ngpus=2, **options).resolve(2))
+            found[name] = state(lowered.graph) == before
+        return found
+
+    return _with_lowered(model, batch, 2, look)
+
+
 def unit_flops(rank: int, world: int, model_name: str) -> tuple[int, int]:
     """The FLOPs and the bytes written of the ops of a model's graph as lowered for a unit of 2 ranks (the cost
     model's figures)."""

@@ -52,12 +52,12 @@ def lower_graph(gm: fx.GraphModule, inputs, config: Config, layout: Layout, made
 
 def place_graph(lowered: fx.GraphModule, lowered_ctx: PassContext, config: Config,
                 given: Plan | None = None) -> tuple[Plan, PassContext, fx.GraphModule]:
-    """``config``'s policy (or the ``given`` plan's placements) on a copy of a lowered graph, and the
-    propagation of its placements."""
+    """``config``'s policy (or the ``given`` plan's placements) on a lowered graph, and the propagation of its
+    placements. Neither changes the graph, so it is not copied: a search places one lowered graph for every
+    candidate."""
     ctx = PassContext(config=config, outline=outline_of(config, lowered_ctx.layout.world_size, lowered_ctx.made_for),
                       layout=lowered_ctx.layout, inputs=lowered_ctx.inputs, fake_mode=lowered_ctx.fake_mode,
                       made_for=lowered_ctx.made_for, policy=place, given=given, blocked=dict(lowered_ctx.blocked),
                       op_memo=lowered_ctx.op_memo)
-    graph = run_passes(copy_graph(lowered), ctx, PASSES[PASSES.index(assign_placements):
-                                                       PASSES.index(propagate_sharding) + 1])
+    graph = run_passes(lowered, ctx, PASSES[PASSES.index(assign_placements):PASSES.index(propagate_sharding) + 1])
     return with_forward_collectives(ctx.plan, ctx.propagation, ctx.node_keys), ctx, graph

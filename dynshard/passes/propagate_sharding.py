@@ -471,13 +471,11 @@ def propagate(gm: fx.GraphModule, ctx: PassContext, input_placements: Sequence[t
 
 
 def propagate_sharding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    """Pass: record each node's placements (``node.meta["dynshard_placements"]``) and the plan's cost."""
+    """Pass: each node's placements and the plan's cost, in ``ctx.propagation``. The graph is left as it is:
+    planning (``backend.plan_graph.place_graph``) places one lowered graph for every candidate."""
     placements = [ctx.placements[inp.index] for inp in ctx.inputs]
     ctx.propagation = propagate(gm, ctx, placements, warn=True)
     # (the plan outlives the compile; the fake value of every node need not)
     ctx.propagation.env, ctx.propagation.placed = {}, {}
-    for node in gm.graph.nodes:
-        if node.name in ctx.propagation.placements:
-            node.meta["dynshard_placements"] = ctx.propagation.placements[node.name]
     return gm
 
