@@ -142,13 +142,13 @@ def test_a_fused_projection_is_split_by_blocks_where_its_three_projections_are_s
     assert fused["collectives"] == unfused["collectives"]
 
 
-@pytest.mark.parametrize("model_name", ["gpt", "fused-gpt", "llama"])
+@pytest.mark.parametrize("model_name", ["gpt", "fused-gpt", "llama", "gpt2"])
 def test_a_job_trains_like_one_process_on_the_per_op_plan(tmp_path, model_name):
     """A test model under a profile where compute is dear and collectives free: the ILP splits every op it can
     (parameters at rest split and gathered where used whole, a fused projection's blocks, values read in other
-    placements by some of their readers; transformers' Llama with grouped-query attention). Two ranks train on
-    that plan like one process (SGD with momentum, strict), issuing the forward collectives the plan
-    predicts."""
+    placements by some of their readers; transformers' Llama with grouped-query attention, and GPT-2 with its
+    fused ``Conv1D`` projection). Two ranks train on that plan like one process (SGD with momentum, strict),
+    issuing the forward collectives the plan predicts."""
     report = run_ranks(per_op_report, 1, model_name, "dear", timeout=300)[0]
     assert report["mismatches"] == [] and report["unsaid"] == []
     plan = json.loads(report["plan"])

@@ -28,6 +28,23 @@ DEAR_COMPUTE = DeviceProfile("dear compute", 1e6, 1e6, {k: 1e-9 for k in KINDS},
 BENCH_GPT = GPTConfig(vocab=4096, seq=128, d_model=256, heads=4, layers=4)    # (benchmarks/gpt_job.py's sizes)
 
 
+class GPT2LM(torch.nn.Module):
+    """transformers' GPT2LMHeadModel (a fused ``c_attn`` in ``Conv1D``: its weight stored [in, out], the blocks on
+    dim 1) called as GPT is, ``(idx, tgt) -> loss``, at GPTConfig's sizes."""
+
+    def __init__(self, cfg: GPTConfig):
+        import transformers
+
+        super().__init__()
+        self.model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=cfg.vocab, n_positions=cfg.seq, n_embd=cfg.d_model, n_layer=cfg.layers, n_head=cfg.heads,
+            use_cache=False, bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+
+    def forward(self, idx, tgt):
+        logits = self.model(input_ids=idx).logits
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt.reshape(-1))
+
+
 class TwoLayerMLP(torch.nn.Module):
     def __init__(self, dim: int):
         super().__init__()
@@ -49,6 +66,8 @@ def _model(name: str):
         return GPT(GPTConfig(fused_qkv=name == "fused-gpt")), gpt_batch(GPTConfig(), 4, 0)
     if name == "llama":
         return LlamaLM(GPTConfig()), gpt_batch(GPTConfig(), 4, 0)
+    if name == "gpt2":
+        return GPT2LM(GPTConfig()), gpt_batch(GPTConfig(), 4, 0)
     if name == "bench-gpt":
         cfg = BENCH_GPT
     else:                       # "wide-gptN": d 1024, seq 512, vocab 32k, N layers, on meta
@@ -247,7 +266,7 @@ def ilp_beside_every_choice(rank: int, world: int, model_name: str, profile_name
 
 
 def train_on_plan(rank: int, world: int, path: str, model_name: str = "gpt", steps: int = 3) -> dict:
-    """A test model ("gpt", "fused-gpt", "llama", or "bench-gpt" built for real, its targets padded with -100: a
+    """A test model ("gpt", "fused-gpt", "llama", "gpt2", or "bench-gpt" built for real, its targets padded with -100: a
     different count in each row) trained on a plan file beside one process, SGD with momentum."""
     torch.manual_seed(0)
     model = GPT(BENCH_GPT) if model_name == "bench-gpt" else _model(model_name)[0]
