@@ -57,5 +57,5 @@ def test_other_errors_pass_through_unchanged():
 
 
 @pytest.mark.parametrize("entry", [dynshard_backend, _plan_graph], ids=["backend", "dynshard.plan"])
-def test_both_entry_points_raise_instead_of_breaking(entry):
+def test_both_entry_points_are_wrapped_so(entry):
     assert entry.__wrapped__.__name__ in ("dynshard_backend", "_plan_graph")

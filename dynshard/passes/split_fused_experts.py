@@ -29,7 +29,7 @@ import torch.fx as fx
 
 from .context import PassContext
 from .op_sets import CASTS, RESHAPES, TRANSPOSE_OPS, aten
-from .split_fused_projections import param_block
+from .split_fused_projections import call_like, param_block
 
 
 def expert_matmuls() -> dict:
@@ -159,8 +159,7 @@ def _rewrite(graph: fx.Graph, ctx: PassContext, split: fx.Node, weight: fx.Node,
     users = {u.args[1]: u for u in split.users}
     with graph.inserting_before(split), ctx.fake_mode:
         for index in range(count):
-            block = graph.call_function(param_block, (weight, index, count, weight_dim))
-            _copy_meta(block, weight, param_block(_val(weight), index, count, weight_dim))
+            block = call_like(graph, param_block, (weight, index, count, weight_dim), weight)
             value, previous = block, weight
             for node in chain:
                 args, kwargs = fx.node.map_arg((node.args, dict(node.kwargs)), lambda a: value if a is previous else a)
@@ -168,17 +167,6 @@ def _rewrite(graph: fx.Graph, ctx: PassContext, split: fx.Node, weight: fx.Node,
                     shape = list(args[1])
                     shape[-1] = size
                     args = (args[0], shape)
-                new = graph.call_function(node.target, args, kwargs)
-                fake_args, fake_kwargs = fx.node.map_arg((args, kwargs), lambda a: a.meta["val"])
-                fake = node.target(*fake_args, **fake_kwargs)
-                _copy_meta(new, node, fake)
-                value, previous = new, node
+                value, previous = call_like(graph, node.target, args, node, kwargs), node
             if index in users:
                 users[index].replace_all_uses_with(value)
-
-
-def _copy_meta(new: fx.Node, old: fx.Node, value) -> None:
-    for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node"):
-        if key in old.meta:
-            new.meta[key] = old.meta[key]
-    new.meta["val"] = value

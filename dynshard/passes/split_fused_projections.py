@@ -52,11 +52,11 @@ def split_fused_projections(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphMod
         match = _match(split)
         if match is None:
             continue
-        weight, weight_dim, bias, activation, reshapes, count, size = match
+        weight, weight_dim, bias, product, reshapes, count, size = match
         ctx.blocked[placeholders.index(_parameter_of(weight))] = (count, weight_dim)
         if bias is not None:
             ctx.blocked[placeholders.index(_parameter_of(bias))] = (count, 0)
-        _rewrite(gm.graph, split, weight, weight_dim, bias, activation, reshapes, count, size)
+        _rewrite(gm.graph, split, weight, weight_dim, bias, product, reshapes, count, size)
     gm.graph.eliminate_dead_code()
     gm.recompile()
     return gm
@@ -67,7 +67,7 @@ def _single_user(node: fx.Node) -> bool:
 
 
 def _match(split: fx.Node):
-    """(weight, weight block dim, bias, activation, reshapes, blocks, block size) or None."""
+    """(weight, weight block dim, bias, the mm, reshapes, blocks, block size) or None."""
     source, sizes, dim = split.args[0], split.args[1], split.args[2] if len(split.args) > 2 else 0
     out = source.meta.get("val") if isinstance(source, fx.Node) else None
     if out is None or dim not in (-1, out.dim() - 1):
@@ -102,7 +102,7 @@ def _match(split: fx.Node):
         weight, weight_dim = operand.args[0], 0
     if _parameter_of(weight) is None:
         return None
-    return weight, weight_dim, bias, activation, list(reversed(reshapes)), total // size, size
+    return weight, weight_dim, bias, node, list(reversed(reshapes)), total // size, size
 
 
 def _parameter_of(node) -> fx.Node | None:
@@ -114,32 +114,31 @@ def _parameter_of(node) -> fx.Node | None:
     return None
 
 
-def _rewrite(graph: fx.Graph, split, weight, weight_dim, bias, activation, reshapes, count, size) -> None:
+def _rewrite(graph: fx.Graph, split, weight, weight_dim, bias, product, reshapes, count, size) -> None:
     users = {u.args[1]: u for u in split.users}
-    product = reshapes[0].args[0] if reshapes else split.args[0]
-    while product.target is not aten.mm.default:        # (the matched mm, under a bias added after it)
-        product = product.args[0]
+    activation = product.args[0]
     with graph.inserting_before(split):
         for index in range(count):
-            block = _call(graph, param_block, (weight, index, count, weight_dim), product)
-            operand = _call(graph, aten.t.default, (block,), product) if weight_dim == 0 else block
-            value = _call(graph, aten.mm.default, (activation, operand), product)
+            block = call_like(graph, param_block, (weight, index, count, weight_dim), product)
+            operand = call_like(graph, aten.t.default, (block,), product) if weight_dim == 0 else block
+            value = call_like(graph, aten.mm.default, (activation, operand), product)
             for reshape in reshapes:
                 shape = list(reshape.args[1])
                 shape[-1] = size
-                value = _call(graph, aten.reshape.default, (value, shape), reshape)
+                value = call_like(graph, aten.reshape.default, (value, shape), reshape)
             if bias is not None:
-                value = _call(graph, aten.add.Tensor, (value, _call(graph, param_block, (bias, index, count, 0),
-                                                                     product)), product)
+                value = call_like(graph, aten.add.Tensor, (value, call_like(
+                    graph, param_block, (bias, index, count, 0), product)), product)
             if index in users:
                 users[index].replace_all_uses_with(value)
 
 
-def _call(graph: fx.Graph, target, args: tuple, like: fx.Node) -> fx.Node:
-    """A new node with its value on FakeTensors (what the cost model and the per-op placement ILP read) and the
-    module path of the node it replaces."""
-    node = graph.call_function(target, args)
-    node.meta["val"] = target(*fx.node.map_arg(args, lambda a: a.meta["val"]))
+def call_like(graph: fx.Graph, target, args: tuple, like: fx.Node, kwargs: dict | None = None) -> fx.Node:
+    """A new node ``target(*args, **kwargs)`` with its value on FakeTensors (what the cost model and the per-op
+    placement ILP read) and the module path of the node ``like`` it stands for."""
+    node = graph.call_function(target, args, kwargs or {})
+    values, kwarg_values = fx.node.map_arg((args, kwargs or {}), lambda a: a.meta["val"])
+    node.meta["val"] = target(*values, **kwarg_values)
     for key in ("nn_module_stack", "stack_trace", "source_fn_stack", "from_node"):
         if key in like.meta:
             node.meta[key] = like.meta[key]

@@ -41,7 +41,7 @@ Costs, in seconds a step (the device profile's; a micro-batch's terms times ``nm
 - ``r``: the redistribution ``p -> q`` (an all-gather; a slice is free) and its transpose in the backward:
   the gradient arrives as ``q``, or partial when ``v``'s option reads a whole value but splits its work (a
   column-parallel matmul's input), and goes back to ``p`` (a parameter's, in buckets: no latency of its own).
-Each forward collective also waits for the slowest rank (``wait`` seconds, :func:`per_op_plan`).
+Each forward collective also waits for the slowest rank (``wait`` seconds, :func:`per_op_problem`).
 Collectives are priced by ``DeviceProfile.collective_seconds`` over the unit's ranks; ``h``: the bytes a rank
 holds for the node at the peak (a trainable parameter's shard 4x: with its gradient and Adam's moments; the
 bytes autograd saves of an op's output, split when the option's output is), times its tied copies.
