@@ -97,7 +97,8 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         plan = CompiledPlan(key, inputs, ctx.placements, ctx.zero, layout, compiled, ctx.propagation,
                             ctx.timings, config.inference_only,
                             build_no_sync=_no_sync_builder(gm, ctx, device_type) if layout.dp_group else None,
-                            input_check=InputCheck.for_inputs(inputs, layout.plan_ngpus, config.verify_inputs_every),
+                            input_check=InputCheck.for_program(inputs, layout, config.verify_inputs_every,
+                                                                ctx.draws_random),
                             buffer_sync=BufferSync.for_inputs(inputs, layout.dp_group, config.broadcast_buffers))
     plan.plan = ctx.plan
     PLAN_FILES.record(config, ctx.plan, layout.rank)

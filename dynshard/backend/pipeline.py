@@ -100,7 +100,8 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, outline: P
         output_metas=[_meta(o) for o in outputs], compile_stage=compile_stage, combine_fn=combine,
         pass_timings=ctx.timings, plan=ctx.plan, retrace_config=dataclasses.replace(
             config, policy=replaying(ctx.plan), pas_config={}, load_plan_path=None),
-        input_check=InputCheck.for_inputs(inputs, layout.plan_ngpus, config.verify_inputs_every),
+        # (the generator's state is not compared: stage programs are lowered at their first call, after it)
+        input_check=InputCheck.for_program(inputs, layout, config.verify_inputs_every, draws_random=False),
         buffer_sync=BufferSync.for_inputs(inputs, layout.dp_group, config.broadcast_buffers))
 
 

@@ -53,6 +53,7 @@ class PassContext:
     recompute: tuple[str, ...] | None = None   # modules the policy recomputes (None: the outline's)
     plan: Any = None                 # the Plan of this program, once placements are assigned
     node_keys: dict[str, str] = dataclasses.field(default_factory=dict)  # node name -> planning.node_keys key
+    draws_random: bool = False       # the lowered graph has a random op (dropout): ranks holding it must draw alike
     op_memo: Any = None              # passes.op_memo.OpMemo: DTensor's answers, shared by this mode's propagations
 
     @property

@@ -5,7 +5,8 @@ placements, and graph outputs become local tensors again, whole inside the unit.
 op runs on DTensors, so tracing the program (aot_autograd) records each op on its local shard plus the
 functional collectives (``_c10d_functional.*`` + ``wait_tensor``) that the propagated plan needs, in the
 forward graph and, through DTensor's autograd rules, in the backward graph. Ops that fell back to
-replication get their inputs gathered and their outputs replicated explicitly.
+replication get their inputs gathered and their outputs replicated explicitly; random ops on split
+values draw the whole tensor and keep this rank's shard (:mod:`.random_draws`).
 
 The backward mirror of "reduce a partial sum where it is produced": a replicated activation that feeds
 matmuls gets an identity whose backward reduces a partial gradient (Megatron's ``f``), after autograd
@@ -39,6 +40,7 @@ from .context import PassContext
 from .grad_sync import GradSync, sync_over_dp
 from .op_sets import MATMUL_OPERANDS, view_root
 from .propagate_sharding import reduced_placements
+from .random_draws import draw_whole_fn
 from .vocab_parallel_loss import fuse_vocab_parallel_losses
 
 
@@ -272,6 +274,9 @@ def _rewrite_nodes(graph: fx.Graph, layout: Layout, propagation, constraints: di
             with graph.inserting_after(node):
                 new = graph.call_function(reduce_partials, (node,))
             node.replace_all_uses_with(new, delete_user_cb=lambda user, new=new: user is not new)
+        if node.name in propagation.drawn_whole:
+            node.target = draw_whole_fn(node.target, layout.tp_mesh)
+            continue
         fallback = node.name in propagation.fallbacks
         if not fallback and node.name not in propagation.replicated_constants:
             continue

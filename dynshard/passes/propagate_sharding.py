@@ -45,6 +45,7 @@ from ..runtime.sharding import SHARDS, local_shape
 from .context import PassContext
 from .op_memo import OpMemo, op_key
 from .propagation_reuse import Rejoin, reusable_prefix
+from .random_draws import DRAWN_BY_SHAPE, draw_whole_fn, is_random, split_operand
 from .op_sets import BATCHED_MATMULS, RESHAPES, SLICE_COMMUTING
 from .vocab_parallel_loss import abstract_log_softmax, abstract_nll_loss, loss_pairs, rows, split_on_classes
 
@@ -95,6 +96,7 @@ class Propagation:
     vocab_parallel_losses: set[str] = dataclasses.field(default_factory=set)  # fused log_softmax+nll nodes
     constraints: dict = dataclasses.field(default_factory=dict)   # the activation placements propagated
     matched_slices: dict[str, MatchedSlice] = dataclasses.field(default_factory=dict)  # by chain[0]
+    drawn_whole: set[str] = dataclasses.field(default_factory=set)   # random ops drawn whole, sliced (random_draws)
     env: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # fx node -> fake value
     placed: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # values placed for some readers
 
@@ -107,7 +109,8 @@ class Propagation:
             {n: r for n, r in self.fallbacks.items() if n in names},
             self.replicated_constants & names, self.reduced_partials & names,
             vocab_parallel_losses=self.vocab_parallel_losses & names,
-            matched_slices={n: m for n, m in self.matched_slices.items() if m.consumer in names})
+            matched_slices={n: m for n, m in self.matched_slices.items() if m.consumer in names},
+            drawn_whole=self.drawn_whole & names)
 
     def followed_by(self, later: "Propagation") -> "Propagation":
         """This propagation's records, then ``later``'s (of the nodes after these)."""
@@ -119,7 +122,8 @@ class Propagation:
             replicated_constants=self.replicated_constants | later.replicated_constants,
             reduced_partials=self.reduced_partials | later.reduced_partials,
             vocab_parallel_losses=self.vocab_parallel_losses | later.vocab_parallel_losses,
-            matched_slices={**self.matched_slices, **later.matched_slices})
+            matched_slices={**self.matched_slices, **later.matched_slices},
+            drawn_whole=self.drawn_whole | later.drawn_whole)
 
     def comm_bytes(self) -> int:
         return sum(c.bytes for c in self.collectives)
@@ -259,6 +263,8 @@ class ShardingInterpreter(fx.Interpreter):
         flat = pytree.arg_tree_leaves(*args, **kwargs)
         if not any(isinstance(a, DTensor) for a in flat):
             return self.replicated_constant(node, target, args, kwargs)
+        if is_random(target) and split_operand(args, kwargs) is not None:
+            return self.random_on_split_values(node, target, args, kwargs)
         if not compat.has_sharding_strategy(target):
             return self.fallback(node, target, args, kwargs, f"DTensor has no sharding strategy for {target}")
         key = op_key(target, args, kwargs)
@@ -280,6 +286,15 @@ class ShardingInterpreter(fx.Interpreter):
         out = target(*args, **kwargs)
         self.memo.keep(key, redistributions, out)
         return out
+
+    def random_on_split_values(self, node: fx.Node, target, args, kwargs):
+        """Each shard holds the one process's random values (:mod:`.random_draws`): drawn whole and sliced
+        where they depend on the shape only, else a replicated fallback."""
+        if target not in DRAWN_BY_SHAPE:
+            return self.fallback(node, target, args, kwargs, "a random op on split values runs whole, so that "
+                                                             "each shard holds the values one process draws")
+        self.result.drawn_whole.add(node.name)
+        return draw_whole_fn(target, self.layout.tp_mesh)(*args, **kwargs)
 
     def replicated_constant(self, node: fx.Node, target, args, kwargs):
         """An op on plain values (``arange``, ``full``, a mask): its tensors, whole on every rank."""
@@ -378,8 +393,8 @@ class ShardingInterpreter(fx.Interpreter):
         gathers = any(isinstance(a, DTensor) and any(p != Replicate() for p in a.placements)
                       for a in pytree.arg_tree_leaves(*args, **kwargs))
         if self.warn and gathers:
-            warnings.warn(f"dynshard: {target} has no sharding strategy; it runs replicated "
-                          f"(inputs gathered) at {source_line(node)}", stacklevel=2)
+            warnings.warn(f"dynshard: {target} runs replicated (inputs gathered) at {source_line(node)}: {reason}",
+                          stacklevel=2)
         whole = [Replicate()] * len(self.layout.placement_dims)
 
         def gather(value):

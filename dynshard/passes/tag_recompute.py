@@ -115,6 +115,8 @@ def is_rng(node: fx.Node) -> bool:
     """An op that draws random numbers. Attention kernels carry the RNG tag because they can apply
     dropout; called with ``dropout_p=0`` they draw nothing and may be recomputed."""
     target = node.target
+    if getattr(target, "draws_random", False):       # random_draws.draw_whole_fn
+        return True
     if not isinstance(target, compat.OpOverload) or torch.Tag.nondeterministic_seeded not in target.tags:
         return False
     probabilities = [(i, a) for i, a in enumerate(target._schema.arguments) if a.name == "dropout_p"]
@@ -145,8 +147,9 @@ def _communicating_nodes(ctx: PassContext | None) -> set[str]:
 
 # dynshard's inserted functions that never communicate in the forward: Megatron's ``f`` (identity
 # forward, all-reduce in the backward, which is not recomputed) and wrapping a constant as a replicated
-# DTensor; recomputing them is free and lets the activations they pass on be dropped too
-LOCAL_IN_FORWARD = ("reduce_grad_partials", "replicate")
+# DTensor; recomputing them is free and lets the activations they pass on be dropped too. A random op
+# drawn whole and sliced is local too; it is tagged as any random op (saved)
+LOCAL_IN_FORWARD = ("reduce_grad_partials", "replicate", "draw_whole")
 
 
 def _is_dynshard_node(node: fx.Node) -> bool:

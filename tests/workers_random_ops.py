@@ -1,0 +1,117 @@
+"""What each rank runs in tests/test_random_ops.py: models with dropout, trained under a unit of 2 ranks beside one
+process that draws from the same generator state."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import dynshard
+
+VOCAB, SEQ, ROWS = 128, 16, 4
+LR, MOMENTUM, STEPS = 0.1, 0.9, 3
+
+
+class Attention(nn.Module):
+    """Attention whose heads tp splits, with dropout inside ``scaled_dot_product_attention`` (drawn on the
+    split probabilities) and on the whole output."""
+
+    def __init__(self, dim: int = 16, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (m(x).view(B, T, self.heads, C // self.heads).transpose(1, 2) for m in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5 if self.training else 0.0, is_causal=True)
+        return self.drop(self.o(y.transpose(1, 2).reshape(B, T, C))).square().mean()
+
+
+def gpt2() -> nn.Module:
+    """transformers' GPT-2 with its default dropouts (0.1 on embeddings, attention and residuals)."""
+    import transformers
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False, bos_token_id=0,
+        eos_token_id=0))
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+def _batch(model_name: str, step: int):
+    generator = torch.Generator().manual_seed(100 + step)
+    if model_name == "attention":
+        return (torch.randn(ROWS, 8, 16, generator=generator),), {}
+    ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=generator)
+    return (), {"input_ids": ids, "labels": ids}
+
+
+def _loss(out):
+    return out if isinstance(out, torch.Tensor) else out.loss
+
+
+def dropout_parity(rank: int, world: int, model_name: str, policy: str, compiler: str, options: dict | None = None,
+                   steps: int = STEPS) -> dict:
+    """Trains with dynshard and, from the same generator state each step, one process eager (SGD with
+    momentum). Also reports whether both drew as many random numbers (the generator's state after the step)."""
+    torch.manual_seed(0)
+    model = Attention() if model_name == "attention" else gpt2()
+    model.train()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy=policy, plan_ngpus=2, compiler=compiler, **(options or {})))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
+    torch.manual_seed(1)
+    losses, ref_losses, same_draws = [], [], []
+    for step in range(steps):
+        args, kwargs = _batch(model_name, step)
+        before = torch.get_rng_state()
+        loss = _loss(compiled(*args, **kwargs))
+        loss.backward()
+        after = torch.get_rng_state()
+        torch.set_rng_state(before)
+        ref_loss = _loss(reference(*args, **kwargs))
+        ref_loss.backward()
+        same_draws.append(torch.equal(torch.get_rng_state(), after))
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        losses.append(loss.item())
+        ref_losses.append(ref_loss.item())
+    report = dynshard.explain(compiled)
+    return {"losses": losses, "ref_losses": ref_losses, "same_draws": same_draws,
+            "params": dynshard.collect_state_dict(compiled),
+            "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
+            "collectives": [(c.phase, c.kind) for c in report.collectives()],
+            "placements": {n: str(dynshard.get_parallel_dim(p)) for n, p in model.named_parameters()}}
+
+
+def seeded_per_rank(rank: int, world: int, plan_ngpus: int, seed_of_rank: str, train: bool = True,
+                    calls: int = 2) -> dict:
+    """Seeds each rank as ``seed_of_rank`` says ("alike", "rank": nanoGPT's seed + rank, "dp rank"), then calls
+    a tp-split model with dropout; the error each rank raised, or None, and the call it came at."""
+    torch.manual_seed(0)
+    model = Attention()
+    model.train(train)
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy="tp" if plan_ngpus > 1 else "dp", plan_ngpus=plan_ngpus, compiler="aot_eager"))
+    dp_rank, _ = dynshard.data_parallel_rank(plan_ngpus)
+    torch.manual_seed({"alike": 0, "rank": rank, "dp rank": dp_rank}[seed_of_rank])
+    x = torch.randn(ROWS, 8, 16, generator=torch.Generator().manual_seed(dp_rank))
+    for call in range(calls):
+        try:
+            loss = compiled(x)
+            if train:
+                loss.backward()
+        except dynshard.UnitInputMismatchError as error:
+            return {"error": str(error), "call": call}
+    gathered = [torch.empty_like(loss) for _ in range(world)]
+    dist.all_gather(gathered, loss.detach())
+    return {"error": None, "call": None, "losses": [g.item() for g in gathered]}
