@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import itertools
 
 import torch
@@ -291,3 +292,50 @@ def train_on_plan(rank: int, world: int, path: str, model_name: str = "gpt", ste
     return {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
             "ref_params": {k: v.detach() for k, v in reference.state_dict().items()},
             "collectives": collections.Counter(c.kind for c in report.collectives() if c.phase == "forward")}
+
+
+def _layered(name: str):
+    """Three-layer test models, so that a propagation can replay two layers: "gpt", "fused-gpt", "llama"
+    (grouped-query attention), "llama-mqa" (one key/value head), "gpt2-dropout" (transformers' GPT-2 at its
+    default dropouts)."""
+    cfg = GPTConfig(layers=3, fused_qkv=name == "fused-gpt", heads=2 if name == "llama-mqa" else 4)
+    torch.manual_seed(0)
+    if name in ("llama", "llama-mqa"):       # (2 query heads, 1 key/value head: sliced like the query's)
+        return LlamaLM(cfg), gpt_batch(cfg, 4, 0)
+    if name == "gpt2-dropout":
+        model = GPT2LM(cfg)
+        for module in model.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.1
+        model.model.config.attn_pdrop = 0.1
+        return model, gpt_batch(cfg, 4, 0)
+    return GPT(cfg), gpt_batch(cfg, 4, 0)
+
+
+def layers_replayed_as_run(rank: int, world: int, model_name: str) -> dict:
+    """Each candidate of a search (tp, tp + sequence parallel, tp + batch parallel, data, the per-op ILP's plan
+    given) propagated twice from its placements: replaying repeated layers, and running every op. Per candidate:
+    whether the two records are equal, field by field, and how many layers the first replayed."""
+    from dynshard.passes.propagate_sharding import propagate
+
+    model, batch = _layered(model_name)
+
+    def look(lowered, ctx, inputs, config, layout):
+        tried = [("tp", dict(policy="tp")), ("data", dict(policy="data")),
+                 ("tp + sp", dict(policy="tp", pas_config={"sequence_parallel": True}))]
+        if model_name != "llama-mqa":   # (it gathers a strided shard there, which fails on FakeTensors)
+            tried.append(("tp + batch parallel", dict(policy="tp", pas_config={"batch_parallel": True})))
+        candidates = {name: place_graph(lowered, ctx, dynshard.Config(plan_ngpus=2, **options).resolve(2))[1]
+                      for name, options in tried}
+        candidates["per op"] = _per_op(lowered, ctx, inputs, config, layout, load_profile("cuda", "cpu"))[3][1]
+        found = {}
+        for name, placed in candidates.items():
+            placements = [placed.placements[inp.index] for inp in inputs]
+            replayed, run = (propagate(lowered, placed, placements, replay_layers=replay) for replay in (True, False))
+            differ = [f.name for f in dataclasses.fields(run) if f.compare and f.name not in ("env", "placed")
+                      and getattr(replayed, f.name) != getattr(run, f.name)]
+            found[name] = (differ, replayed.replayed_layers, {f: len(getattr(run, f)) for f in (
+                "collectives", "local_reshards", "fallbacks", "reduced_partials", "drawn_whole", "matched_slices")})
+        return found
+
+    return _with_lowered(model, batch, 2, look)

@@ -35,7 +35,7 @@ class OpMemo:
     answers: dict = dataclasses.field(default_factory=dict)
 
     def keep(self, key, redistributions, out) -> None:
-        if key is not None and _stateless(out):
+        if key is not None and stateless(out):
             self.answers[key] = (redistributions, out)
 
     def input(self, mesh, meta: tuple, placements: tuple, make) -> DTensor:
@@ -48,7 +48,7 @@ class OpMemo:
 
     def redistribute(self, value: DTensor, mesh, placements) -> DTensor:
         """``value.redistribute(mesh, placements)``, once per spec."""
-        key = ("redistribute", _key(value), tuple(placements)) if _stateless(value) else None
+        key = ("redistribute", _key(value), tuple(placements)) if stateless(value) else None
         if key in self.answers:
             return self.answers[key]
         out = value.redistribute(mesh, placements)
@@ -80,7 +80,8 @@ def value_key(value):
         return None
 
 
-def _stateless(out) -> bool:
+def stateless(out) -> bool:
+    """Whether every placement of ``out`` is described by its spec (a ``MaskPartial`` holds a mask)."""
     return all(type(p) is Partial or not isinstance(p, Partial)
                for leaf in pytree.tree_leaves(out) if isinstance(leaf, DTensor) for p in leaf.placements)
 

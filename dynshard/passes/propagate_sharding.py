@@ -43,6 +43,7 @@ from ..compat import pytree
 from ..runtime.mesh import Layout
 from ..runtime.sharding import SHARDS, local_shape
 from .context import PassContext
+from .layer_memo import LayerMemo, repeated_layers
 from .op_memo import OpMemo, op_key
 from .propagation_reuse import Rejoin, reusable_prefix
 from .random_draws import DRAWN_BY_SHAPE, draw_whole_fn, is_random, split_operand
@@ -97,6 +98,7 @@ class Propagation:
     constraints: dict = dataclasses.field(default_factory=dict)   # the activation placements propagated
     matched_slices: dict[str, MatchedSlice] = dataclasses.field(default_factory=dict)  # by chain[0]
     drawn_whole: set[str] = dataclasses.field(default_factory=set)   # random ops drawn whole, sliced (random_draws)
+    replayed_layers: int = dataclasses.field(default=0, compare=False)   # layers taken from an earlier one (layer_memo)
     env: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # fx node -> fake value
     placed: dict = dataclasses.field(default_factory=dict, repr=False, compare=False)  # values placed for some readers
 
@@ -170,7 +172,7 @@ class ShardingInterpreter(fx.Interpreter):
     """Runs the ATen graph on fake DTensors and records placements and implied communication."""
 
     def __init__(self, gm: fx.GraphModule, layout: Layout, input_placements: Sequence[tuple[Placement, ...]],
-                 input_meta: Sequence[Any], warn: bool, constraints: dict, memo: OpMemo):
+                 input_meta: Sequence[Any], warn: bool, constraints: dict, memo: OpMemo, layers: dict | None = None):
         # every value is kept: a later trial of the policy reuses those before its first change
         super().__init__(gm, garbage_collect_values=False)
         self.layout = layout
@@ -188,10 +190,11 @@ class ShardingInterpreter(fx.Interpreter):
         self._slice_candidates = slice_candidates(gm.graph)
         self._slice_sources = {source for by_operand in self._slice_candidates.values()
                                for source, _ in by_operand.values()}
-        self._kept: dict[fx.Node, Any] = {}     # values of slice sources (the interpreter frees values)
+        self.kept: dict[fx.Node, Any] = {}     # values of slice sources (the interpreter frees values)
+        self.layer_memo = LayerMemo(layers, set(self._loss_pairs) | self._paired_log_softmax) if layers else None
 
     def run(self, *args, initial_env=None, **kwargs):
-        self._kept = {n: v for n, v in (initial_env or {}).items() if n in self._slice_sources}
+        self.kept = {n: v for n, v in (initial_env or {}).items() if n in self._slice_sources}
         return super().run(*args, initial_env=initial_env, **kwargs)
 
     # -- node kinds ---------------------------------------------------------------------------------
@@ -215,6 +218,8 @@ class ShardingInterpreter(fx.Interpreter):
         return value
 
     def run_node(self, n: fx.Node):
+        if self.layer_memo is not None and self.layer_memo.replays(n, self):
+            return self.env[n]
         self._current = n
         out = super().run_node(n)
         constraint = self.constraints.get(n.name)
@@ -231,9 +236,11 @@ class ShardingInterpreter(fx.Interpreter):
         if spec is not None:
             self.result.placements[n.name] = spec.placements
         if n in self._slice_sources:
-            self._kept[n] = out
+            self.kept[n] = out
         if self.rejoin is not None and self.rejoin.after(n, out):
             self.take_the_rest(n)
+        if self.layer_memo is not None:
+            self.layer_memo.ran(n, self)
         return out
 
     def take_the_rest(self, node: fx.Node) -> None:
@@ -337,7 +344,7 @@ class ShardingInterpreter(fx.Interpreter):
         """The arguments of a batched matmul with its whole operand sliced like its split one (both
         fold the same leading dimensions of values that split one of them), or None."""
         for whole, (source, chain) in self._slice_candidates.get(node, {}).items():
-            split_node, value = node.args[1 - whole], self._kept.get(source)
+            split_node, value = node.args[1 - whole], self.kept.get(source)
             if value is None or source in self.placed or not _all_replicated(args[whole]) \
                     or not isinstance(args[1 - whole], DTensor) or _all_replicated(args[1 - whole]) \
                     or split_node.target not in RESHAPES:
@@ -461,10 +468,11 @@ def _first_dtensor(out):
 
 
 def propagate(gm: fx.GraphModule, ctx: PassContext, input_placements: Sequence[tuple[Placement, ...]],
-              warn: bool = False, reuse: Propagation | None = None) -> Propagation:
+              warn: bool = False, reuse: Propagation | None = None, replay_layers: bool = True) -> Propagation:
     """Propagate from the inputs' placements. With ``reuse`` (an earlier propagation of the same graph),
     only the nodes between the first that reads a change and the point where the values rejoin the
-    earlier ones run again (:mod:`.propagation_reuse`)."""
+    earlier ones run again (:mod:`.propagation_reuse`). ``replay_layers``: a repeated layer whose inputs
+    arrive as an earlier one's did takes its records (:mod:`.layer_memo`); False runs every op."""
     if ctx.layout.tp_mesh is None:      # units of one rank: every tensor is whole, nothing to propagate
         return Propagation({}, [], [], {}, set(), set(), tuple(input_placements))
     meta = [(inp.shape, inp.stride, inp.dtype, inp.device if ctx.config.trace_strategy == "fake"
@@ -473,13 +481,15 @@ def propagate(gm: fx.GraphModule, ctx: PassContext, input_placements: Sequence[t
     with compat.isolated_tracing(ctx.fake_mode), ctx.fake_mode:
         ctx.op_memo = ctx.op_memo.for_mode(ctx.fake_mode) if ctx.op_memo is not None else OpMemo(ctx.fake_mode)
         interpreter = ShardingInterpreter(gm, ctx.layout, input_placements, meta, warn, dict(ctx.constraints),
-                                          ctx.op_memo)
+                                          ctx.op_memo, repeated_layers(gm) if replay_layers else None)
         if known is not None:
             interpreter.result = dataclasses.replace(known, input_placements=tuple(input_placements))
             interpreter.placed = {n: v for n, v in reuse.placed.items() if n in initial_env}
             interpreter.rejoin = Rejoin(gm, reuse, ctx.constraints)
         interpreter.run(*([None] * len(ctx.inputs)), initial_env=initial_env)
     interpreter.result.env = interpreter.env
+    if interpreter.layer_memo is not None:
+        interpreter.result.replayed_layers = interpreter.layer_memo.replayed
     interpreter.result.placed = interpreter.placed
     interpreter.result.constraints = dict(ctx.constraints)
     return interpreter.result
