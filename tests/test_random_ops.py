@@ -32,6 +32,23 @@ def test_attention_dropout_on_split_heads_or_rows_draws_what_one_process_draws(p
         assert_trains_like_one_process(result, policy)
 
 
+@pytest.mark.parametrize("policy", ["tp", "data"])
+def test_each_kind_of_dropout_on_split_values_draws_what_one_process_draws(policy):
+    """Element-wise (in place), channel (``dropout1d``), alpha and feature-alpha dropout and a ``rand_like``
+    noise, on a hidden activation split by its columns (tp) or rows (data)."""
+    for result in run_ranks(dropout_parity, 2, "dropout kinds", policy, "aot_eager"):
+        assert result["same_draws"] == [True] * 3
+        assert_trains_like_one_process(result, policy)
+
+
+def test_under_inductor_the_unit_draws_what_one_process_compiled_draws():
+    """Inductor generates most random numbers itself, from its element's index: a shard drawn whole and sliced
+    holds what one process compiled by Inductor draws there."""
+    for result in run_ranks(dropout_parity, 2, "dropout kinds", "data", "inductor", None, 3, True):
+        assert result["same_draws"] == [True] * 3
+        assert_trains_like_one_process(result, "inductor")
+
+
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 def test_gpt2_with_its_dropouts_trains_like_one_process_under_tp(compiler):
     """transformers' GPT-2 at its default dropouts (0.1): embeddings and residuals dropped on whole values,

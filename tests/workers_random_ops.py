@@ -33,6 +33,24 @@ class Attention(nn.Module):
         return self.drop(self.o(y.transpose(1, 2).reshape(B, T, C))).square().mean()
 
 
+class DropoutKinds(nn.Module):
+    """Dropout of each kind on a hidden activation tp splits (its columns) and data splits (its rows):
+    element-wise in place, channels (``Dropout1d``, ``feature_alpha_dropout``), alpha dropout, and a noise
+    drawn with ``rand_like``."""
+
+    def __init__(self, dim: int = 16, hidden: int = 32):
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+
+    def forward(self, x):
+        h = F.dropout(self.up(x), 0.2, self.training, inplace=True)       # [rows, tokens, hidden]
+        h = torch.relu(h)
+        h = F.dropout1d(h.transpose(1, 2), 0.2, self.training).transpose(1, 2)
+        h = F.alpha_dropout(h, 0.2, self.training) + F.feature_alpha_dropout(h, 0.2, self.training)
+        h = h * (1 + 0.1 * torch.rand_like(h))
+        return self.down(h).square().mean()
+
+
 def gpt2() -> nn.Module:
     """transformers' GPT-2 with its default dropouts (0.1 on embeddings, attention and residuals)."""
     import transformers
@@ -46,7 +64,7 @@ def gpt2() -> nn.Module:
 
 def _batch(model_name: str, step: int):
     generator = torch.Generator().manual_seed(100 + step)
-    if model_name == "attention":
+    if model_name in ("attention", "dropout kinds"):
         return (torch.randn(ROWS, 8, 16, generator=generator),), {}
     ids = torch.randint(0, VOCAB, (ROWS, SEQ), generator=generator)
     return (), {"input_ids": ids, "labels": ids}
@@ -57,17 +75,21 @@ def _loss(out):
 
 
 def dropout_parity(rank: int, world: int, model_name: str, policy: str, compiler: str, options: dict | None = None,
-                   steps: int = STEPS) -> dict:
-    """Trains with dynshard and, from the same generator state each step, one process eager (SGD with
-    momentum). Also reports whether both drew as many random numbers (the generator's state after the step)."""
+                   steps: int = STEPS, reference_compiled: bool = False) -> dict:
+    """Trains with dynshard and, from the same generator state each step, one process (SGD with momentum):
+    eager, or compiled by Inductor (``reference_compiled``: Inductor draws some random numbers its own way).
+    Also reports whether both drew as many random numbers (the generator's state after the step)."""
     torch.manual_seed(0)
-    model = Attention() if model_name == "attention" else gpt2()
+    model = {"attention": Attention, "dropout kinds": DropoutKinds, "gpt2": gpt2}[model_name]()
     model.train()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
         policy=policy, plan_ngpus=2, compiler=compiler, **(options or {})))
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
+    ref_module = reference
+    if reference_compiled:
+        reference = torch.compile(reference)
     torch.manual_seed(1)
     losses, ref_losses, same_draws = [], [], []
     for step in range(steps):
@@ -88,7 +110,7 @@ def dropout_parity(rank: int, world: int, model_name: str, policy: str, compiler
     report = dynshard.explain(compiled)
     return {"losses": losses, "ref_losses": ref_losses, "same_draws": same_draws,
             "params": dynshard.collect_state_dict(compiled),
-            "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
+            "ref_params": {k: v.detach().clone() for k, v in ref_module.state_dict().items()},
             "collectives": [(c.phase, c.kind) for c in report.collectives()],
             "placements": {n: str(dynshard.get_parallel_dim(p)) for n, p in model.named_parameters()}}
 
