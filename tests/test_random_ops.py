@@ -18,7 +18,7 @@ from torch.distributed.tensor import Shard
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
 from test_passes import plan_for
-from workers_random_ops import dropout_parity, seeded_per_rank
+from workers_random_ops import dropout_parity, hybrid_seeded, seeded_per_rank
 
 
 @pytest.mark.parametrize("policy,options", [("tp", {}), ("data", {}),
@@ -102,3 +102,14 @@ def test_a_draw_by_shape_is_sliced_and_a_draw_by_value_gathers(fake_world):
     (bernoulli, reason), = propagation.fallbacks.items()
     assert bernoulli.startswith("bernoulli") and "random op on split values runs whole" in reason
     assert [(c.node, c.kind) for c in propagation.collectives if c.kind != "all_reduce"] == [(bernoulli, "all_gather")]
+
+
+def test_a_pipelines_tensor_parallel_ranks_seeded_apart_fail_and_its_stages_may_differ():
+    """Hybrid, 2 stages of 2 tp ranks: the ranks of a stage draw alike or fail at the first call, on every rank
+    (the stage programs are lowered only at their first call: the graph is lowered at planning to know); the
+    stages themselves draw different numbers by design."""
+    for result in run_ranks(hybrid_seeded, 4, "rank"):
+        assert result["call"] == 0 and "random generator's state differs" in result["error"], result
+    stages = run_ranks(hybrid_seeded, 4, "stage")
+    assert [r["error"] for r in stages] == [None] * 4
+    assert all(r["losses"] == stages[0]["losses"] for r in stages)

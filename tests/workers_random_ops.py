@@ -26,11 +26,14 @@ class Attention(nn.Module):
         self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
         self.drop = nn.Dropout(0.3)
 
-    def forward(self, x):
+    def hidden(self, x):
         B, T, C = x.shape
         q, k, v = (m(x).view(B, T, self.heads, C // self.heads).transpose(1, 2) for m in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=0.5 if self.training else 0.0, is_causal=True)
-        return self.drop(self.o(y.transpose(1, 2).reshape(B, T, C))).square().mean()
+        return self.drop(self.o(y.transpose(1, 2).reshape(B, T, C)))
+
+    def forward(self, x):
+        return self.hidden(x).square().mean()
 
 
 class DropoutKinds(nn.Module):
@@ -137,3 +140,37 @@ def seeded_per_rank(rank: int, world: int, plan_ngpus: int, seed_of_rank: str, t
     gathered = [torch.empty_like(loss) for _ in range(world)]
     dist.all_gather(gathered, loss.detach())
     return {"error": None, "call": None, "losses": [g.item() for g in gathered]}
+
+
+class AttentionStack(nn.Module):
+    """Four residual attention blocks with dropout, end to end (a batch in, the loss out): a pipeline's model."""
+
+    def __init__(self, layers: int = 4):
+        super().__init__()
+        self.blocks = nn.ModuleList(Attention() for _ in range(layers))
+
+    def forward(self, batch):
+        x = batch["x"]
+        for block in self.blocks:
+            x = x + block.hidden(x)
+        return x.square().mean()
+
+
+def hybrid_seeded(rank: int, world: int, seed_of_rank: str) -> dict:
+    """Seeds each rank as ``seed_of_rank`` says ("alike", "rank", "stage": alike on a stage's tp ranks), then
+    runs two steps of a hybrid pipeline (2 stages of 2 tp ranks) whose blocks draw dropout; the error each
+    rank raised, or None, and the call it came at, and its losses."""
+    torch.manual_seed(0)
+    model = AttentionStack()
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy="hybrid", plan_ngpus=4, use_end2end=True, compiler="aot_eager",
+        pas_config={"pipeline_nstages": 2, "pipeline_nmicros": 2}))
+    torch.manual_seed({"alike": 0, "rank": rank, "stage": rank // 2}[seed_of_rank])
+    x = torch.randn(ROWS, 8, 16, generator=torch.Generator().manual_seed(0))
+    losses = []
+    for call in range(2):
+        try:
+            losses.append([float(v) for v in dynshard.train_step(compiled, [{"x": x[:2]}, {"x": x[2:]}])])
+        except dynshard.UnitInputMismatchError as error:
+            return {"error": str(error), "call": call}
+    return {"error": None, "call": None, "losses": losses}

@@ -15,6 +15,7 @@ from ..config import Config
 from ..config.planner import Planner, planner
 from ..passes import PassContext, cast_to_compute_dtype, run_passes
 from ..passes.cut_stages import assign_stages, split_stages
+from ..passes.lower_to_aten import draws_random
 from ..planning import Plan, PlanFileError, TensorChoice
 from ..planning.plan import mesh_of
 from ..passes.tag_recompute import tag_single_process
@@ -100,8 +101,8 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, outline: P
         output_metas=[_meta(o) for o in outputs], compile_stage=compile_stage, combine_fn=combine,
         pass_timings=ctx.timings, plan=ctx.plan, retrace_config=dataclasses.replace(
             config, policy=replaying(ctx.plan), pas_config={}, load_plan_path=None),
-        # (the generator's state is not compared: stage programs are lowered at their first call, after it)
-        input_check=InputCheck.for_program(inputs, layout, config.verify_inputs_every, draws_random=False),
+        input_check=InputCheck.for_program(inputs, layout, config.verify_inputs_every,
+                                           layout.tp_size > 1 and draws_random(gm, ctx)),
         buffer_sync=BufferSync.for_inputs(inputs, layout.dp_group, config.broadcast_buffers))
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.fx as fx
 
@@ -31,6 +33,26 @@ def lower(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     aten_gm = compat.trace_to_aten(gm, fakes, ctx.fake_mode, compat.sharding_decompositions())
     ctx.draws_random = any(is_rng(node) for node in aten_gm.graph.nodes)
     return _drop_legacy_empty_cat_inputs(_split_addmm(_views_to_reshapes(aten_gm)))
+
+
+# what a torch function, method or module that may draw random numbers is called
+_MAY_DRAW = re.compile(r"dropout|rand|bernoulli|normal|uniform|multinomial|exponential|cauchy|geometric|poisson|"
+                       r"scaled_dot_product_attention|random", re.IGNORECASE)
+
+
+def draws_random(gm: fx.GraphModule, ctx: PassContext) -> bool:
+    """Whether Dynamo's graph ``gm`` draws random numbers, as its ATen graph says (``ctx.draws_random``), for a
+    caller that needs to know before the graph is lowered for its program (a pipeline's stages are lowered at
+    their first call). Lowered only where some call's name could draw."""
+    def name(node: fx.Node) -> str:
+        if node.op == "call_module":
+            return type(gm.get_submodule(node.target)).__name__
+        return getattr(node.target, "__name__", str(node.target))
+
+    if any(node.op in ("call_function", "call_method", "call_module") and _MAY_DRAW.search(name(node))
+           for node in gm.graph.nodes):
+        lower(gm, ctx)
+    return ctx.draws_random
 
 
 def _drop_legacy_empty_cat_inputs(gm: fx.GraphModule) -> fx.GraphModule:
