@@ -37,7 +37,7 @@ def lower(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 # what a torch function, method or module that may draw random numbers is called
 _MAY_DRAW = re.compile(r"dropout|rand|bernoulli|normal|uniform|multinomial|exponential|cauchy|geometric|poisson|"
-                       r"scaled_dot_product_attention|random", re.IGNORECASE)
+                       r"scaled_dot_product_attention", re.IGNORECASE)
 
 
 def draws_random(gm: fx.GraphModule, ctx: PassContext) -> bool:

@@ -46,7 +46,7 @@ from .context import PassContext
 from .layer_memo import LayerMemo, repeated_layers
 from .op_memo import OpMemo, op_key
 from .propagation_reuse import Rejoin, reusable_prefix
-from .random_draws import DRAWN_BY_SHAPE, draw_whole_fn, is_random, split_operand
+from .random_draws import DRAWN_BY_SHAPE, draw_whole_fn, is_random, on_split_values
 from .op_sets import BATCHED_MATMULS, RESHAPES, SLICE_COMMUTING
 from .vocab_parallel_loss import abstract_log_softmax, abstract_nll_loss, loss_pairs, rows, split_on_classes
 
@@ -270,7 +270,7 @@ class ShardingInterpreter(fx.Interpreter):
         flat = pytree.arg_tree_leaves(*args, **kwargs)
         if not any(isinstance(a, DTensor) for a in flat):
             return self.replicated_constant(node, target, args, kwargs)
-        if is_random(target) and split_operand(args, kwargs) is not None:
+        if is_random(target) and on_split_values(args, kwargs):
             return self.random_on_split_values(node, target, args, kwargs)
         if not compat.has_sharding_strategy(target):
             return self.fallback(node, target, args, kwargs, f"DTensor has no sharding strategy for {target}")

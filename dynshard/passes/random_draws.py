@@ -22,6 +22,8 @@ offset-based RNG tracker gives each shard its own part of the one stream).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -39,18 +41,17 @@ DRAWN_BY_SHAPE = {
 }
 
 
+@functools.cache          # (asked for every op of every propagation)
 def is_random(target) -> bool:
     """An op that draws random numbers (attention kernels, which carry the tag for their dropout, excepted)."""
     return isinstance(target, compat.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags and \
         not any(a.name == "dropout_p" for a in target._schema.arguments)
 
 
-def split_operand(args, kwargs) -> DTensor | None:
-    """The random op's first DTensor operand, where it is split (else None: drawn whole already)."""
+def on_split_values(args, kwargs) -> bool:
+    """Whether a random op's first DTensor operand is split (else it is drawn whole already)."""
     first = next((a for a in pytree.arg_tree_leaves(*args, **kwargs) if isinstance(a, DTensor)), None)
-    if first is None or all(p == Replicate() for p in first.placements):
-        return None
-    return first
+    return first is not None and any(p != Replicate() for p in first.placements)
 
 
 def draw_whole_fn(target, mesh):

@@ -36,7 +36,6 @@ RANDOM_FIX = ("Seed the ranks of a plan unit alike before the first step, `torch
               "`dp_rank, _ = dynshard.data_parallel_rank(plan_ngpus)` (units may differ, as their batches do), and "
               "draw random numbers outside the model alike on them too (not on rank 0 only). "
               "(Config.verify_inputs_every / DYNSHARD_VERIFY_INPUTS_EVERY=0 switches this check off.)")
-RANDOM_STATE = "the random generator's state"
 
 
 class UnitInputMismatchError(RuntimeError):
@@ -72,11 +71,11 @@ class InputCheck:
     random numbers) on the first and every N-th one."""
 
     def __init__(self, names: Sequence[str], indices: Sequence[int], plan_ngpus: int, every: int,
-                 random_state: Callable[[], torch.Tensor] | None = None, peers: int = 0):
+                 random_state: Callable[[], torch.Tensor] | None, peers: int):
         self.names, self.indices = list(names), list(indices)
         self.plan_ngpus, self.every = plan_ngpus, every
         self.random_state = random_state
-        self.peers = peers or plan_ngpus       # the consecutive ranks that run one program (and draw alike)
+        self.peers = peers       # the consecutive ranks that run one program (and draw alike)
         self.calls = 0
         self.checks = 0
 
@@ -119,7 +118,7 @@ class InputCheck:
         for first, rank in _differing(digests, self.peers):
             raise UnitInputMismatchError(
                 f"dynshard: ranks {first} and {rank} of plan unit {first // self.plan_ngpus} run one program that "
-                f"draws random numbers (dropout), but {RANDOM_STATE} differs between them (call #{self.calls} of "
+                f"draws random numbers (dropout), but the random generator's state differs between them (call #{self.calls} of "
                 f"this program): they would drop different positions of the values they hold alike, and their "
                 f"replicas, then the parameters trained from them, would drift apart. {RANDOM_FIX}")
 
