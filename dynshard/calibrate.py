@@ -7,6 +7,8 @@ or one GPU each), and the collectives over the job's backend (gloo on CPU, NCCL 
 - ``flops_per_s``: fp32 square matmuls (and bf16 on CUDA is not used: the model's dtype decides, so the
   profile is fp32's; run it under the dtype the job computes in with ``--dtype``);
 - ``bytes_per_s``: copies of a 64 MB tensor (read + write);
+- ``launch_s``: what a kernel costs beyond its work, 200 adds of one element issued in turn (on a GPU the
+  host's issue rate: the kernels run faster than they are launched);
 - per collective kind, the seconds of a call at each size from 4 KB to 16 MB (``table``, used for groups of
   the job's size: interpolated, extrapolated beyond 16 MB by the last segment's slope), and ``alpha_s`` and
   ``bandwidth`` fitted to ``t = alpha + ring * bytes / bandwidth`` by relative least squares over them (ring:
@@ -62,6 +64,15 @@ def compute_rates(device: torch.device, dtype: torch.dtype) -> tuple[float, floa
     y = torch.empty_like(x)
     bandwidth = 2 * x.numel() * x.element_size() / _timed(lambda: y.copy_(x), device)
     return max(rates), bandwidth
+
+
+def launch_seconds(device: torch.device, kernels: int = 200) -> float:
+    x, y = torch.zeros(1, device=device), torch.empty(1, device=device)
+
+    def issue():
+        for _ in range(kernels):
+            torch.add(x, 1, out=y)
+    return _timed(issue, device) / kernels
 
 
 def _numel(nbytes: int, world: int) -> int:
@@ -205,7 +216,7 @@ def calibrate(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple
     backend = dist.get_backend() if dist.is_initialized() else "none"
     name = f"calibrated {device.type}/{backend}, {world} rank(s), {str(dtype).replace('torch.', '')}"
     return dataclasses.replace(base, name=name, flops_per_s=float(f"{flops:.4g}"),
-                               bytes_per_s=float(f"{bandwidth:.4g}"),
+                               bytes_per_s=float(f"{bandwidth:.4g}"), launch_s=float(f"{launch_seconds(device):.3g}"),
                                alpha_s={k: float(f"{v:.4g}") for k, v in alpha.items()},
                                bandwidth={k: float(f"{v:.4g}") for k, v in links.items()},
                                skew=float(f"{skew:.4g}"), table=table, table_ranks=table_ranks), errors

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from dynshard.calibrate import SIZES, _payload, collective_fit
 from dynshard.planning.cost_model import DEFAULT_PROFILES, KINDS, DeviceProfile, load_profile
@@ -48,7 +49,9 @@ def test_a_profile_reads_back_its_table_and_one_without_a_table_hashes_as_before
     assert DeviceProfile.from_json(profile.to_json()) == profile and profile.table_ranks == 2
     plain = DEFAULT_PROFILES["cuda"]
     assert "table" not in plain.to_json() and DeviceProfile.from_json(plain.to_json()) == plain
-    assert plain.digest() == "0d82bcf2bf53b077"       # (what it was before profiles had tables)
+    assert plain.launch_s > 0 and DeviceProfile.from_json(plain.to_json()).launch_s == plain.launch_s
+    # (what it was before profiles had tables and launches)
+    assert dataclasses.replace(plain, launch_s=0.0).digest() == "0d82bcf2bf53b077"
 
 
 @pytest.mark.slow       # (about 30 s of measuring on 2 ranks)
@@ -72,3 +75,9 @@ def test_torchrun_calibrate_writes_a_profile_autodist_loads(tmp_path):
     assert profile.table_ranks == 2 and set(profile.table) == set(KINDS)
     assert all([b for b, _ in profile.table[k]] == [_payload(k, size, 2) for size in SIZES] for k in KINDS)
     assert "largest fit error per collective: all_reduce" in log
+
+
+def test_a_kernel_launch_is_measured_in_microseconds():
+    from dynshard.calibrate import launch_seconds
+
+    assert 1e-8 < launch_seconds(torch.device("cpu")) < 1e-3

@@ -58,11 +58,11 @@ class TwoLayerMLP(torch.nn.Module):
 
 def _model(name: str):
     torch.manual_seed(0)
-    if name.startswith("mlp"):
-        dim = int(name[3:])
+    if name.startswith("mlp"):         # "mlpD" (8 rows) or "mlpDxR" (R rows)
+        dim, _, rows = name[3:].partition("x")
         with torch.device("meta"):
-            model = TwoLayerMLP(dim)
-        return model, (torch.randn(8, dim),)
+            model = TwoLayerMLP(int(dim))
+        return model, (torch.randn(int(rows or 8), int(dim)),)
     if name in ("gpt", "fused-gpt"):       # (fused: one c_attn projection split into q, k and v)
         return GPT(GPTConfig(fused_qkv=name == "fused-gpt")), gpt_batch(GPTConfig(), 4, 0)
     if name == "llama":

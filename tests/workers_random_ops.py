@@ -78,12 +78,14 @@ def _loss(out):
 
 
 def dropout_parity(rank: int, world: int, model_name: str, policy: str, compiler: str, options: dict | None = None,
-                   steps: int = STEPS, reference_compiled: bool = False) -> dict:
+                   steps: int = STEPS, reference_compiled: bool = False, device: str = "cpu") -> dict:
     """Trains with dynshard and, from the same generator state each step, one process (SGD with momentum):
     eager, or compiled by Inductor (``reference_compiled``: Inductor draws some random numbers its own way).
-    Also reports whether both drew as many random numbers (the generator's state after the step)."""
+    Also reports whether both drew as many random numbers (the generator's state after the step). On
+    ``device`` "cuda" (benchmarks/cuda_ranks_check.py) with the CUDA generator."""
     torch.manual_seed(0)
-    model = {"attention": Attention, "dropout kinds": DropoutKinds, "gpt2": gpt2}[model_name]()
+    rng = torch.cuda if device == "cuda" else torch
+    model = {"attention": Attention, "dropout kinds": DropoutKinds, "gpt2": gpt2}[model_name]().to(device)
     model.train()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
@@ -97,14 +99,15 @@ def dropout_parity(rank: int, world: int, model_name: str, policy: str, compiler
     losses, ref_losses, same_draws = [], [], []
     for step in range(steps):
         args, kwargs = _batch(model_name, step)
-        before = torch.get_rng_state()
+        args, kwargs = [a.to(device) for a in args], {k: v.to(device) for k, v in kwargs.items()}
+        before = rng.get_rng_state()
         loss = _loss(compiled(*args, **kwargs))
         loss.backward()
-        after = torch.get_rng_state()
-        torch.set_rng_state(before)
+        after = rng.get_rng_state()
+        rng.set_rng_state(before)
         ref_loss = _loss(reference(*args, **kwargs))
         ref_loss.backward()
-        same_draws.append(torch.equal(torch.get_rng_state(), after))
+        same_draws.append(torch.equal(rng.get_rng_state(), after))
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
@@ -112,24 +115,24 @@ def dropout_parity(rank: int, world: int, model_name: str, policy: str, compiler
         ref_losses.append(ref_loss.item())
     report = dynshard.explain(compiled)
     return {"losses": losses, "ref_losses": ref_losses, "same_draws": same_draws,
-            "params": dynshard.collect_state_dict(compiled),
-            "ref_params": {k: v.detach().clone() for k, v in ref_module.state_dict().items()},
+            "params": {k: v.cpu() for k, v in dynshard.collect_state_dict(compiled).items()},
+            "ref_params": {k: v.detach().cpu().clone() for k, v in ref_module.state_dict().items()},
             "collectives": [(c.phase, c.kind) for c in report.collectives()],
             "placements": {n: str(dynshard.get_parallel_dim(p)) for n, p in model.named_parameters()}}
 
 
 def seeded_per_rank(rank: int, world: int, plan_ngpus: int, seed_of_rank: str, train: bool = True,
-                    calls: int = 2) -> dict:
+                    calls: int = 2, device: str = "cpu") -> dict:
     """Seeds each rank as ``seed_of_rank`` says ("alike", "rank": nanoGPT's seed + rank), then calls
     a tp-split model with dropout; the error each rank raised, or None, and the call it came at."""
     torch.manual_seed(0)
-    model = Attention()
+    model = Attention().to(device)
     model.train(train)
     compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
         policy="tp" if plan_ngpus > 1 else "dp", plan_ngpus=plan_ngpus, compiler="aot_eager"))
     dp_rank, _ = dynshard.data_parallel_rank(plan_ngpus)
     torch.manual_seed({"alike": 0, "rank": rank}[seed_of_rank])
-    x = torch.randn(ROWS, 8, 16, generator=torch.Generator().manual_seed(dp_rank))
+    x = torch.randn(ROWS, 8, 16, generator=torch.Generator().manual_seed(dp_rank)).to(device)
     for call in range(calls):
         try:
             loss = compiled(x)

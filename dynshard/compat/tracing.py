@@ -24,11 +24,39 @@ def new_fake_mode():
 
 @contextlib.contextmanager
 def isolated_tracing(fake_mode=None) -> Iterator[None]:
-    """Run nested tracing/compiling inside a Dynamo backend call without touching Dynamo's context."""
+    """Run nested tracing/compiling inside a Dynamo backend call without touching Dynamo's context, with
+    DTensor's random ops drawn locally (:func:`local_random_ops`)."""
     from torch._guards import TracingContext, tracing
 
-    with tracing(TracingContext(fake_mode or new_fake_mode())):
+    with tracing(TracingContext(fake_mode or new_fake_mode())), local_random_ops():
         yield
+
+
+@contextlib.contextmanager
+def local_random_ops() -> Iterator[None]:
+    """DTensor's random ops run on the local shard as plain ops. On a CUDA mesh DTensor otherwise starts its
+    offset-based RNG tracker, which reads the generator's offset (``_local_scalar_dense``) and fails on
+    FakeTensors: every tp plan with a dropout failed to plan on CUDA (an H200, 2 ranks over gloo). Planning
+    needs only shapes; dynshard's programs draw as ``passes/random_draws`` says, not through the tracker."""
+    import torch.distributed.tensor._random as dtensor_random
+
+    tracker = dtensor_random._rng_tracker
+    if tracker is None:
+        dtensor_random._rng_tracker = _NoTracker()
+    else:
+        enabled, tracker.distribute_region_enabled = tracker.distribute_region_enabled, False
+    try:
+        yield
+    finally:
+        if tracker is None:
+            dtensor_random._rng_tracker = None
+        else:
+            tracker.distribute_region_enabled = enabled
+
+
+class _NoTracker:
+    """A tracker that never distributes a region: DTensor's dispatch then runs a random op as it is."""
+    distribute_region_enabled = False
 
 
 def trace_to_aten(gm: fx.GraphModule, fake_inputs: Sequence[Any], fake_mode,

@@ -6,9 +6,11 @@ from the graph), the micro-batches per step, and a :class:`DeviceProfile`.
 
 Time, per step and rank (nothing overlapped: on CPU/gloo ranks and collectives share the cores; on GPUs
 this is an upper bound):
-- compute: per micro-batch, forward FLOPs / ``flops_per_s`` + bytes moved / ``bytes_per_s``; the backward
-  twice the forward (two matmuls per matmul); a recomputed module's forward ops once more, those on a path
-  to a value its backward reads;
+- compute: per micro-batch, forward FLOPs / ``flops_per_s`` + bytes moved once fused / ``bytes_per_s`` +
+  kernels * ``launch_s`` (``policies/autodist/fused_traffic``); the backward twice the forward (two matmuls
+  per matmul); a recomputed module's forward ops once more, those on a path to a value its backward reads;
+  per step, the optimizer's update of the rank's share of each parameter (``update_seconds``: Adam, memory
+  bound; ZeRO's rows update a 1/dp share);
 - tp communication, per micro-batch: the forward collectives of the plan, each mirrored in the backward by
   one of the same bytes (Megatron's f/g pairs; sequence parallel's all-gather/reduce-scatter pairs; not the
   reduction of a loss's scalars nor a vocabulary-parallel loss's, whose backward is local), and the
@@ -53,8 +55,8 @@ import math
 import os
 from collections import Counter
 
-from .costs import (ADAM_STATE_BYTES, group_of, itemsize, local_numel, memory_at_rest, mirrored, tensor_collectives,
-                    tp_collectives, whole_bytes)
+from .costs import (ADAM_STATE_BYTES, ADAM_STEP_BYTES, group_of, itemsize, local_numel, memory_at_rest, mirrored,
+                    tensor_collectives, tp_collectives, whole_bytes)
 from .plan import Plan
 
 BUCKET_BYTES = 25 * 1024 ** 2
@@ -73,6 +75,7 @@ class DeviceProfile:
     skew: float = 0.0       # seconds per sqrt(second of compute since the last collective): its wait for peers
     table: dict = dataclasses.field(default_factory=dict)   # collective kind -> ((whole bytes, seconds a call), ...)
     table_ranks: int = 0    # the group size ``table`` was measured over (other sizes: alpha-beta)
+    launch_s: float = 0.0   # seconds a kernel costs beyond its work: its launch and the host's work around it
 
     def collective_seconds(self, kind: str, whole_bytes: float, group: int, calls: int = 1) -> float:
         """``calls`` calls of ``kind`` over ``group`` ranks moving ``whole_bytes`` between them: measured per size
@@ -94,6 +97,8 @@ class DeviceProfile:
         data = dataclasses.asdict(self)
         if not self.table:          # (a profile without one reads, and hashes, as before tables existed)
             del data["table"], data["table_ranks"]
+        if not self.launch_s:       # (likewise)
+            del data["launch_s"]
         return json.dumps(data, sort_keys=True, indent=1)
 
     @classmethod
@@ -102,7 +107,8 @@ class DeviceProfile:
         table = {k: tuple((float(b), float(t)) for b, t in data["table"][k]) for k in KINDS if k in data.get("table", {})}
         return cls(data["name"], float(data["flops_per_s"]), float(data["bytes_per_s"]),
                    {k: float(data["alpha_s"][k]) for k in KINDS}, {k: float(data["bandwidth"][k]) for k in KINDS},
-                   float(data.get("skew", 0.0)), table, int(data.get("table_ranks", 0)) if table else 0)
+                   float(data.get("skew", 0.0)), table, int(data.get("table_ranks", 0)) if table else 0,
+                   float(data.get("launch_s", 0.0)))
 
     def digest(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
@@ -127,7 +133,8 @@ def _uniform(name: str, flops: float, bandwidth: float, alpha: float, link: floa
 # Built-in constants when no calibration file is given: a CPU core per rank with gloo over loopback (what
 # ``dynshard.calibrate`` measured on this project's 2-core x86 machine, 2 ranks, rounded; per size for groups
 # of 2), and an H100 with
-# NCCL over NVLink (achieved, not peak: ~60% of dense bf16 / HBM, NCCL's bus bandwidth).
+# NCCL over NVLink (achieved, not peak: ~60% of dense bf16 / HBM, NCCL's bus bandwidth; a launch as an H200's
+# host issued one, measured).
 DEFAULT_PROFILES = {
     "cpu": DeviceProfile("cpu-gloo (built-in)", 1e11, 5e10,
                          {"all_reduce": 2.5e-4, "all_gather": 2e-4, "reduce_scatter": 3.5e-4, "all_to_all": 1.5e-4},
@@ -140,8 +147,8 @@ DEFAULT_PROFILES = {
         "reduce_scatter": ((4096, 0.00032), (16384, 0.00035), (65536, 0.0004), (262144, 0.00043),
                            (1048576, 0.00095), (4194304, 0.0035), (16777216, 0.014)),
         "all_to_all": ((4096, 0.00018), (16384, 0.00018), (65536, 0.00018), (262144, 0.00025), (1048576, 0.00046),
-                       (4194304, 0.0013), (16777216, 0.0052))}),
-    "cuda": _uniform("cuda-nccl (built-in)", 4e14, 2e12, 2e-5, 1.5e11),
+                       (4194304, 0.0013), (16777216, 0.0052))}, launch_s=3e-6),
+    "cuda": dataclasses.replace(_uniform("cuda-nccl (built-in)", 4e14, 2e12, 2e-5, 1.5e11), launch_s=1e-5),
 }
 
 
@@ -175,6 +182,7 @@ class InstanceCosts:
                                 # backward reads (matmuls and attention too; not one that feeds only its output)
     bytes: float                # bytes those of them that are memory bound move again
     input_bytes: float = 0.0    # its activations from outside it (what a pipeline stage boundary sends)
+    kernels: float = 0.0        # launched again when recomputed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +197,7 @@ class UnitCosts:
     instances: tuple[InstanceCosts, ...] = ()
     replicated_grads: int = 0       # how many such gradients (one all-reduce each, per micro-batch)
     outputs: tuple[float, ...] = ()  # each op's output bytes on the rank, in the graph's order (largest_output's)
+    kernels: float = 0.0            # the forward's, once fused (the backward's: twice as many)
 
     def recomputed(self, recompute: tuple[str, ...]) -> list[InstanceCosts]:
         return [i for i in self.instances if i.path in recompute or self.recompute_class in recompute]
@@ -202,9 +211,10 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
     """``plan``'s step seconds and peak bytes per rank (the dict ``Plan.predicted`` keeps)."""
     recomputed = unit.recomputed(plan.recompute)
     forward = forward_seconds(unit, profile)
-    compute = nmicros * (3 * forward + sum(instance_seconds(i, profile) for i in recomputed))
-    tp_comm = tp_seconds(plan, unit, profile)
     parameters = Counter(t for t in plan.tensors.values() if t.kind == "parameter")     # (repeated layers': once)
+    compute = nmicros * (3 * forward + sum(instance_seconds(i, profile) for i in recomputed)) + sum(
+        n * update_seconds(plan, t, profile) for t, n in parameters.items())
+    tp_comm = tp_seconds(plan, unit, profile)
     dp_kinds = {(k, w) for t in parameters for k, _, _, w in tensor_collectives(plan, t)}
     dp_comm = sum(n * parameter_seconds(plan, t, profile) for t, n in parameters.items()) + regions(unit) * sum(
         profile.alpha_s[kind] for kind, what in dp_kinds)
@@ -239,12 +249,14 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
 
 def forward_seconds(unit: UnitCosts, profile: DeviceProfile) -> float:
     """One micro-batch's forward on one rank: its FLOPs at the device's rate, its memory-bound bytes at its
-    bandwidth."""
-    return unit.forward_flops / profile.flops_per_s + unit.forward_bytes / profile.bytes_per_s
+    bandwidth, its kernels' launches."""
+    return (unit.forward_flops / profile.flops_per_s + unit.forward_bytes / profile.bytes_per_s
+            + unit.kernels * profile.launch_s)
 
 
 def instance_seconds(instance: InstanceCosts, profile: DeviceProfile) -> float:
-    return instance.flops / profile.flops_per_s + instance.bytes / profile.bytes_per_s
+    return (instance.flops / profile.flops_per_s + instance.bytes / profile.bytes_per_s
+            + instance.kernels * profile.launch_s)
 
 
 def tp_calls(plan: Plan, unit: UnitCosts) -> int:
@@ -293,6 +305,12 @@ def parameter_seconds(plan: Plan, tensor, profile: DeviceProfile) -> float:
         ring = 2 * (group - 1) / group if kind == "all_reduce" else (group - 1) / group
         seconds += whole * (ring / profile.bandwidth[kind] + profile.alpha_s[kind] / BUCKET_BYTES)
     return seconds
+
+
+def update_seconds(plan: Plan, tensor, profile: DeviceProfile) -> float:
+    """The optimizer's step on this rank's share of a parameter (its ZeRO rows, else its tp shard): memory bound,
+    ``ADAM_STEP_BYTES`` per element at the device's bandwidth, once per step."""
+    return local_numel(plan, tensor)[0] * ADAM_STEP_BYTES / profile.bytes_per_s
 
 
 def gathered_bytes(plan: Plan, tensor, nmicros: int, blocks: int) -> float:

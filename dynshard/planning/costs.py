@@ -25,6 +25,9 @@ import torch
 from .plan import Plan, TensorChoice, decode_placement
 
 ADAM_STATE_BYTES = 8         # two fp32 moments per element
+ADAM_STEP_BYTES = 80         # moved per element updated: torch's foreach AdamW reads or writes the parameter, its
+                             # gradient, both moments and a temporary 20 times (lerp_, mul_, addcmul_, mul_, sqrt,
+                             # div_, add_, addcdiv_), 4 bytes each
 
 
 @dataclasses.dataclass(frozen=True)

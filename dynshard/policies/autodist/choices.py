@@ -24,8 +24,8 @@ backward runs).
                Z_q <= n_q * y_zero,  n_q - Z_q <= n_q * y_rep   for every group q of parameters
 
 ``t_g``: an instance's forward seconds; ``rep_q`` / ``zero_q``: the bandwidth seconds of a parameter's
-data-parallel collectives either way; ``a_*``: the latency of each collective kind the choice uses; ``M``:
-the peak with no recompute and every parameter replicated; ``entry_g`` / ``saved_g``: what an instance keeps
+data-parallel collectives and the optimizer's update of it either way; ``a_*``: the latency of each
+collective kind the choice uses; ``M``: the peak with no recompute and every parameter replicated; ``entry_g`` / ``saved_g``: what an instance keeps
 when recomputed / not; ``mzero_q`` / ``mrep_q``: a parameter's bytes at rest and gathered either way. Every
 term is the cost model's own, so the objective of a solution is the step its plan is predicted (tested), and
 the uniform choices (the hand plans: nothing or everything recomputed, every parameter in rows) are feasible
@@ -41,7 +41,7 @@ import numpy as np
 
 from ...planning import Plan
 from ...planning.cost_model import (DeviceProfile, UnitCosts, dp_waits, gathered_bytes, instance_seconds,
-                                    parameter_seconds, predict, regions, rest_bytes)
+                                    parameter_seconds, predict, regions, rest_bytes, update_seconds)
 from ...planning.costs import tensor_collectives
 from ...planning.solver import Solution, solve
 
@@ -70,7 +70,8 @@ def choose(base: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, tr
     in_rows = []
     for name in rows_eligible:
         rows, whole = base.tensors[name], dataclasses.replace(base.tensors[name], dp="replicate")
-        in_rows.append((parameter_seconds(base, rows, profile) - parameter_seconds(replicated, whole, profile),
+        in_rows.append((parameter_seconds(base, rows, profile) + update_seconds(base, rows, profile)
+                        - parameter_seconds(replicated, whole, profile) - update_seconds(replicated, whole, profile),
                         rest_bytes(base, rows) + gathered_bytes(base, rows, nmicros, unit.blocks)
                         - rest_bytes(replicated, whole)))
     r_groups, z_groups = _tied(recomputed, tie), _tied(in_rows, tie)

@@ -29,6 +29,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ...compat import pytree
 from ...planning.cost_model import InstanceCosts, UnitCosts
+from .fused_traffic import aliases_input, fused_traffic
 from ...passes.tag_recompute import is_rng
 from ...planning.node_keys import module_paths
 
@@ -39,11 +40,12 @@ _ROOT_CLASS = ""
 class OpCost:
     name: str
     flops: int               # forward, global
-    bytes: int               # read and written, global
+    bytes: int               # moved to and from memory once Inductor fuses the graph, global (fused_traffic)
     out_bytes: int           # written, global
     saved_bytes: int         # of its output, kept for the backward, global
     modules: tuple[str, ...]  # module paths around it, outermost first
     saves: tuple[str, ...] = ()     # the ops whose outputs this op saves for its backward (not graph inputs)
+    kernels: int = 0         # launched, once fused (0 for a view or an op fused into another's kernel)
 
 
 def op_costs(gm: fx.GraphModule, inputs, fake_mode) -> list[OpCost]:
@@ -54,6 +56,7 @@ def op_costs(gm: fx.GraphModule, inputs, fake_mode) -> list[OpCost]:
     saved: dict[str, dict[int, int]] = defaultdict(dict)
     saves: dict[str, set[str]] = defaultdict(set)       # the op saving -> the ops whose outputs it saves
     current: list[str] = [""]
+    views: set[str] = set()
     outputs: list = []          # every output stays alive, so that no tensor's id is reused by another
 
     def pack(tensor):
@@ -68,6 +71,8 @@ def op_costs(gm: fx.GraphModule, inputs, fake_mode) -> list[OpCost]:
         def run_node(self, n):
             current[0] = n.name
             out = super().run_node(n)
+            if n.op == "call_function" and aliases_input(n, out, self.env):
+                views.add(n.name)
             for leaf in pytree.tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
                     producer.setdefault(id(leaf), n.name)
@@ -79,17 +84,13 @@ def op_costs(gm: fx.GraphModule, inputs, fake_mode) -> list[OpCost]:
                  for i in inputs]
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             Run(gm).run(*fakes)
-    costs = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        out = [t for t in pytree.tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)]
-        args = [t for t in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(t, fx.Node)]
-        read = sum(_nbytes(a.meta.get("val")) for a in args)
-        written = sum(_nbytes(t) for t in out)
-        costs.append(OpCost(node.name, _flops(node), read + written, written, sum(saved[node.name].values()),
-                            tuple(module_paths(node)), tuple(sorted(saves[node.name]))))
-    return costs
+    calls = [node for node in gm.graph.nodes if node.op == "call_function"]
+    flops = {node.name: _flops(node) for node in calls}
+    traffic = fused_traffic(gm, views, {name for name, kept in saved.items() if kept},
+                            {name for name, count in flops.items() if count})
+    return [OpCost(node.name, flops[node.name], traffic[node.name][0], _nbytes(node.meta.get("val")),
+                   sum(saved[node.name].values()), tuple(module_paths(node)), tuple(sorted(saves[node.name])),
+                   traffic[node.name][1]) for node in calls]
 
 
 def repeated_blocks(gm: fx.GraphModule) -> tuple[str | None, dict[str, list[str]]]:
@@ -107,7 +108,7 @@ def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int, propagat
     split = {op.name: _split(op.name, tp, propagation) for op in ops}
     written = {op.name: _written(op.name, tp, propagation) for op in ops}
     flops = sum(op.flops * split[op.name] for op in ops)
-    moved = sum(op.bytes * split[op.name] for op in ops if not op.flops)     # (see _memory_bound)
+    moved = sum(op.bytes * split[op.name] for op in ops if not op.flops)     # (a roofline per op: see above)
     saved = sum(op.saved_bytes * written[op.name] for op in ops)
     outputs = tuple(op.out_bytes * written[op.name] for op in ops)
     recompute, blocks_of = blocks or repeated_blocks(gm)
@@ -123,10 +124,11 @@ def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int, propagat
                 path, sum(op.saved_bytes * written[op.name] for op in inside),
                 entry + sum(_kept_bytes(by_op[n], tp, propagation) for n in kept),
                 sum(by_op[n].flops * split[n] for n in again),
-                sum(by_op[n].bytes * split[n] for n in again if not by_op[n].flops), entry))
+                sum(by_op[n].bytes * split[n] for n in again if not by_op[n].flops), entry,
+                sum(by_op[n].kernels for n in again)))
     grads = _replicated_grads(gm, inputs, tp, propagation)
     return UnitCosts(flops, moved, saved, max(outputs, default=0), sum(grads), recompute, tuple(instances), len(grads),
-                     outputs)
+                     outputs, sum(op.kernels for op in ops))
 
 
 def _flops(node: fx.Node) -> int:

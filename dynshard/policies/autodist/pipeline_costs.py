@@ -22,7 +22,7 @@ import functools
 
 from ...planning import STAGE_SEPARATOR, Plan
 from ...planning.cost_model import (DeviceProfile, UnitCosts, forward_seconds, instance_seconds, parameter_seconds,
-                                    round_seconds)
+                                    round_seconds, update_seconds)
 from ...planning.costs import memory_at_rest, mirrored, tensor_collectives, tp_collectives, whole_bytes
 from ...runtime.pipeline.schedules import build_schedule
 from ...runtime.pipeline.simulate import simulate
@@ -62,17 +62,20 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
     dp_comm = max((sum(seconds for seconds, on in seconds_of if on & stages) for stages in rank_stages), default=0.0)
     dp_kinds = {(k, w) for t in params for k, _, _, w in tensor_collectives(plan, t)}
     dp_comm += sum(profile.alpha_s[kind] for kind, what in dp_kinds)
-    busy = max(simulated.busy)
+    # the optimizer's update after the schedule, of each rank's stages' parameters
+    updates = max((sum(update_seconds(plan, t, profile) for t, on in on_stages if t.kind == "parameter" and on & stages)
+                   for stages in rank_stages), default=0.0)
+    busy = max(simulated.busy) + updates
     if dp_kinds:
         dp_comm += profile.meeting_seconds(1, busy)       # (see cost_model: one meeting after the step)
     peak = busiest.total + during + transient
     return {
-        "step_seconds": round_seconds(simulated.makespan + dp_comm),
+        "step_seconds": round_seconds(simulated.makespan + updates + dp_comm),
         "compute_seconds": round_seconds(busy),
         "communication_seconds": round_seconds(dp_comm),      # (tp's is inside the stages' times, hence compute)
         "tp_communication_seconds": round_seconds(p.nmicros * max(sum(stage) for stage in tp)),
         "dp_communication_seconds": round_seconds(dp_comm),
-        "bubble_seconds": round_seconds(simulated.makespan - busy),
+        "bubble_seconds": round_seconds(simulated.makespan + updates - busy),
         "tp_collectives_per_micro_batch": {
             "count": tp_collectives(plan)[0], "bytes": int(tp_collectives(plan)[1])},
         "micro_batches_held": list(held),
