@@ -59,6 +59,10 @@ CASES = {
         _attention_math_only, ("attention", "tp", "aot_eager", None, 3, False, "cuda"), "parity"),
     "attention (SDPA's CUDA kernel) dropout, tp, aot_eager": (
         on_cuda, ("dropout_parity", "attention", "tp", "aot_eager", None, 3, False, "cuda"), "report"),
+    "dropout kinds, tp, inductor vs one process compiled": (
+        on_cuda, ("dropout_parity", "dropout kinds", "tp", "inductor", None, 3, True, "cuda"), "parity"),
+    "transformers GPT-2 at its dropouts, tp, aot_eager": (
+        on_cuda, ("dropout_parity", "gpt2", "tp", "aot_eager", None, 3, False, "cuda"), "report"),
     "ranks seeded apart, tp": (on_cuda, ("seeded_per_rank", 2, "rank", True, 2, "cuda"), "error at call 0"),
 }
 
