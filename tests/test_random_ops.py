@@ -113,3 +113,31 @@ def test_a_pipelines_tensor_parallel_ranks_seeded_apart_fail_and_its_stages_may_
     stages = run_ranks(hybrid_seeded, 4, "stage")
     assert [r["error"] for r in stages] == [None] * 4
     assert all(r["losses"] == stages[0]["losses"] for r in stages)
+
+
+def test_planning_holds_dtensors_rng_tracker_off_and_gives_it_back():
+    """On a CUDA mesh DTensor starts an RNG tracker that reads the generator's offset, which fails on the
+    FakeTensors planning runs on (every tp plan with a dropout failed to plan on an H200): while dynshard
+    plans, a tracker there is switched off, or a stand-in that does nothing is there."""
+    import torch.distributed.tensor._random as dtensor_random
+
+    from dynshard.compat.tracing import local_random_ops
+
+    before = dtensor_random._rng_tracker
+    try:
+        dtensor_random._rng_tracker = None
+        with local_random_ops():
+            stand_in = dtensor_random._rng_tracker
+            assert stand_in is not None and not stand_in.distribute_region_enabled
+            with stand_in._distribute_region(None):
+                pass
+        assert dtensor_random._rng_tracker is None
+
+        class Tracker:
+            distribute_region_enabled = True
+        dtensor_random._rng_tracker = tracker = Tracker()
+        with local_random_ops():
+            assert dtensor_random._rng_tracker is tracker and not tracker.distribute_region_enabled
+        assert tracker.distribute_region_enabled
+    finally:
+        dtensor_random._rng_tracker = before

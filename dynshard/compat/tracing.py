@@ -55,8 +55,13 @@ def local_random_ops() -> Iterator[None]:
 
 
 class _NoTracker:
-    """A tracker that never distributes a region: DTensor's dispatch then runs a random op as it is."""
+    """A tracker that never distributes a region: DTensor's dispatch then runs a random op as it is (2.13
+    reads the flag; 2.11 enters the region, which does nothing)."""
     distribute_region_enabled = False
+
+    @contextlib.contextmanager
+    def _distribute_region(self, spec, generator=None):
+        yield
 
 
 def trace_to_aten(gm: fx.GraphModule, fake_inputs: Sequence[Any], fake_mode,
