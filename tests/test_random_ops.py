@@ -18,7 +18,7 @@ from torch.distributed.tensor import Shard
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
 from test_passes import plan_for
-from workers_random_ops import dropout_parity, hybrid_seeded, seeded_per_rank
+from workers_random_ops import all_device_dropout, dropout_parity, hybrid_seeded, seeded_per_rank
 
 
 @pytest.mark.parametrize("policy,options", [("tp", {}), ("data", {}),
@@ -141,3 +141,15 @@ def test_planning_holds_dtensors_rng_tracker_off_and_gives_it_back():
         assert tracker.distribute_region_enabled
     finally:
         dtensor_random._rng_tracker = before
+
+
+def test_1f1b_plus_all_device_stage_draws_alike_on_every_rank_however_they_are_seeded():
+    """The embeddings' dropout runs on every rank (the all-device stage), between each rank's own pipeline
+    stages: it draws from one generator the unit shares, so ranks seeded apart train exactly as ranks seeded
+    alike (rank 0 seeded the same; the layers draw nothing). Before, each rank dropped its own positions of
+    the one value and the embedding's shards took gradients through masks the pipeline never ran."""
+    alike = run_ranks(all_device_dropout, 2, "alike")
+    apart = run_ranks(all_device_dropout, 2, "apart")
+    for a, b in zip(alike, apart):
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(a["params"][name], b["params"][name]) for name in a["params"])

@@ -177,3 +177,40 @@ def hybrid_seeded(rank: int, world: int, seed_of_rank: str) -> dict:
         except dynshard.UnitInputMismatchError as error:
             return {"error": str(error), "call": call}
     return {"error": None, "call": None, "losses": losses}
+
+
+def all_device_dropout(rank: int, world: int, seeding: str, steps: int = 2) -> dict:
+    """1f1b_plus on 2 ranks: the untied test GPT with dropout 0.5 on its embeddings, the all-device stage every
+    rank runs, and none in the layers the two pipeline stages run. The ranks seeded ``seeding`` ("alike": 0;
+    "apart": rank), after the model is built; its parameters after ``steps`` train_steps."""
+    from workers_pipeline import UntiedEndToEndGPT, build
+
+    _, make = build("untied_gpt")
+
+    class EmbeddingDropout(UntiedEndToEndGPT):
+        def forward(self, batch):
+            idx = batch["idx"]
+            x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            x = F.dropout(x, 0.5, self.training)
+            for block in self.blocks:
+                x = block(x)
+            logits = self.lm_head(self.ln_f(x))
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch["tgt"].reshape(-1))
+
+    from models import GPTConfig
+
+    torch.manual_seed(0)
+    model = EmbeddingDropout(GPTConfig(layers=4))
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy="pp", plan_ngpus=2, use_end2end=True, compiler="aot_eager",
+        pas_config={"pipeline_nmicros": 4, "pipeline_scheduler": "1f1b_plus"}))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    torch.manual_seed({"alike": 0, "apart": rank}[seeding])
+    losses = []
+    for step in range(steps):
+        batch = make(8, step)
+        samples = [{k: v[i * 2:(i + 1) * 2] for k, v in batch.items()} for i in range(4)]
+        losses.append([float(v) for v in dynshard.train_step(compiled, samples)])
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "params": dynshard.collect_state_dict(compiled)}

@@ -12,7 +12,8 @@ Every action of the rank's list (:mod:`.schedules`) is executed in order:
 - ``SEND_F`` / ``SEND_B`` post a non-blocking ``isend``; sends are waited for at the end of the step;
 - ``BCAST_B`` (1f1b_plus) broadcasts the gradients of the all-device stage's outputs from the rank of
   stage 1 to the unit's pipeline ranks (every rank runs it at the same place in its list). The all-device
-  stage's outputs need no transfer: every rank computed them.
+  stage's outputs need no transfer: every rank computed them, drawing from one shared generator
+  (:mod:`.shared_generator`).
 
 Transfers stay outside the compiled graphs (Inductor may reorder a compiled recv before a send, and a
 gloo send completes only when its receiver has posted the recv). Each message has its own tag
@@ -22,12 +23,14 @@ the schedule was checked deadlock-free under exactly these rules before anything
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from .deferred import DeferredWeightGradients
+from .shared_generator import SharedGenerator
 from .actions import ALL
 from .trace import StepTrace
 
@@ -150,7 +153,7 @@ class StepRun:
         stage = self.staged.stages[s]
         incoming = self._incoming(s, mb)
         inputs = [self.args[mb][i] for i in stage.graph_inputs] + [incoming[n] for n in stage.received]
-        with torch.set_grad_enabled(self.train):
+        with torch.set_grad_enabled(self.train), self._drawing(s, mb):
             produced = self.programs[s](*inputs)
         env = {**incoming, **dict(zip(stage.produced, produced))}
         if s < self.nstages - 1:
@@ -159,6 +162,15 @@ class StepRun:
             self.outputs[mb] = [_resolve(ref, env, self.args[mb]) for ref in self.staged.outputs]
         if self.train:
             self.leaves[(s, mb)] = incoming
+
+    def _drawing(self, stage: int, mb: int):
+        """The all-device stage draws from the unit's shared generator (:mod:`.shared_generator`)."""
+        if self.schedule.rank_of(stage, mb) != ALL:
+            return contextlib.nullcontext()
+        if self.plan.all_device_generator is None:
+            groups = self.plan.groups
+            self.plan.all_device_generator = SharedGenerator(self.plan.device, groups.pp_group, groups.global_rank(0))
+        return self.plan.all_device_generator.drawing()
 
     def _output_grads(self, stage: int, mb: int) -> list[torch.Tensor]:
         if self.schedule.rank_of(stage, mb) == ALL:

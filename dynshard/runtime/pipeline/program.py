@@ -71,6 +71,7 @@ class PipelinePlan:
     retrace_config: Any = None       # what a re-trace at the micro-batch shape compiles with: this plan again
     steps: int = 0                  # steps run (a plain call with autograd is one step: forward + backward)
     last_step: dict = dataclasses.field(default_factory=dict)   # sent bytes, idle fraction of the latest step
+    all_device_generator: Any = None  # shared_generator.SharedGenerator: what 1f1b_plus's all-device stage draws
     _combine: list | None = None
     _programs: dict = dataclasses.field(default_factory=dict)
     compiled: dict = dataclasses.field(default_factory=dict)    # stage -> its latest CompiledProgram here
