@@ -34,6 +34,11 @@ class Solution:
                 "bound": _round(self.bound), "gap": _round(self.gap), "lp_integral": self.lp_integral}
 
 
+# HiGHS stops within an absolute gap of 1e-6 of the objective's unit: an objective in seconds would call a
+# choice a microsecond slower optimal, so the ILPs price in nanoseconds
+NANOSECONDS = 1e9
+
+
 def solve(cost, rows, upper, integer, time_limit: float = 30.0, counts=None, equal=None) -> Solution:
     """Minimise ``cost @ x`` subject to ``rows @ x <= upper`` (and ``A @ x == b`` for ``equal=(A, b)``; either
     matrix may be a scipy sparse one), ``x`` an integer in ``0..counts`` (1 when not given) where ``integer``

@@ -43,10 +43,9 @@ from ...planning import Plan
 from ...planning.cost_model import (DeviceProfile, UnitCosts, dp_waits, gathered_bytes, instance_seconds,
                                     parameter_seconds, predict, regions, rest_bytes, update_seconds)
 from ...planning.costs import tensor_collectives
-from ...planning.solver import Solution, solve
+from ...planning.solver import NANOSECONDS, Solution, solve
 
 MEMORY_TIE = 1e-15          # seconds per byte of peak: breaks ties toward less memory, never more than 1 us/GB
-NANOSECONDS = 1e9
 
 
 @dataclasses.dataclass(frozen=True)

@@ -10,8 +10,8 @@ Per op of the graph:
   transpose, expand, an item of a tuple) and a marker that returns nothing (``pipe_split``) move nothing
   and launch nothing;
 - a *kernel* of its own: an op with FLOPs (matmul, attention), an in-place op, a random op and an op outside
-  ATen (a collective). It reads and writes its tensors whole (a collective: nothing here; communication
-  prices it);
+  ATen (a collective). It reads and writes its tensors whole (a collective: nothing here, nor a launch;
+  communication prices it, its latency included);
 - any other ATen op is *fused*. Fused ops joined by an edge that no kernel separates (the same stage: as many
   kernels on the longest path to each) share a kernel, launched once if it writes anything. A fused op reads
   an input from memory where another kernel wrote it (or it is a graph input), and writes its output where
@@ -91,7 +91,7 @@ def fused_traffic(gm: fx.GraphModule, views: set[str], saved: set[str], computin
         elif kind[n.name] == "kernel":
             communicates = isinstance(n.target, OpOverload) and n.target.namespace != "aten"
             whole = sum(_nbytes(a.meta.get("val")) for a in n.all_input_nodes) + _nbytes(n.meta.get("val"))
-            out[n.name] = (0 if communicates else whole, 1)
+            out[n.name] = (0, 0) if communicates else (whole, 1)
         else:
             read = {}
             for a in n.all_input_nodes:

@@ -46,6 +46,7 @@ class OpCost:
     modules: tuple[str, ...]  # module paths around it, outermost first
     saves: tuple[str, ...] = ()     # the ops whose outputs this op saves for its backward (not graph inputs)
     kernels: int = 0         # launched, once fused (0 for a view or an op fused into another's kernel)
+    touched: int = 0         # read and written op by op, views too, global (how the per-op ILP ranks options)
 
 
 def op_costs(gm: fx.GraphModule, inputs, fake_mode) -> list[OpCost]:
@@ -90,7 +91,7 @@ def op_costs(gm: fx.GraphModule, inputs, fake_mode) -> list[OpCost]:
                             {name for name, count in flops.items() if count})
     return [OpCost(node.name, flops[node.name], traffic[node.name][0], _nbytes(node.meta.get("val")),
                    sum(saved[node.name].values()), tuple(module_paths(node)), tuple(sorted(saves[node.name])),
-                   traffic[node.name][1]) for node in calls]
+                   traffic[node.name][1], _touched(node)) for node in calls]
 
 
 def repeated_blocks(gm: fx.GraphModule) -> tuple[str | None, dict[str, list[str]]]:
@@ -140,6 +141,11 @@ def _flops(node: fx.Node) -> int:
         return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
     except Exception:       # (a formula that does not take these arguments counts nothing)
         return 0
+
+
+def _touched(node: fx.Node) -> int:
+    read = [a for a in pytree.tree_leaves((node.args, node.kwargs)) if isinstance(a, fx.Node)]
+    return sum(_nbytes(a.meta.get("val")) for a in read) + _nbytes(node.meta.get("val"))
 
 
 def _nbytes(value) -> int:

@@ -33,8 +33,8 @@ for each edge ``e`` (a value ``u`` read as argument ``a`` of node ``v``, or as a
                otherwise than it is)
 
 Costs, in seconds a step (the device profile's; a micro-batch's terms times ``nmicros``):
-- ``c``: the op's forward and backward (3x the forward: its FLOPs at the device's rate, else its bytes at
-  its bandwidth), a 1/t share when the option splits anything; a reduced partial's collective and, for a
+- ``c``: the op's forward and backward (3x the forward: its FLOPs at the device's rate, else the bytes it
+  reads and writes at its bandwidth, op by op: not the unit's fused traffic, see ``compute``), a 1/t share when the option splits anything; a reduced partial's collective and, for a
   reduce-scatter, its gradient's all-gather; a trainable parameter's gradient all-reduce over the
   data-parallel units (its shard's bytes), and a vanishing 1e-15 s per byte it holds, so that among equally
   fast options the one that holds less wins;
@@ -76,7 +76,7 @@ from ...passes.vocab_parallel_loss import loss_pairs
 from ...config.pins import pin_of
 from ...planning import ActivationChoice, Plan, decode_placement, encode_placement
 from ...planning.cost_model import BUCKET_BYTES, DeviceProfile, UnitCosts, forward_seconds, tp_calls
-from ...planning.solver import Solution, solve
+from ...planning.solver import NANOSECONDS, Solution, solve
 from ...runtime.sharding import SHARDS
 
 MEMORY_TIE = 1e-15          # seconds per byte held: among equally fast options, the smaller
@@ -247,7 +247,11 @@ class PlacementProblem:
         op = self.ops.get(node.name)
         if op is None:
             return 0.0
-        seconds = op.flops / self.profile.flops_per_s if op.flops else op.bytes / self.profile.bytes_per_s
+        # (memory-bound ops by the bytes they touch op by op, views too, not by what they move once fused, as the
+        # cost model prices a unit: a view's placement decides where the ops around it run, and priced at what
+        # it moves, nothing, its placements tie; the plans the ILP then chose included ones the runtime cannot
+        # run, docs/design.md "Cost model")
+        seconds = op.flops / self.profile.flops_per_s if op.flops else op.touched / self.profile.bytes_per_s
         return self.micro((1 + BACKWARD) * seconds / (self.tp if split else 1))
 
     def collective(self, kind: str | None, whole_bytes: float, forward: bool = False) -> float:
@@ -390,8 +394,11 @@ class PlacementProblem:
             for node in nodes:
                 for k, option in enumerate(self.options[node]):
                     memory[0, offset[node] + k] = copies[node] * self.held(node, option)
-        solution = solve(np.array(cost), memory, np.full(len(memory), budget or 0.0), integer, time_limit,
-                         equal=(equal, np.array(rows.rhs)))
+        solution = solve(NANOSECONDS * np.array(cost), memory, np.full(len(memory), budget or 0.0), integer,
+                         time_limit, equal=(equal, np.array(rows.rhs)))
+        if solution.x != () and solution.objective is not None:     # (in seconds)
+            solution = dataclasses.replace(solution, objective=solution.objective / NANOSECONDS,
+                                           bound=(solution.bound or 0.0) / NANOSECONDS)
         if solution.x == ():
             raise ValueError(f"dynshard: the per-op placement ILP found no solution ({solution.status}"
                              f"{'' if budget is None else f', a rank holding at most {budget:.4g} bytes'})")
