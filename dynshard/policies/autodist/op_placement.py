@@ -34,8 +34,8 @@ for each edge ``e`` (a value ``u`` read as argument ``a`` of node ``v``, or as a
 
 Costs, in seconds a step (the device profile's; a micro-batch's terms times ``nmicros``):
 - ``c``: the op's forward and backward (3x the forward: its FLOPs at the device's rate, else the bytes it
-  reads and writes at its bandwidth, op by op: not the unit's fused traffic, see ``compute``), a 1/t share when the option splits anything; a reduced partial's collective and, for a
-  reduce-scatter, its gradient's all-gather; a trainable parameter's gradient all-reduce over the
+  reads and writes at its bandwidth, op by op: not the unit's fused traffic, see ``compute``), a 1/t share
+  when the option splits anything; a reduced partial's collective and, for a reduce-scatter, its gradient's all-gather; a trainable parameter's gradient all-reduce over the
   data-parallel units (its shard's bytes), and a vanishing 1e-15 s per byte it holds, so that among equally
   fast options the one that holds less wins;
 - ``r``: the redistribution ``p -> q`` (an all-gather; a slice is free) and its transpose in the backward:
