@@ -256,6 +256,20 @@ def test_llama_attention_pinned_whole_runs_on_batch_shards_under_batch_parallel_
             assert kinds.count(("reduce_scatter", activation)) == LAYERS + 1, result["explain"]
 
 
+def test_multi_query_attention_under_batch_parallel_trains_like_one_process():
+    """One key/value head under tp's batch parallelism: the whole k_proj and v_proj read the norm's output
+    gathered, as the split q_proj beside them does (on the batch shard, the attention matmul met q split by
+    heads and k split by rows, and planning failed gathering a strided shard); the attention matmuls slice
+    the repeated k/v like q's heads."""
+    results = run_ranks(train_transformers, 2, "llama_mqa", 2, False, STEPS, "tp",
+                        {"pas_config": {"batch_parallel": True}}, timeout=900)
+    for rank, result in enumerate(results):
+        assert_one_process(result, f"rank {rank}")
+        whole, halved, _ = whole_and_split(result)
+        assert {n for n in result["full_numel"] if n.endswith(("k_proj.weight", "v_proj.weight"))} <= whole
+        assert {n for n in result["full_numel"] if n.endswith(("q_proj.weight", "o_proj.weight"))} <= halved
+
+
 # ------------------------------------------------------------------------------------------------------- T5
 
 T5_JOBS = [pytest.param("t5", id="t5"), pytest.param("t5_gated", id="t5_gated", marks=pytest.mark.slow)]

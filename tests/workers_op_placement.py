@@ -322,9 +322,8 @@ def layers_replayed_as_run(rank: int, world: int, model_name: str) -> dict:
 
     def look(lowered, ctx, inputs, config, layout):
         tried = [("tp", dict(policy="tp")), ("data", dict(policy="data")),
-                 ("tp + sp", dict(policy="tp", pas_config={"sequence_parallel": True}))]
-        if model_name != "llama-mqa":   # (it gathers a strided shard there, which fails on FakeTensors)
-            tried.append(("tp + batch parallel", dict(policy="tp", pas_config={"batch_parallel": True})))
+                 ("tp + sp", dict(policy="tp", pas_config={"sequence_parallel": True})),
+                 ("tp + batch parallel", dict(policy="tp", pas_config={"batch_parallel": True}))]
         candidates = {name: place_graph(lowered, ctx, dynshard.Config(plan_ngpus=2, **options).resolve(2))[1]
                       for name, options in tried}
         candidates["per op"] = _per_op(lowered, ctx, inputs, config, layout, load_profile("cuda", "cpu"))[3][1]

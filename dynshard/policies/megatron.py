@@ -183,8 +183,10 @@ def sequence_parallel_activations(graph: fx.Graph, base: Propagation, tp_size: i
     for node in graph.nodes:
         value = node.meta.get("val")
         if node in roots:      # gathered for its matmuls only; a residual add that reads it stays split
-            # (along the batch, only for the matmuls of split weights: a layer left whole runs on the shard)
-            readers = _matmul_readers(node, None if dim == -2 else base)
+            # (along the batch, only where a matmul of a split weight reads it: a layer left whole runs on the
+            # shard; but a whole projection beside a split one reads it gathered too, as under tp: the one k/v
+            # head of multi-query attention, which the attention matmuls slice like q's heads)
+            readers = _matmul_readers(node) if dim == -2 or _matmul_readers(node, base) else []
             if readers:
                 placed.append((node, Replicate(), readers))
         elif isinstance(value, torch.Tensor) and value.dim() >= 2 and value.shape[dim] % tp_size == 0 and (
