@@ -22,11 +22,14 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
+from ..unit_inputs import generator_state
+
 
 class SharedGenerator:
     def __init__(self, device: torch.device, group, src: int):
         self.device, self.group, self.src = device, group, src
         self.state: torch.Tensor | None = None
+        self._get = generator_state(device.type)      # (the current device's: the stage runs on it)
 
     @contextlib.contextmanager
     def drawing(self) -> Iterator[None]:
@@ -45,9 +48,6 @@ class SharedGenerator:
         carried = state.to(self.device)         # (NCCL moves device tensors only)
         dist.broadcast(carried, src=self.src, group=self.group)
         return carried.cpu()
-
-    def _get(self) -> torch.Tensor:
-        return torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else torch.get_rng_state()
 
     def _set(self, state: torch.Tensor) -> None:
         if self.device.type == "cuda":
