@@ -33,6 +33,8 @@ JOBS = {
     "zero3": (dict(options={"use_zero": 3}, plan_ngpus=1)),
     # (Trainer's token averaging scales the loss in place, ``loss *= world``: programs return copies, not views)
     "tp": (dict(options={"policy": "tp"}, plan_ngpus=2)),
+    # (a budget the data plan does not meet: autodist splits the weights)
+    "autodist-budget": (dict(options={"policy": "autodist", "pas_config": {"mem_constraint": 0.0003}}, plan_ngpus=2)),
 }
 
 
@@ -50,6 +52,15 @@ def test_trainer_trains_like_one_process(name):
         # clipping at max_grad_norm=1.0 saw the global norm (the reference's, before clipping)
         torch.testing.assert_close(result["grad_norms"], result["ref_norms"], rtol=1e-5, atol=0)
         assert result["programs"] == 1, result["explain"]
+
+
+def test_trainer_trains_on_the_plan_autodist_chose_under_a_budget():
+    """autodist, the recommended policy, behind Trainer: the plan it chose under the budget splits the weights
+    over the unit (so the parity above is tp's, not data's), and every rank runs that plan."""
+    results = job("autodist-budget")
+    placements = [result["explain"].split("\nprogram ")[0] for result in results]
+    assert "tp=S(0)" in placements[0] and "tp=S(1)" in placements[0], placements[0]
+    assert placements[1] == placements[0]
 
 
 @pytest.mark.parametrize("name", list(JOBS))
