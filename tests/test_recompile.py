@@ -20,7 +20,8 @@ from workers_recompile import recompile_scenarios
 def outcome():
     # the optimizer scenario first: training_loop then starts after a torch._dynamo.reset() (which
     # drops Dynamo's compile callbacks) and a dynshard compile, and still needs global shapes
-    return run_ranks(recompile_scenarios, 2, ["compiled_opt_step_aot_eager", "training_loop", "training_loop_zero3"])
+    return run_ranks(recompile_scenarios, 2, ["compiled_opt_step_aot_eager", "training_loop", "training_loop_zero3",
+                                                  "training_loop_autodist"])
 
 
 def assert_trains_like_one_process(results: list[dict], scenario: str) -> None:
@@ -45,6 +46,16 @@ def test_recompiles_with_zero3_rows_and_their_gradients_train_like_one_process(o
     assert_trains_like_one_process(outcome, "training_loop_zero3")
     for rank in outcome:
         assert max(rank["training_loop_zero3"]["eval_errors"]) < 1e-5
+
+
+def test_autodists_recompiles_and_evals_train_like_one_process_on_the_weights_its_first_plan_split(outcome):
+    """Each new graph (a shorter micro-batch, eval, inference_mode) is searched again, over the parameters
+    the first program placed (fixed): the weights stay split as first chosen, and it all matches one process."""
+    assert_trains_like_one_process(outcome, "training_loop_autodist")
+    for rank in outcome:
+        result = rank["training_loop_autodist"]
+        assert max(result["eval_errors"]) < 1e-5, result["eval_errors"]
+        assert "tp=S(1)" in result["explain"] and result["explain"].count("autodist chose") == 4, result["explain"]
 
 
 def test_eval_and_inference_mode_before_zero_grad_match_one_process(outcome):

@@ -22,6 +22,9 @@ OPTIONS = dynshard.Config(policy="tp", plan_ngpus=2, compiler="aot_eager")
 # ZeRO-3 over 2 units of one rank: every parameter holds rows, so every recompile needs global shapes
 # (both units read the same batches here, so the mean gradient is the single-process one)
 ZERO3 = dynshard.Config(use_zero=3, compiler="aot_eager")
+# autodist under a budget the data plan misses: each new graph (micro-batch size, eval) is searched again,
+# with the parameters the first program placed fixed
+AUTODIST = dynshard.Config(policy="autodist", plan_ngpus=2, compiler="aot_eager", pas_config={"mem_constraint": 0.0002})
 
 
 def _build(name: str):
@@ -57,6 +60,7 @@ def _graphs() -> int:
 
 
 def _finish(out: dict, compiled, reference) -> dict:
+    out["explain"] = str(dynshard.explain(compiled))
     out["params"] = dynshard.collect_state_dict(compiled)
     out["ref_params"] = {k: v.detach().clone() for k, v in reference.state_dict().items()}
     return out
@@ -115,6 +119,7 @@ def compiled_optimizer_step(backend: str) -> dict:
 SCENARIOS = {
     "training_loop": training_loop,
     "training_loop_zero3": lambda: training_loop(ZERO3),
+    "training_loop_autodist": lambda: training_loop(AUTODIST),
     "compiled_opt_step_aot_eager": lambda: compiled_optimizer_step("aot_eager"),
     "compiled_opt_step_inductor": lambda: compiled_optimizer_step("inductor"),
 }
