@@ -37,7 +37,8 @@ from workers_autodist import (candidate_plans_beside_hand_plans, estimated_varia
     ({"use_fp16": True, "use_bf16": True}, "choose one"),
     ({"explore_pipeline": True}, "needs use_end2end=True"),
     ({"partition_constraints_path": "/no/pins.json"}, "cannot read the partition constraints file"),
-    ({"pipeline_scheduler": "chimera_direct"}, "searches the pipeline schedules"),
+    ({"pipeline_scheduler": "1f1b_plus"}, "searches the pipeline schedules"),
+    ({"pipeline_scheduler": "chimera_direct", "update_freq": 4}, "plan_ngpus must be a multiple of 4"),
     ({"transient_mem_coef": "2"}, "transient_mem_coef"),
 ])
 def test_bad_pas_config_values_are_errors_that_say_what_to_change(pas_config, message):
@@ -296,6 +297,17 @@ def test_autodists_interleaved_pipeline_runs_two_stages_a_rank_through_train_ste
         assert result["modules"] and len(result["modules"][0]) == 4        # 4 stages, 2 on each rank
 
 
+def test_autodists_chimera_pipeline_runs_each_stage_on_two_ranks_through_train_step_like_one_process():
+    """Restricted to chimera_direct over a unit of 4, the search prices its two lanes (every stage on two ranks,
+    each pair summing its copies' gradients once a step) and the job runs the plan it chose like one process."""
+    results = run_ranks(pipeline_parity, 4, "gpt", 4, {"explore_pipeline": True, "update_freq": 4,
+                                                       "pipeline_scheduler": "chimera_direct"},
+                        "train_step", 2, 8, "autodist", timeout=600)
+    for rank, result in enumerate(results):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert result["schedules"] == ["chimera_direct"] and len(result["modules"][0]) == 4, result["modules"]
+
+
 @pytest.mark.slow       # (about 40 s; the stage-cut search is tested fast in test_stage_cuts)
 def test_under_a_budget_the_balanced_cut_misses_autodist_moves_the_stage_cut_and_trains_like_one_process():
     """An 8-layer GPT in 2 stages under 1F1B: the first rank holds two micro-batches, the last one. One byte
@@ -411,7 +423,9 @@ def test_every_pipeline_candidate_is_the_plan_its_policy_makes_and_zero_shrinks_
     at rest and add the step's whole replicas."""
     rows = run_ranks(pipeline_candidates_beside_hand_plans, 1, 2 * plan_ngpus, plan_ngpus, timeout=900)[0]
     if plan_ngpus == 4:
-        assert {"hybrid pp 2 x tp 2 1f1b", "hybrid pp 2 x tp 2 zb1p + ZeRO-2 + recompute Block"} <= {n for n, *_ in rows}
+        assert {"hybrid pp 2 x tp 2 1f1b", "hybrid pp 2 x tp 2 zb1p + ZeRO-2 + recompute Block",
+                "pp chimera_direct", "pp chimera_direct + recompute Block"} <= {n for n, *_ in rows}
+        assert not any("chimera" in n and "ZeRO" in n for n, *_ in rows)      # (ZeRO 0 only: two copies a stage)
         # a hybrid's stages are priced from the tp plan: every tensor placed, and every collective in its stage,
         # as the hybrid policy places them
         assert all(estimate for name, *_, estimate in rows if name.startswith("hybrid")), rows

@@ -144,6 +144,7 @@ def pipeline_parity(rank: int, world: int, model_name: str, plan_ngpus: int, pas
             "total": {n: p.numel() for n, p in reference.named_parameters()},
             "sent_bytes": [p.sent_bytes for p in report.pipelines], "p2p_bytes": [p.p2p_bytes for p in report.pipelines],
             "modules": [[s.modules for s in p.stages] for p in report.pipelines],
+            "schedules": [p.plan.pipeline.schedule for p in report.pipelines if p.plan is not None],
             "saved": [[s.saved_bytes for s in p.stages] for p in report.pipelines]}
 
 

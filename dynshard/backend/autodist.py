@@ -37,6 +37,7 @@ import torch.fx as fx
 
 from ..config import Config
 from ..config.autodist import INTERLEAVED_CHUNKS
+from ..config.pipeline import broken_schedule_rule
 from ..planning import Plan
 from ..planning.cost_model import DeviceProfile, UnitCosts, load_profile, predict
 from ..policies.autodist.choices import choose
@@ -354,6 +355,9 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                 pas["pipeline_nstages"] = pp
             if schedule == "1f1b_interleaved":      # (the chunks: stages per pipeline rank)
                 pas.update(pipeline_nchunks=INTERLEAVED_CHUNKS, pipeline_nstages=pp * INTERLEAVED_CHUNKS)
+            if broken_schedule_rule(schedule, pas.get("pipeline_nstages", pp), options.update_freq,
+                                    pas.get("pipeline_nchunks", 1), 0) is not None:
+                continue        # (chimera_direct: 4 pipeline ranks and micro-batches in pairs)
             placement = Placement(f"pp {schedule}" if tp == 1 else f"hybrid pp {pp} x tp {tp} {schedule}",
                                   "pp" if tp == 1 else "hybrid", tuple(pas.items()))
             base = placement.config(config, 1 if dp > 1 else 0, options.recompute_modules or "")
@@ -369,7 +373,8 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                              str(error).strip().splitlines()[0])
                     continue
                 planned = plan
-            for zero in zero_levels(dp):
+            # (chimera_direct holds every stage on two ranks: its ZeRO rows are not built for that, and not priced)
+            for zero in zero_levels(dp) if schedule != "chimera_direct" else (0,):
                 for recompute in recompute_choices(config, whole.recompute_class):
                     candidate = Candidate(placement, zero, recompute)
                     staged, predicted = _priced(plan, zero, recompute, config, unit, profile)

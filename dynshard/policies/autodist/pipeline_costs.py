@@ -7,18 +7,20 @@ its backward twice that (recompute adds its share of the recomputed blocks' time
 the executor's own simulator (:func:`dynshard.runtime.pipeline.simulate.simulate`) with the slowest stage's
 costs and the boundary's transfer time (``alpha + bytes / bandwidth`` of a point-to-point message, priced as
 an all-to-all of the block's input): its makespan is the step's compute and bubble. The data-parallel
-reduction follows the step (the busiest pipeline rank's parameters). Memory per pipeline rank: its stages'
-parameters, gradients and Adam's state (ZeRO rows at rest), under ZeRO their whole replicas and gradients
-during the step (gathered once a step, reduce-scattered at its end), its stages' share of the activations
-times the most micro-batches it holds between a forward and its backward in the simulated timeline, and
-the transient term.
+reduction follows the step (the busiest pipeline rank's parameters), and so does the sum of a gradient over
+the ranks holding copies of its parameter (a tied embedding; chimera_direct's every stage). Memory per
+pipeline rank: its stages' parameters, gradients and Adam's state (ZeRO rows at rest), under ZeRO their whole
+replicas and gradients during the step (gathered once a step, reduce-scattered at its end), its stages' share
+of the activations times the most micro-batches it holds between a forward and its backward in the simulated
+timeline, and the transient term.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import functools
+import math
+from collections import defaultdict
 
 from ...planning import STAGE_SEPARATOR, Plan
 from ...planning.cost_model import (DeviceProfile, UnitCosts, forward_seconds, instance_seconds, parameter_seconds,
@@ -62,19 +64,22 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
     dp_comm = max((sum(seconds for seconds, on in seconds_of if on & stages) for stages in rank_stages), default=0.0)
     dp_kinds = {(k, w) for t in params for k, _, _, w in tensor_collectives(plan, t)}
     dp_comm += sum(profile.alpha_s[kind] for kind, what in dp_kinds)
+    shared = shared_seconds(plan, profile, rank_stages)
     # the optimizer's update after the schedule, of each rank's stages' parameters
     updates = max((sum(update_seconds(plan, t, profile) for t, on in on_stages if t.kind == "parameter" and on & stages)
                    for stages in rank_stages), default=0.0)
     busy = max(simulated.busy) + updates
-    if dp_kinds:
+    if dp_kinds or shared:
         dp_comm += profile.meeting_seconds(1, busy)       # (see cost_model: one meeting after the step)
+    dp_comm += shared
     peak = busiest.total + during + transient
     return {
         "step_seconds": round_seconds(simulated.makespan + updates + dp_comm),
         "compute_seconds": round_seconds(busy),
         "communication_seconds": round_seconds(dp_comm),      # (tp's is inside the stages' times, hence compute)
         "tp_communication_seconds": round_seconds(p.nmicros * max(sum(stage) for stage in tp)),
-        "dp_communication_seconds": round_seconds(dp_comm),
+        "dp_communication_seconds": round_seconds(dp_comm - shared),
+        "shared_gradient_seconds": round_seconds(shared),
         "bubble_seconds": round_seconds(simulated.makespan + updates - busy),
         "tp_collectives_per_micro_batch": {
             "count": tp_collectives(plan)[0], "bytes": int(tp_collectives(plan)[1])},
@@ -83,6 +88,21 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
                            "optimizer": busiest.optimizer, "gathered": int(replicas), "activations": int(activations),
                            "transient": int(transient), "peak": math.ceil(peak)},
     }
+
+
+def shared_seconds(plan: Plan, profile: DeviceProfile, rank_stages: list[set[int]]) -> float:
+    """The sum of each parameter's gradient over the pipeline ranks holding a copy (a tied embedding and LM head
+    on the first and last stage; every stage of chimera_direct, on two ranks): after the schedule, one
+    all-reduce per set of owners (``runtime/pipeline/ownership.reduce_gradients``), the busiest rank's."""
+    sizes: dict[frozenset, int] = defaultdict(int)
+    for t in plan.tensors.values():
+        if t.kind == "parameter" and t.stages:
+            owners = frozenset(r for r, stages in enumerate(rank_stages) if stages & set(t.stages))
+            if len(owners) > 1:
+                sizes[owners] += whole_bytes(plan, t)
+    return max((sum(profile.collective_seconds("all_reduce", size, len(owners))
+                    for owners, size in sizes.items() if rank in owners) for rank in range(len(rank_stages))),
+               default=0.0)
 
 
 def activation_terms(plan: Plan, unit: UnitCosts) -> tuple[float, float]:
