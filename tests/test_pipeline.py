@@ -91,8 +91,8 @@ def test_interleaved_with_two_chunks_on_four_ranks():
 def test_chimera_direct_over_two_data_parallel_units_trains_like_one_process():
     """Two units of 4 (autodist prices chimera_direct over units too, at ZeRO 0): each stage's two copies sum
     their gradients within the unit, then the units average theirs."""
-    _assert_parity(run_ranks(pipeline_parity, 8, "gpt", 4, {"pipeline_nmicros": 4, "pipeline_scheduler": "chimera_direct"},
-                             "train_step", 2, timeout=900))
+    pas_config = {"pipeline_nmicros": 4, "pipeline_scheduler": "chimera_direct"}
+    _assert_parity(run_ranks(pipeline_parity, 8, "gpt", 4, pas_config, "train_step", 2, timeout=900))
 
 
 def test_chimera_direct_runs_each_stage_on_two_ranks_in_two_directions():
