@@ -38,7 +38,7 @@ from workers_autodist import (candidate_plans_beside_hand_plans, estimated_varia
     ({"explore_pipeline": True}, "needs use_end2end=True"),
     ({"partition_constraints_path": "/no/pins.json"}, "cannot read the partition constraints file"),
     ({"pipeline_scheduler": "1f1b_plus"}, "searches the pipeline schedules"),
-    ({"pipeline_scheduler": "chimera_direct", "update_freq": 4}, "plan_ngpus must be a multiple of 4"),
+    ({"pipeline_scheduler": "chimera_direct", "update_freq": 4}, "plan_ngpus must be 4"),
     ({"transient_mem_coef": "2"}, "transient_mem_coef"),
 ])
 def test_bad_pas_config_values_are_errors_that_say_what_to_change(pas_config, message):

@@ -356,8 +356,9 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
             if schedule == "1f1b_interleaved":      # (the chunks: stages per pipeline rank)
                 pas.update(pipeline_nchunks=INTERLEAVED_CHUNKS, pipeline_nstages=pp * INTERLEAVED_CHUNKS)
             if broken_schedule_rule(schedule, pas.get("pipeline_nstages", pp), options.update_freq,
-                                    pas.get("pipeline_nchunks", 1), 0) is not None:
-                continue        # (chimera_direct: 4 pipeline ranks and micro-batches in pairs)
+                                    pas.get("pipeline_nchunks", 1), 0) is not None or (
+                    schedule == "chimera_direct" and tp > 1):
+                continue        # (chimera_direct: 4 pipeline ranks, micro-batches in pairs; not yet run with tp stages)
             placement = Placement(f"pp {schedule}" if tp == 1 else f"hybrid pp {pp} x tp {tp} {schedule}",
                                   "pp" if tp == 1 else "hybrid", tuple(pas.items()))
             base = placement.config(config, 1 if dp > 1 else 0, options.recompute_modules or "")

@@ -25,7 +25,7 @@ re_profile / parallel_profile: nnScaler re-times operators on the device; dynsha
     on FakeTensors each time (nothing is cached or timed), so both are accepted and change nothing.
 explore_pipeline: also price pipelines (policy "pp": every rank of a unit one stage) with the schedules
     of ``pipeline_scheduler`` (default: 1f1b, gpipe, zb1p, 1f1b_interleaved with two stages per pipeline
-    rank where ``update_freq`` allows it, and chimera_direct, at ZeRO 0, where there are 4 pipeline ranks and
+    rank where ``update_freq`` allows it, and chimera_direct, at ZeRO 0, where a unit of 4 ranks is 4 stages and
     ``update_freq`` is even; not 1f1b_plus), ``update_freq`` micro-batches, stages cut
     before ``pipeline_pivots`` (module classes; default: the repeated layers). Needs ``use_end2end=True``
     and ``dynshard.train_step``. ZeRO levels are searched for pipelines too (uniform), and so is every
@@ -127,12 +127,12 @@ class AutodistOptions:
             raise ConfigError("dynshard: pas_config['explore_pipeline'] needs use_end2end=True (a pipeline runs an "
                               "end-to-end module: forward takes the sample and returns the loss first), and the "
                               "training loop calls dynshard.train_step(model, samples) with update_freq samples")
-        if self.pipeline_scheduler == "chimera_direct" and (config.plan_ngpus % 4 or self.update_freq % 2):
+        if self.pipeline_scheduler == "chimera_direct" and (config.plan_ngpus != 4 or self.update_freq % 2):
             raise ConfigError(
                 "dynshard: pas_config['pipeline_scheduler']='chimera_direct' runs 4 pipeline ranks (each stage on "
-                "two of them) and sends micro-batches in pairs: plan_ngpus must be a multiple of 4 and update_freq "
-                f"even; got plan_ngpus={config.plan_ngpus}, update_freq={self.update_freq}. Use another schedule, "
-                "or none (every one autodist prices)")
+                "two of them; autodist does not put tp inside its stages yet) and sends micro-batches in pairs: "
+                f"plan_ngpus must be 4 and update_freq even; got plan_ngpus={config.plan_ngpus}, "
+                f"update_freq={self.update_freq}. Use another schedule, or none (every one autodist prices)")
         mp = config.mixed_precision
         compute = None if mp is None else mp.param_dtype
         for flag, name in ((self.use_bf16, "bfloat16"), (self.use_fp16, "float16")):
