@@ -27,7 +27,7 @@ from .runtime.state_dict import collect_state_dict, relocate_state_dict
 from .runtime.unit_inputs import UnitInputMismatchError
 from .runtime.ddp import DDPWrapError
 from .why_not import why_not
-from .runtime.eager_guard import EagerCallOnShardsError, summon_full_params
+from .runtime.eager_guard import EagerCallError, EagerCallOnShardsError, RecompileLimitError, summon_full_params
 from . import checkpoint  # noqa: F401  (dynshard.checkpoint.save / load / latest)
 from .checkpoint.merged import (broadcast_weights, deduped_state_dict, load_deduped_state_dict,
                                 load_merged_state_dicts, merge_state_dicts)
@@ -55,4 +55,5 @@ __all__ = ["broadcast_weights", "deduped_state_dict", "load_deduped_state_dict",
            "collect_state_dict",
            "data_parallel_rank", "explain", "get_parallel_dim", "infer_step", "no_sync", "register_ddp_parameters_to_ignore",
            "register_parallel_attribute", "register_parallel_dim", "relocate_state_dict", "slice", "summon_full_params", "tensor_parallel",
-           "train_step", "BackendFailedError", "DDPWrapError", "EagerCallOnShardsError", "UnitInputMismatchError"]
+           "train_step", "BackendFailedError", "DDPWrapError", "EagerCallError", "EagerCallOnShardsError",
+           "RecompileLimitError", "UnitInputMismatchError"]

@@ -48,6 +48,18 @@ def test_split_logits_across_a_graph_break_train_like_one_process(name):
         assert_trains_like_one_process(result, f"rank {rank}")
 
 
+@pytest.mark.parametrize("name", ["bigram", "embedding_head"])
+def test_a_lookup_in_a_vocabulary_split_table_crossing_a_break_trains_like_one_process(name):
+    # bigram: the lookup is the logits, flattened before the break (the masked partial sum was reduced after
+    # the view, with a mask of the indices' shape: IndexError); embedding_head: the lookup feeds the LM head
+    # directly (the head's partial input gradient met the lookup's masked partial: "Redistribution from one
+    # partial type (P(sum)) to another (MaskP(sum, ...)) is unsupported")
+    for rank, result in enumerate(job(name)):
+        assert result["dynamo_graphs"] == 2 and not result["warnings"], (result["warnings"], result["explain"])
+        assert result["logits_error"] < 1e-5
+        assert_trains_like_one_process(result, f"rank {rank}")
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_loss_after_the_break_is_vocab_parallel_and_never_gathers_the_logits(name):
     one_per_row = (ROWS * SEQ, 1)

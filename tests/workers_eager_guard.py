@@ -16,6 +16,18 @@ def _sgd(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+def _step(*optimizers) -> None:
+    for o in optimizers:
+        o.step()
+        o.zero_grad()
+
+
+def _with_params(result: dict, compiled, reference) -> dict:
+    result["params"] = dynshard.collect_state_dict(compiled)
+    result["ref_params"] = {k: v.detach() for k, v in reference.state_dict().items()}
+    return result
+
+
 def eager_calls_after_tp(rank: int, world: int) -> dict:
     """An MLP trained a step under tp, then called eagerly, inside summon_full_params, and trained on."""
     torch.manual_seed(0)
@@ -40,12 +52,8 @@ def eager_calls_after_tp(rank: int, world: int) -> dict:
         result["ref_losses"].append(ref_loss.item())
         loss.backward()
         ref_loss.backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
-    result["params"] = dynshard.collect_state_dict(compiled)
-    result["ref_params"] = {k: v.detach() for k, v in reference.state_dict().items()}
-    return result
+        _step(opt, ref_opt)
+    return _with_params(result, compiled, reference)
 
 
 def generate_after_tp(rank: int, world: int) -> dict:
@@ -87,3 +95,97 @@ def two_models_under(rank: int, world: int, options: dict, steps: int = 2) -> di
         out[seed] = train_beside(compiled, reference, (_sgd(model.parameters()), _sgd(reference.parameters())),
                                  [mlp_batch(4, seed=10 * step + seed) for step in range(steps)])
     return out
+
+
+class TemperatureMLP(torch.nn.Module):
+    """A forward that takes a Python float: Dynamo guards on its value, so each new value recompiles."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)
+
+    def forward(self, x, y, temperature: float):
+        return torch.nn.functional.mse_loss(self.b(torch.relu(self.a(x)) / temperature).squeeze(-1), y)
+
+
+RECOMPILE_LIMIT = 2      # (Dynamo's default is 8: the same path, reached sooner)
+
+
+def recompile_limit_under(rank: int, world: int, options: dict, model_name: str = "mlp") -> dict:
+    """Train until Dynamo's recompile limit, a new temperature (or sequence length) each step, beside one
+    process; report the error each rank raised, at which step, and both models as they were then."""
+    torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
+    torch.manual_seed(0)
+    model = TemperatureMLP() if model_name == "mlp" else build_transformers("llama")
+    reference = copy.deepcopy(model)
+    plan_ngpus = options.get("plan_ngpus", 1)
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(compiler="aot_eager", **options))
+    opt, ref_opt = _sgd(model.parameters()), _sgd(reference.parameters())
+    dp_rank, dp_size = dynshard.data_parallel_rank(plan_ngpus)
+    result = {"losses": [], "ref_losses": [], "error": None}
+    for step in range(RECOMPILE_LIMIT + 2):
+        generator = torch.Generator().manual_seed(step)
+        if model_name == "mlp":
+            x, y = torch.randn(4 * dp_size, 8, generator=generator), torch.randn(4 * dp_size, generator=generator)
+            rows = slice(4 * dp_rank, 4 * dp_rank + 4)
+            args, ref_args = (x[rows], y[rows], 1.0 + 0.1 * step), (x, y, 1.0 + 0.1 * step)
+            call = lambda m, a: m(*a)         # noqa: E731
+        else:
+            ids = torch.randint(0, VOCAB, (2 * dp_size, 8 + step), generator=generator)
+            rows = slice(2 * dp_rank, 2 * dp_rank + 2)
+            args, ref_args = ids[rows], ids
+            call = lambda m, a: m(input_ids=a, labels=a).loss      # noqa: E731
+        try:
+            loss = call(compiled, args)
+        except dynshard.EagerCallError as error:
+            result["error"], result["error_type"], result["error_step"] = str(error), type(error).__name__, step
+            break
+        loss.backward()
+        ref_loss = call(reference, ref_args)
+        ref_loss.backward()
+        mean = loss.detach().clone()
+        torch.distributed.all_reduce(mean)
+        result["losses"].append(mean.item() / world)
+        result["ref_losses"].append(ref_loss.item())
+        _step(opt, ref_opt)
+    return _with_params(result, compiled, reference)
+
+
+def eager_calls_under_dp(rank: int, world: int) -> dict:
+    """dp: after a compiled step, an eager call of the original module with gradients enabled is refused
+    (nothing would reduce its gradients); under no_grad it computes what the compiled model does."""
+    torch.manual_seed(0)
+    model = MLP()
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(compiler="aot_eager"))
+    x, y = mlp_batch(4, seed=rank)
+    compiled(x, y).backward()
+    result = {}
+    try:
+        model(x, y)
+        result["error"] = None
+    except dynshard.EagerCallError as error:
+        result["error"], result["error_type"] = str(error), type(error).__name__
+    with torch.no_grad():
+        result["eager"], result["compiled"] = model(x, y).item(), compiled(x, y).item()
+    result["grads"] = [p.grad.clone() for p in model.parameters()]     # the refused call added nothing
+    compiled(x, y).backward()
+    result["grads_after"] = [p.grad.clone() for p in model.parameters()]
+    return result
+
+
+def generate_on_tp_llama(rank: int, world: int) -> dict:
+    """transformers' Llama trained a step under tp, then generate() on the compiled module."""
+    from dynshard.runtime.eager_guard import _GUARDED
+
+    model = build_transformers("llama")
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy="tp", plan_ngpus=2, compiler="aot_eager"))
+    batch = make_batch("llama", 2, 0)
+    compiled(**batch).loss.backward()
+    result = {"guarded": [name for name, m in model.named_modules() if getattr(m, _GUARDED, False)]}
+    try:
+        compiled.generate(batch["input_ids"][:, :5], max_new_tokens=2, do_sample=False, pad_token_id=0)
+        result["error"] = result["error_type"] = None
+    except Exception as error:      # noqa: BLE001  (the test names what it must be)
+        result["error"], result["error_type"] = str(error), type(error).__name__
+    return result

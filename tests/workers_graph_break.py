@@ -39,10 +39,32 @@ class BrokenLM(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), y.flatten()), logits
 
 
+class BrokenBigram(nn.Module):
+    """The bigram model nanoGPT's lessons start from: the token embedding's table, split along the vocabulary by
+    ``tp`` (its lookup is a masked partial sum), gives the logits, flattened as nanoGPT does, and they cross a
+    graph break before ``F.cross_entropy``. ``head``: the embedding feeds an LM head directly instead."""
+
+    def __init__(self, vocab: int = VOCAB, head: bool = False):
+        super().__init__()
+        self.table = nn.Embedding(vocab, HIDDEN if head else vocab)
+        self.head = nn.Linear(HIDDEN, vocab, bias=False) if head else None
+
+    def forward(self, x, y):
+        logits = self.table(x)
+        if self.head is not None:
+            logits = self.head(logits)
+        B, T, C = logits.shape
+        logits = logits.view(B * T, C)
+        torch._dynamo.graph_break()
+        return F.cross_entropy(logits, y.view(B * T)), logits.view(B, T, C)
+
+
 def build(name: str) -> nn.Module:
     torch.manual_seed(0)
     if name == "custom":
         return BrokenLM()
+    if name in ("bigram", "embedding_head"):
+        return BrokenBigram(head=name == "embedding_head")
     if name == "gpt2":
         import transformers
 

@@ -23,6 +23,7 @@ from ..runtime.pipeline.program import PipelineProgram
 from ..runtime.program import CompiledPlan, ShardedProgram
 from ..runtime.buffer_sync import BufferSync
 from ..runtime.ddp import watch as watch_ddp_wraps
+from ..runtime.eager_guard import refuse_recompile_limit
 from ..runtime.sharding import is_sharded, present_global_shapes, restore_local_shards
 from ..runtime.unit_inputs import InputCheck
 from .agreement import ensure_ranks_agree, ensure_ranks_agree_on_source
@@ -47,6 +48,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         raise TypeError(f"dynshard: unexpected backend arguments {sorted(kwargs)}; pass settings in options=")
     compat.register_logger("dynshard")
     compat.keep_shapes_static()
+    compat.on_recompile_limit(refuse_recompile_limit)   # a dynshard frame never runs eagerly
     compat.around_dynamo_compiles(present_global_shapes, restore_local_shards)
     watch_ddp_wraps()       # (again after a torch._dynamo.reset(), which drops Dynamo's callbacks)
     config = Config.from_options(options)

@@ -24,9 +24,10 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from .cpu_attention import register_cpu_attention
 from .cpu_isa import start_cpu_isa_probe, wait_cpu_isa_probe  # noqa: F401
 from .inductor import bucketing_patches, compile_per_rank, gather_buckets_copied_out  # noqa: F401
-from .mask_partial import mask_offsets_read_at_run_time  # noqa: F401
+from .mask_partial import is_mask_partial, mask_offsets_read_at_run_time  # noqa: F401
 from .ops import (ALL_GATHER, COLLECTIVE_KINDS, all_gather_rows, all_reduce, group_rank, invoke_subgraph,  # noqa: F401
                   reduce_scatter_rows)
+from .recompile_limit import RecompileLimit, on_recompile_limit  # noqa: F401
 from .tracing import fake_tensor_log_quiet, isolated_tracing, new_fake_mode, trace_to_aten  # noqa: F401
 
 
@@ -79,6 +80,14 @@ def compiling_frame() -> dict[str, Any] | None:
                                      and frame.f_code.co_filename == convert_frame.__file__):
         frame = frame.f_back
     return frame.f_locals if frame is not None else None
+
+
+def in_optimized_module() -> bool:
+    """Whether a ``torch.compile(module)`` wrapper's call is running: that wrapped module's own hooks run
+    there outside Dynamo, before its compiled frame (``OptimizedModule._initialize``)."""
+    from torch._dynamo.eval_frame import _is_in_optimized_module
+
+    return _is_in_optimized_module()
 
 
 def compiling_backend() -> Callable | None:

@@ -55,6 +55,12 @@ def _partition_value(self, tensor: torch.Tensor, mesh, mesh_dim: int) -> torch.T
     return masked
 
 
+def is_mask_partial(placement) -> bool:
+    """Whether ``placement`` is a masked partial sum (a lookup in a row-split table): its mask has the shape of
+    the indices, so it is reduced before any reshape of the value."""
+    return isinstance(placement, _MaskPartial)
+
+
 _PATCH = CountedPatch(lambda: _MaskPartial, "_partition_value", lambda torch_partition_value: _partition_value)
 
 

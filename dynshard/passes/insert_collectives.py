@@ -233,7 +233,8 @@ def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 
 
 def matmul_input_roots(graph: fx.Graph, propagation) -> list[fx.Node]:
-    """Computed, replicated activations that reach a matmul operand through views only, and stay whole
+    """Computed, replicated activations (partial sums reduced where produced included: the lookup of a
+    row-split embedding feeding an LM head) that reach a matmul operand through views only, and stay whole
     on the way (a value sliced like the other operand, ``MatchedSlice``, is not one)."""
     roots: dict[fx.Node, None] = {}
     for node in graph.nodes:
@@ -246,6 +247,8 @@ def matmul_input_roots(graph: fx.Graph, propagation) -> list[fx.Node]:
                 sliced = sliced or any(isinstance(p, SHARDS) for p in propagation.placements.get(arg.name, ()))
                 arg = arg.args[0]
             placements = propagation.placements.get(arg.name) if isinstance(arg, fx.Node) else None
+            if placements is not None and arg.name in propagation.reduced_partials:
+                placements = reduced_placements(placements)      # (reduced where produced)
             if arg is not None and arg.op == "call_function" and placements is not None and not sliced and \
                     all(p == Replicate() for p in placements):
                 roots[arg] = None

@@ -227,8 +227,9 @@ class ShardingInterpreter(fx.Interpreter):
             self.placed[n] = self.place(n, out, constraint.placements)
         elif constraint is not None and isinstance(out, DTensor):
             out = self.place(n, out, constraint.placements)
-        elif n.op == "call_function" and not _only_viewed(n) and any(
+        elif n.op == "call_function" and any(
                 isinstance(leaf, DTensor) and any(isinstance(p, Partial) for p in leaf.placements)
+                and not (_only_viewed(n) and not any(compat.is_mask_partial(p) for p in leaf.placements))
                 for leaf in pytree.tree_leaves(out)):
             self.result.reduced_partials.add(n.name)
             out = pytree.tree_map_only(DTensor, lambda t: self.reduce_partial(n, t), out)
@@ -456,7 +457,8 @@ def _gathers(redistributions) -> bool:
 
 
 def _only_viewed(node: fx.Node) -> bool:
-    """Whether every reader of ``node`` is a reshape (its partial sum is reduced after them)."""
+    """Whether every reader of ``node`` is a reshape (its partial sum is reduced after them; not a masked one,
+    whose mask has the shape of the lookup's indices)."""
     return bool(node.users) and all(user.target in RESHAPES for user in node.users)
 
 

@@ -1,12 +1,23 @@
-"""Calls that bypass the compiled program must not compute on this rank's shards.
+"""Calls that bypass the compiled program must not compute on this rank's shards, nor train unreduced.
 
 Parameters become this rank's shards in place, so a call on the module that does not go through the
 compiled program (``model.generate(...)``, which calls the original module's ``forward``; an eager call
-after training; a frame Dynamo runs eagerly after its ``recompile_limit``) would compute on shards: an
-index error at best, a silently wrong number at worst. Each module that holds a split tensor gets a
-forward pre-hook that raises :class:`EagerCallOnShardsError` unless Dynamo is tracing the call (then it
-is part of a dynshard program: ``torch.compiler.is_compiling()`` folds the hook away) or the tensors are
-whole for the moment (:func:`summon_full_params`, FSDP's name for the same thing).
+after training; a frame Dynamo runs eagerly) would compute on shards: an index error at best, a silently
+wrong number at worst. A whole parameter is no safer in training: only the compiled backward reduces its
+gradient across ranks, so an eager forward under ``dp`` lets each replica drift apart without a word.
+
+* **Dynamo's recompile limit** (:func:`refuse_recompile_limit`): when a frame compiled for dynshard has
+  used up ``torch._dynamo.config.recompile_limit``, Dynamo would run it, and every frame it calls, eagerly.
+  :class:`RecompileLimitError` is raised instead, before the call does any work, naming the guard that
+  failed and the fix. Ranks that call alike reach the limit at the same call, so every rank raises.
+* **Every module that holds a tensor dynshard placed** gets a forward pre-hook: a split tensor (tp shards,
+  ZeRO rows, another stage's tensor) refuses any eager call (:class:`EagerCallOnShardsError`); a whole
+  trainable parameter whose gradient is reduced across ranks refuses an eager call with gradients enabled
+  (:class:`EagerCallError`; under ``torch.no_grad()``, evaluation and ``generate``, it computes exactly). The
+  hook passes when Dynamo is tracing the call (then it is part of a dynshard program:
+  ``torch.compiler.is_compiling()`` folds the hook away), when the tensors are whole for the moment
+  (:func:`summon_full_params`, FSDP's name for the same thing), and for the module ``torch.compile`` wrapped
+  while its wrapper runs it (those hooks run outside Dynamo, right before the compiled frame).
 """
 
 from __future__ import annotations
@@ -18,14 +29,25 @@ from typing import Iterator
 import torch
 import torch.nn as nn
 
+from .. import compat
+from .backend_identity import compiling_for_dynshard
 from .sharding import full_tensor, get_tag
 
 _GUARDED = "_dynshard_eager_guard"
+_ROOT = "_dynshard_frame_root"
 _WHOLE = {"depth": 0}
 
 
-class EagerCallOnShardsError(RuntimeError):
+class EagerCallError(RuntimeError):
+    """A module or frame dynshard placed would run outside its compiled program, where it trains wrong."""
+
+
+class EagerCallOnShardsError(EagerCallError):
     """A module holding this rank's shards was called outside a dynshard program."""
+
+
+class RecompileLimitError(EagerCallError):
+    """Dynamo reached its recompile limit on a frame compiled for dynshard and would have run it eagerly."""
 
 
 def _split_here(module: nn.Module) -> list[str]:
@@ -33,27 +55,70 @@ def _split_here(module: nn.Module) -> list[str]:
             if t is not None and (tag := get_tag(t)) is not None and tag.is_split]
 
 
+def _reduced_here(module: nn.Module) -> list[str]:
+    """Its trainable parameters whose gradients the compiled backward reduces across ranks."""
+    return [name for name, p in module._parameters.items()
+            if p is not None and p.requires_grad and (tag := get_tag(p)) is not None and tag.layout.world_size > 1]
+
+
+_CALL_COMPILED = ("Call the compiled model; to run the module eagerly (model.generate(...), evaluation code), "
+                  "gather its tensors for the duration: `with dynshard.summon_full_params(model): "
+                  "model.generate(...)` on every rank")
+
+
 def _refuse_eager(module: nn.Module, args) -> None:
     if torch.compiler.is_compiling() or _WHOLE["depth"]:
+        return
+    if getattr(module, _ROOT, False) and compat.in_optimized_module():
         return
     split = _split_here(module)
     if split:
         raise EagerCallOnShardsError(
             f"dynshard: {type(module).__name__} was called outside its compiled program, but its "
-            f"{', '.join(split)} hold only this rank's shards, so it would compute on shards. Call the "
-            "compiled model; to run the module eagerly (model.generate(...), evaluation code), gather its "
-            "tensors for the duration: `with dynshard.summon_full_params(model): model.generate(...)` on "
-            "every rank. If Dynamo fell back to eager (recompile_limit hit: TORCH_LOGS=recompiles says "
-            "why), raise torch._dynamo.config.recompile_limit or keep input shapes fixed")
+            f"{', '.join(split)} hold only this rank's shards, so it would compute on shards. {_CALL_COMPILED}. "
+            "A torch.compiler.disable'd function or a graph Dynamo skipped calls it eagerly too (TORCH_LOGS="
+            "graph_breaks says where)")
+    reduced = _reduced_here(module) if torch.is_grad_enabled() else []
+    if reduced:
+        raise EagerCallError(
+            f"dynshard: {type(module).__name__} was called outside its compiled program with gradients "
+            f"enabled; only the compiled backward reduces the gradients of its {', '.join(reduced)} across "
+            "ranks, so each rank would train on its own gradients and the replicas would drift apart. Call "
+            "the compiled model for training; an eager call for evaluation or generation is exact under "
+            "torch.no_grad(). A torch.compiler.disable'd function or a graph Dynamo skipped calls it "
+            "eagerly too (TORCH_LOGS=graph_breaks says where)")
 
 
 def guard_modules(roots: list[nn.Module]) -> None:
-    """Hook every module under ``roots`` that directly holds a split tensor (once per module)."""
+    """Hook every module under ``roots`` that directly holds a tensor dynshard placed (once per module)."""
     for root in roots:
+        setattr(root, _ROOT, True)
         for module in root.modules():
-            if not getattr(module, _GUARDED, False) and _split_here(module):
+            if not getattr(module, _GUARDED, False) and (_split_here(module) or _reduced_here(module)):
                 module.register_forward_pre_hook(_refuse_eager)
                 setattr(module, _GUARDED, True)
+
+
+def refuse_recompile_limit(limit: compat.RecompileLimit) -> None:
+    """Dynamo reached a recompile limit (``compat.on_recompile_limit``): a frame compiled for dynshard raises
+    :class:`RecompileLimitError` rather than running eagerly; other backends' frames are left to Dynamo."""
+    if not compiling_for_dynshard():
+        return
+    reason = limit.reason or "unknown (TORCH_LOGS=recompiles lists each reason)"
+    if "size mismatch" in reason or "stride mismatch" in reason:
+        cause = ("the inputs' shapes change from call to call, and dynshard compiles a program per shape: pad "
+                 "each batch to one of a few lengths (a collator's pad_to_multiple_of=64, or "
+                 "padding='max_length')")
+    else:
+        cause = ("a value the frame reads changes from call to call, and Dynamo compiles a program per value (a "
+                 "Python number passed to forward): pass it as a tensor (torch.tensor(value)) or keep it "
+                 "constant")
+    raise RecompileLimitError(
+        f"dynshard: Dynamo reached torch._dynamo.config.{limit.limit_type} ({limit.limit}) for {limit.function}, "
+        "a frame compiled for dynshard, and would run it eagerly, where nothing reduces gradients across ranks "
+        f"and split parameters are only this rank's shards. The guard that failed last: {reason}. The cause: "
+        f"{cause}; or, if the variants are few and expected, raise torch._dynamo.config.{limit.limit_type} "
+        "(each variant plans and compiles its own program)")
 
 
 @contextlib.contextmanager

@@ -156,7 +156,10 @@ def frame_roots() -> list[nn.Module]:
 def _modules_of(frame: dict[str, Any]) -> list[nn.Module]:
     """The modules the compiled code can reach directly: its arguments and locals, its closure, and
     the globals it names."""
-    found: list[Any] = list((frame.get("locals") or {}).values())
+    found: list[Any] = []
+    for value in (frame.get("locals") or {}).values():     # (a decorator's wrapper holds self in its args)
+        found += list(value.values()) if isinstance(value, dict) else \
+            list(value) if isinstance(value, (tuple, list)) else [value]
     for cell in frame.get("closure") or ():
         try:
             found.append(cell.cell_contents)
