@@ -6,5 +6,6 @@
 
 from .api import load, save
 from .io import latest
+from .pretrained import SavePretrainedError  # noqa: F401  (wraps transformers' saves when imported)
 
 __all__ = ["latest", "load", "save"]

@@ -32,6 +32,9 @@ from .zero import ZeroSpec
 # that makes the module's state_dict() say where each shard sits (when it is imported, as `import dynshard`
 # does).
 FRAME_MODULE_HOOKS: list[Callable[[torch.nn.Module], None]] = []
+# Called when a program has cut a model's tensors (its first call on that model, a second model of the class
+# included), from inside the caller's step: dynshard.checkpoint.pretrained finds transformers' Trainer there.
+PREPARE_HOOKS: list[Callable[[], None]] = []
 
 
 @dataclasses.dataclass(eq=False)
@@ -159,3 +162,5 @@ class ShardedProgram:
         # a program fed split values (a loss after a graph break) is explained with the programs they come from
         self._tags += adopt_split_inputs(self.plan, args, self._split_inputs)
         self._prepared = True
+        for hook in PREPARE_HOOKS:
+            hook()

@@ -54,3 +54,68 @@ def relocate_state_dict(module: torch.nn.Module, full_state_dict: Mapping[str, t
             value = stored_piece(value, tag)
         relocated[key] = value
     return relocated
+
+
+def _split(value) -> bool:
+    tag = get_tag(value) if isinstance(value, torch.Tensor) else None
+    return tag is not None and tag.is_split
+
+
+def holds_split_tensors(state: Mapping) -> bool:
+    """Whether a state dict (a module's, or an optimizer's ``state``) holds this rank's pieces of any tensor."""
+    return any(_split(v) for v in state.values())
+
+
+def gather_state_dict(module: torch.nn.Module, state_dict: Mapping[str, torch.Tensor] | None = None, *,
+                      dst: int = 0, cpu_offload: bool = True) -> dict[str, torch.Tensor]:
+    """Full tensors on rank ``dst`` alone, keyed as the original module's ``state_dict()`` (``{}`` on the other
+    ranks), gathered one tensor at a time: no rank ever holds the whole model beyond ``dst``'s copy, which
+    ``cpu_offload`` keeps in host memory (torch's ``get_model_state_dict(full_state_dict=True,
+    cpu_offload=True)``). Every rank must call it. A tensor two keys hold (a tied LM head) is gathered once
+    and stays one tensor under both keys."""
+    import torch.distributed as dist
+
+    module = unwrap_compiled(module)
+    source = module.state_dict(keep_vars=True) if state_dict is None else state_dict
+    here = not dist.is_initialized() or dist.get_rank() == dst
+    gathered: dict[int, torch.Tensor] = {}
+    full = {}
+    for key, value in source.items():
+        if isinstance(value, torch.Tensor):
+            if id(value) not in gathered:
+                whole = full_tensor(value)
+                gathered[id(value)] = (whole.cpu() if cpu_offload else whole) if here else None
+                del whole
+            value = gathered[id(value)]
+        if here:
+            full[_strip(key)] = value
+    return full
+
+
+def gather_optimizer_state(optimizer: torch.optim.Optimizer, *, dst: int = 0, cpu_offload: bool = True) -> dict:
+    """``optimizer.state_dict()`` with every state tensor of a split parameter whole, on rank ``dst`` alone
+    (``{}`` elsewhere), one tensor at a time: what a plain optimizer of the one-process model holds, so that
+    ``load_state_dict`` of it before the first compiled step resumes (that step cuts it to each rank's piece).
+    Every rank must call it, with the same parameters in the same order (as any data-parallel job has)."""
+    import torch.distributed as dist
+
+    from .sharding import _unit_full_tensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    local = optimizer.state_dict()
+    here = not dist.is_initialized() or dist.get_rank() == dst
+    for index, param in enumerate(params):
+        tag, entries = get_tag(param), local["state"].get(index)
+        if tag is None or not tag.is_split or entries is None:
+            continue
+        if tag.owner is not None:
+            raise NotImplementedError(
+                "dynshard: a pipeline rank holds no optimizer state for other stages' parameters, so the whole "
+                "optimizer state cannot be gathered to one rank yet; save with dynshard.checkpoint.save(path, "
+                "model, optimizer), which writes every rank's part and loads under any plan")
+        entries = local["state"][index] = dict(entries)     # (state_dict() shares the optimizer's own dicts)
+        for name, value in list(entries.items()):
+            if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim():
+                whole = _unit_full_tensor(value, tag)
+                entries[name] = (whole.cpu() if cpu_offload else whole) if here else None
+    return local if here else {}

@@ -1,0 +1,47 @@
+"""transformers' own checkpoints of a dynshard model hold the whole trained model (issue: nothing lost).
+
+Before: after tp or ZeRO-3 training, ``save_pretrained`` and Trainer's ``checkpoint-N`` wrote rank 0's
+shards or rows without a word, ``from_pretrained`` failed on the size mismatch, and the other ranks' parts
+were gone; Trainer's optimizer.pt held rank 0's pieces, and resuming a compiled model loaded nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from distributed import run_ranks
+from parity import assert_trains_like_one_process
+from workers_pretrained import (save_pretrained_after_training, save_pretrained_on_rank_zero_alone, trainer_checkpoints,
+                                trainer_resumed)
+from workers_trainer import VOCAB
+
+POLICIES = {"tp": {"policy": "tp", "plan_ngpus": 2}, "ZeRO-3": {"use_zero": 3}, "dp": {}}
+
+
+@pytest.mark.parametrize("policy", ["tp", "ZeRO-3"])
+def test_save_pretrained_on_every_rank_writes_the_whole_model_that_from_pretrained_loads(policy, tmp_path):
+    results = run_ranks(save_pretrained_after_training, 2, POLICIES[policy], str(tmp_path))
+    assert results[1]["local_shapes"]["model.embed_tokens.weight"][0] < VOCAB      # the ranks held pieces
+    result = results[0]
+    assert "model.safetensors" in result["files"], result["files"]
+    assert_trains_like_one_process({"losses": [], "ref_losses": [], **{k: result[k] for k in ("params", "ref_params")}})
+
+
+def test_save_pretrained_on_rank_zero_alone_is_refused_within_seconds_and_writes_nothing(tmp_path):
+    result = run_ranks(save_pretrained_on_rank_zero_alone, 2, str(tmp_path / "out"))[0]
+    assert result["error"] is not None and "every rank" in result["error"], result
+    assert result["seconds"] < 10 and not [f for f in result["files"] if f.endswith(".safetensors")], result
+
+
+@pytest.mark.parametrize("policy", ["tp", "ZeRO-3", "dp"])
+def test_trainer_checkpoints_load_in_one_process_and_resume_ends_like_the_uninterrupted_run(policy, tmp_path):
+    directory = str(tmp_path / "run")
+    trained = run_ranks(trainer_checkpoints, 2, POLICIES[policy], directory)
+    first = trained[0]
+    # checkpoint-4: the weights one process trained on the same batches, and SGD's momentum, both whole
+    assert_trains_like_one_process(first, "checkpoint-4 through from_pretrained")
+    resumed = run_ranks(trainer_resumed, 2, POLICIES[policy], directory)
+    for rank, result in enumerate(resumed):
+        # a new job resumed from checkpoint-2 (weights, momentum, schedule) ends where the first job ended
+        assert_trains_like_one_process({"losses": [], "ref_losses": [], "params": result["resumed"],
+                                        "ref_params": trained[rank]["uninterrupted"]}, f"resumed, rank {rank}")

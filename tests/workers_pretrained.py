@@ -1,0 +1,140 @@
+"""What each rank runs in tests/test_pretrained.py: transformers' own checkpoints of a dynshard model
+(``save_pretrained``, Trainer's ``checkpoint-N`` and resuming from it) hold the whole trained model."""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+import dynshard
+from workers_trainer import LR, MOMENTUM, ROWS, _mean_over_ranks, _recording, build_llama, dataset, unit_trainer_class
+
+STEPS, SAVE_EVERY = 4, 2
+
+
+def _config(options: dict) -> dynshard.Config:
+    return dynshard.Config(compiler="aot_eager", **options)
+
+
+def save_pretrained_after_training(rank: int, world: int, options: dict, directory: str) -> dict:
+    """Two SGD steps beside one process, then ``save_pretrained`` on every rank; rank 0 reloads the files in
+    this process with ``from_pretrained``."""
+    import transformers
+
+    model = build_llama()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="dynshard", options=_config(options))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
+    plan_ngpus = options.get("plan_ngpus", 1)
+    dp_rank, dp_size = dynshard.data_parallel_rank(plan_ngpus)
+    rows = torch.stack([row["input_ids"] for row in dataset(4 * dp_size)])
+    for step in range(2):
+        batch = rows[step * 2 * dp_size:(step + 1) * 2 * dp_size]
+        mine = batch[dp_rank * 2:(dp_rank + 1) * 2]
+        compiled(input_ids=mine, labels=mine).loss.backward()
+        reference(input_ids=batch, labels=batch).loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+    local = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    started = time.perf_counter()
+    model.save_pretrained(directory)
+    result = {"seconds": time.perf_counter() - started, "local_shapes": local}
+    if rank == 0:
+        loaded = transformers.LlamaForCausalLM.from_pretrained(directory)
+        result["params"] = {k: v.detach().clone() for k, v in loaded.state_dict().items()}
+        result["ref_params"] = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+        result["files"] = sorted(os.listdir(directory))
+    return result
+
+
+def save_pretrained_on_rank_zero_alone(rank: int, world: int, directory: str) -> dict:
+    """tp: ``save_pretrained`` on rank 0 only must refuse, within seconds, rather than write its shards."""
+    from dynshard.checkpoint import pretrained
+
+    pretrained.RENDEZVOUS_SECONDS = 2.0
+    model = build_llama()
+    compiled = torch.compile(model, backend="dynshard", options=_config({"policy": "tp", "plan_ngpus": 2}))
+    ids = torch.stack([row["input_ids"] for row in dataset(2)])
+    compiled(input_ids=ids, labels=ids).loss.backward()
+    result = {"error": None}
+    if rank == 0:
+        started = time.perf_counter()
+        try:
+            model.save_pretrained(directory)
+        except dynshard.checkpoint.SavePretrainedError as error:
+            result["error"], result["seconds"] = str(error), time.perf_counter() - started
+        result["files"] = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
+    dist.barrier()
+    return result
+
+
+def _trainer(model, options: dict, directory: str, plan_ngpus: int):
+    import transformers
+
+    compiled = torch.compile(model, backend="dynshard", options=_config(options))
+    args = transformers.TrainingArguments(
+        output_dir=directory, per_device_train_batch_size=ROWS, max_steps=STEPS, learning_rate=LR,
+        lr_scheduler_type="linear", max_grad_norm=1.0, report_to=[], save_strategy="steps", save_steps=SAVE_EVERY,
+        logging_steps=1, remove_unused_columns=False, use_cpu=True, seed=0, disable_tqdm=True)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / (2 * STEPS))
+    return compiled, _recording(unit_trainer_class())(
+        model=compiled, args=args, train_dataset=dataset(64), optimizers=(opt, scheduler), plan_ngpus=plan_ngpus)
+
+
+def trainer_checkpoints(rank: int, world: int, options: dict, directory: str) -> dict:
+    """Trainer saves checkpoint-2 and checkpoint-4; checkpoint-4 loads with from_pretrained and holds what
+    one process trained on the same batches (weights and momentum)."""
+    import transformers
+
+    plan_ngpus = options.get("plan_ngpus", 1)
+    model = build_llama()
+    reference = copy.deepcopy(model)
+    compiled, trainer = _trainer(model, options, directory, plan_ngpus)
+    trainer.train()
+    result = {"uninterrupted": dynshard.collect_state_dict(compiled), "losses": _mean_over_ranks(trainer.losses, world)}
+    result["ref_losses"] = _reference_with_schedule(reference, trainer.fed, plan_ngpus)
+    if rank == 0:
+        loaded = transformers.LlamaForCausalLM.from_pretrained(os.path.join(directory, f"checkpoint-{STEPS}"))
+        result["params"] = {k: v.detach().clone() for k, v in loaded.state_dict().items()}
+        result["ref_params"] = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+        saved = torch.load(os.path.join(directory, f"checkpoint-{STEPS}", "optimizer.pt"))
+        names = [n for n, _ in reference.named_parameters()]
+        result["momentum"] = {names[i]: s["momentum_buffer"] for i, s in saved["state"].items()}
+        result["ref_momentum"] = reference.momentum
+    return result
+
+
+def trainer_resumed(rank: int, world: int, options: dict, directory: str) -> dict:
+    """A new job: Trainer resumed from checkpoint-2 of :func:`trainer_checkpoints`, trained to its end."""
+    model = build_llama()
+    compiled, trainer = _trainer(model, options, directory + "-resumed", options.get("plan_ngpus", 1))
+    trainer.train(resume_from_checkpoint=os.path.join(directory, f"checkpoint-{SAVE_EVERY}"))
+    return {"resumed": dynshard.collect_state_dict(compiled)}
+
+
+def _reference_with_schedule(model, fed, plan_ngpus):
+    """One process on the units' rows with the same SGD, clipping and schedule as the Trainer jobs."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, fed)
+    units = gathered[::plan_ngpus]
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 - step / (2 * STEPS))
+    losses = []
+    for step in range(len(fed)):
+        rows = torch.cat([unit[step] for unit in units])
+        loss = model(input_ids=rows, labels=rows).loss
+        loss.backward()
+        losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        scheduler.step()
+        opt.zero_grad()
+    model.momentum = {n: opt.state[p]["momentum_buffer"] for n, p in model.named_parameters()}
+    return losses
