@@ -27,6 +27,7 @@ from .inductor import bucketing_patches, compile_per_rank, gather_buckets_copied
 from .mask_partial import is_mask_partial, mask_offsets_read_at_run_time  # noqa: F401
 from .ops import (ALL_GATHER, COLLECTIVE_KINDS, all_gather_rows, all_reduce, group_rank, invoke_subgraph,  # noqa: F401
                   reduce_scatter_rows)
+from .frames import compiling_frame  # noqa: F401
 from .recompile_limit import RecompileLimit, on_recompile_limit  # noqa: F401
 from .tracing import fake_tensor_log_quiet, isolated_tracing, new_fake_mode, trace_to_aten  # noqa: F401
 
@@ -65,21 +66,6 @@ def drop_guards_on(node: fx.Node) -> None:
 
 
 _COMPILE_HOOKS: dict[int, tuple[Callable, Callable]] = {}
-
-
-def compiling_frame() -> dict[str, Any] | None:
-    """The arguments of Dynamo's ``convert_frame._compile`` on the call stack (the frame's ``locals``,
-    ``globals``, ``closure``, ``code``, and the ``compiler_fn`` it compiles for), or None outside a
-    Dynamo compile: Dynamo hands ``compiler_fn`` to nothing else before the backend itself is called."""
-    import sys
-
-    from torch._dynamo import convert_frame
-
-    frame = sys._getframe(1)
-    while frame is not None and not (frame.f_code.co_name == "_compile"
-                                     and frame.f_code.co_filename == convert_frame.__file__):
-        frame = frame.f_back
-    return frame.f_locals if frame is not None else None
 
 
 def caller_self(predicate: Callable[[Any], bool], local: str | None = None) -> tuple[Any, Any]:

@@ -18,6 +18,8 @@ from typing import Callable
 from torch._dynamo import config as dynamo_config
 from torch._dynamo import convert_frame
 
+from .frames import compiling_frame
+
 _CALLBACKS: list[Callable[["RecompileLimit"], None]] = []
 
 
@@ -32,8 +34,6 @@ class RecompileLimit:
 
 
 def _details(limit_type: str) -> RecompileLimit:
-    from . import compiling_frame
-
     frame = compiling_frame() or {}
     code = frame.get("code")
     where = f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno})" if code is not None else "a frame"
