@@ -11,11 +11,12 @@ import pytest
 
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
-from workers_pretrained import (save_pretrained_after_training, save_pretrained_on_rank_zero_alone, trainer_checkpoints,
-                                trainer_resumed)
+from workers_pretrained import (lora_adapters_saved, pipeline_whole_state, save_pretrained_after_training,
+                                save_pretrained_on_rank_zero_alone, trainer_checkpoints, trainer_resumed)
 from workers_trainer import VOCAB
 
-POLICIES = {"tp": {"policy": "tp", "plan_ngpus": 2}, "ZeRO-3": {"use_zero": 3}, "dp": {}}
+POLICIES = {"tp": {"policy": "tp", "plan_ngpus": 2}, "ZeRO-3": {"use_zero": 3}, "dp": {},
+            "pp": {"policy": "pp", "plan_ngpus": 2, "use_end2end": True, "pas_config": {"pipeline_nmicros": 2}}}
 
 
 @pytest.mark.parametrize("policy", ["tp", "ZeRO-3"])
@@ -45,3 +46,21 @@ def test_trainer_checkpoints_load_in_one_process_and_resume_ends_like_the_uninte
         # a new job resumed from checkpoint-2 (weights, momentum, schedule) ends where the first job ended
         assert_trains_like_one_process({"losses": [], "ref_losses": [], "params": result["resumed"],
                                         "ref_params": trained[rank]["uninterrupted"]}, f"resumed, rank {rank}")
+
+
+def test_peft_save_pretrained_writes_the_whole_lora_adapters_under_tp(tmp_path):
+    results = run_ranks(lora_adapters_saved, 2, POLICIES["tp"], str(tmp_path))
+    assert results[0]["split_adapters"], "no adapter was split: the test would not show the gather"
+    result = results[0]
+    assert "adapter_model.safetensors" in result["files"], result["files"]
+    assert len(result["params"]) == 12, sorted(result["params"])      # A and B of 3 targets in 2 layers
+    assert_trains_like_one_process({"losses": [], "ref_losses": [], "params": result["params"],
+                                    "ref_params": result["ref_params"]}, "adapters through PeftModel.from_pretrained")
+
+
+def test_a_pipeline_s_whole_model_and_optimizer_state_gather_to_rank_zero_as_one_process_holds_them():
+    # what Trainer's checkpoint-N and save_pretrained write under pp: each rank holds only its stages' tensors
+    # and their optimizer state; rank 0 gets every stage's (the tied embedding / LM head once)
+    results = run_ranks(pipeline_whole_state, 2, "pp2")
+    assert results[1]["empty"]
+    assert_trains_like_one_process(results[0], "pp, rank 0's gathered state")

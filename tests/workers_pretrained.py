@@ -20,18 +20,13 @@ def _config(options: dict) -> dynshard.Config:
     return dynshard.Config(compiler="aot_eager", **options)
 
 
-def save_pretrained_after_training(rank: int, world: int, options: dict, directory: str) -> dict:
-    """Two SGD steps beside one process, then ``save_pretrained`` on every rank; rank 0 reloads the files in
-    this process with ``from_pretrained``."""
-    import transformers
-
-    model = build_llama()
-    reference = copy.deepcopy(model)
+def _train_two_steps(model, reference, options: dict) -> None:
+    """Two SGD steps of the compiled ``model`` (its trainable tensors) on this unit's rows, and of the one-process
+    ``reference`` on the global batch."""
     compiled = torch.compile(model, backend="dynshard", options=_config(options))
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
-    plan_ngpus = options.get("plan_ngpus", 1)
-    dp_rank, dp_size = dynshard.data_parallel_rank(plan_ngpus)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR, momentum=MOMENTUM)
+    ref_opt = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=LR, momentum=MOMENTUM)
+    dp_rank, dp_size = dynshard.data_parallel_rank(options.get("plan_ngpus", 1))
     rows = torch.stack([row["input_ids"] for row in dataset(4 * dp_size)])
     for step in range(2):
         batch = rows[step * 2 * dp_size:(step + 1) * 2 * dp_size]
@@ -41,6 +36,16 @@ def save_pretrained_after_training(rank: int, world: int, options: dict, directo
         for o in (opt, ref_opt):
             o.step()
             o.zero_grad()
+
+
+def save_pretrained_after_training(rank: int, world: int, options: dict, directory: str) -> dict:
+    """Two SGD steps beside one process, then ``save_pretrained`` on every rank; rank 0 reloads the files in
+    this process with ``from_pretrained``."""
+    import transformers
+
+    model = build_llama()
+    reference = copy.deepcopy(model)
+    _train_two_steps(model, reference, options)
     local = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     started = time.perf_counter()
     model.save_pretrained(directory)
@@ -138,3 +143,53 @@ def _reference_with_schedule(model, fed, plan_ngpus):
         opt.zero_grad()
     model.momentum = {n: opt.state[p]["momentum_buffer"] for n, p in model.named_parameters()}
     return losses
+
+
+def lora_adapters_saved(rank: int, world: int, options: dict, directory: str) -> dict:
+    """PEFT's LoRA on the tiny Llama, two SGD steps beside one process, then the PeftModel's
+    ``save_pretrained`` on every rank; rank 0 loads the adapters onto a fresh base with ``from_pretrained``."""
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0,
+                             init_lora_weights="gaussian")     # (B nonzero: every adapter tensor has a gradient)
+    torch.manual_seed(1)
+    model = peft.get_peft_model(build_llama(), config)
+    reference = copy.deepcopy(model)
+    _train_two_steps(model, reference, options)
+    split = sorted(n for n, p in model.named_parameters()
+                   if p.requires_grad and dynshard.get_parallel_dim(p) is not None)
+    model.save_pretrained(directory)
+    result = {"split_adapters": split}
+    if rank == 0:
+        loaded = peft.PeftModel.from_pretrained(build_llama(), directory)
+        result["files"] = sorted(os.listdir(directory))
+        result["params"] = {k: v.detach().clone() for k, v in loaded.state_dict().items() if "lora_" in k}
+        result["ref_params"] = {k: v.detach().clone() for k, v in reference.state_dict().items() if "lora_" in k}
+    return result
+
+
+def pipeline_whole_state(rank: int, world: int, plan: str) -> dict:
+    """A pipeline plan trained 2 SGD steps beside one process; then the whole model and optimizer state that
+    Trainer's checkpoints write, gathered to rank 0 (another stage's state comes from the rank holding it)."""
+    from workers_checkpoint_matrix import CFG, SGD, Run, batch, make_optimizer
+    from workers_pipeline import EndToEndGPT
+
+    from dynshard.runtime.state_dict import gather_optimizer_state, gather_state_dict
+
+    run = Run(plan, SGD)
+    torch.manual_seed(0)
+    reference = EndToEndGPT(CFG)
+    ref_opt = make_optimizer(SGD, reference.parameters())
+    for step in range(2):
+        run.step(step)
+        reference(batch(step)).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    params, state = gather_state_dict(run.compiled), gather_optimizer_state(run.opt)
+    if rank != 0:
+        return {"empty": not params and not state}
+    names = [n for n, _ in reference.named_parameters()]
+    return {"losses": [], "ref_losses": [], "params": params,
+            "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
+            "momentum": {names[i]: s["momentum_buffer"] for i, s in state["state"].items()},
+            "ref_momentum": {n: ref_opt.state[p]["momentum_buffer"] for n, p in reference.named_parameters()}}

@@ -9,18 +9,20 @@ transformers' classes:
   (when its first program is built). Called on every rank, as transformers documents for distributed saving
   (``is_main_process`` picks the writer), it gathers the whole state dict to rank 0, one tensor at a time and
   into host memory (:func:`~dynshard.runtime.state_dict.gather_state_dict`), and rank 0 writes it through
-  transformers' own code (safetensors, shards, tied weights, PEFT adapters). Called on one rank alone, it
-  raises :class:`SavePretrainedError` within seconds (a rendezvous on the job's store) instead of writing
-  pieces.
-- **Trainer**: Trainer calls ``save_model`` on every rank but writes from rank 0 alone, and saves rank 0's
+  transformers' own code (safetensors, shards, tied weights); a PEFT model (``peft.PeftModel``, whose
+  ``save_pretrained`` writes the adapters) gathers its trainable tensors and not its frozen base. Called on
+  one rank alone, it raises :class:`SavePretrainedError` within seconds (a rendezvous on the job's store)
+  instead of writing pieces.
+- **Trainer** calls ``save_model`` on every rank but writes from rank 0 alone, and saves rank 0's
   ``optimizer.state_dict()``. The Trainer whose ``training_step`` runs the model is found on the call stack
   when a program first cuts the model's tensors, and its ``save_model`` and ``_save_optimizer_and_scheduler``
-  are wrapped on the instance: every rank gathers, rank 0 writes the whole model and the whole optimizer state (a plain optimizer's, loadable in one
-  process). ``train(resume_from_checkpoint=...)`` loads both before the first step, when the parameters are
-  still whole; the first step cuts the loaded optimizer state to each rank's piece. Trainer loads the weights
-  into ``torch.compile``'s wrapper, whose keys all miss (a warning, nothing loaded: so for any compiled
-  model); when dynshard first compiles inside that ``train`` call, it loads them into the model itself,
-  through Trainer's own loader.
+  are wrapped on the instance: every rank gathers, rank 0 writes the whole model and the whole optimizer
+  state (a plain optimizer's, loadable in one process; under a pipeline, every stage's).
+  ``train(resume_from_checkpoint=...)`` loads both before the first step, when the parameters are still
+  whole; the first step cuts the loaded optimizer state to each rank's piece. Trainer loads the weights into
+  ``torch.compile``'s wrapper, whose keys all miss (a warning, nothing loaded, for any compiled model); when
+  dynshard first compiles inside that ``train`` call, it loads them into the model itself, through Trainer's
+  own loader.
 """
 
 from __future__ import annotations
@@ -66,6 +68,16 @@ def _every_rank_is_here(what: str) -> None:
         time.sleep(0.01)
 
 
+def _what_is_written(module: torch.nn.Module, state_dict):
+    """The tensors a save writes: a PEFT model's ``save_pretrained`` writes its adapters (trainable), so its
+    frozen base weights are not gathered (a 7B base would be 28 GB on rank 0's host for 20 MB of adapters)."""
+    state = module.state_dict(keep_vars=True) if state_dict is None else state_dict
+    if getattr(module, "peft_config", None) is None:
+        return state
+    return {k: v for k, v in state.items()
+            if not isinstance(v, torch.Tensor) or v.requires_grad or not holds_split_tensors({k: v})}
+
+
 def _wrap_save_pretrained(module: torch.nn.Module) -> None:
     original = module.save_pretrained
 
@@ -75,7 +87,7 @@ def _wrap_save_pretrained(module: torch.nn.Module) -> None:
         if not split or not dist.is_initialized() or dist.get_world_size() == 1:
             return original(save_directory, *args, is_main_process=is_main_process, state_dict=state_dict, **kwargs)
         _every_rank_is_here("save_pretrained")
-        full = gather_state_dict(module, state_dict)
+        full = gather_state_dict(module, _what_is_written(module, state_dict))
         result = None
         if dist.get_rank() == 0:
             result = original(save_directory, *args, is_main_process=is_main_process, state_dict=full, **kwargs)

@@ -96,7 +96,9 @@ def gather_optimizer_state(optimizer: torch.optim.Optimizer, *, dst: int = 0, cp
     """``optimizer.state_dict()`` with every state tensor of a split parameter whole, on rank ``dst`` alone
     (``{}`` elsewhere), one tensor at a time: what a plain optimizer of the one-process model holds, so that
     ``load_state_dict`` of it before the first compiled step resumes (that step cuts it to each rank's piece).
-    Every rank must call it, with the same parameters in the same order (as any data-parallel job has)."""
+    Every rank must call it, with the same parameters in the same order (as any data-parallel job has). Under
+    a pipeline, the state of another stage's parameter comes from the first rank of the unit holding it (a rank
+    keeps none for parameters it does not hold, as a plain optimizer never creates any)."""
     import torch.distributed as dist
 
     from .sharding import _unit_full_tensor
@@ -104,18 +106,53 @@ def gather_optimizer_state(optimizer: torch.optim.Optimizer, *, dst: int = 0, cp
     params = [p for group in optimizer.param_groups for p in group["params"]]
     local = optimizer.state_dict()
     here = not dist.is_initialized() or dist.get_rank() == dst
+
+    def whole(value: torch.Tensor, tag) -> torch.Tensor:
+        value = _unit_full_tensor(value, tag)
+        return value.cpu() if cpu_offload else value
+
     for index, param in enumerate(params):
         tag, entries = get_tag(param), local["state"].get(index)
-        if tag is None or not tag.is_split or entries is None:
+        if tag is None or not tag.is_split:
             continue
         if tag.owner is not None:
-            raise NotImplementedError(
-                "dynshard: a pipeline rank holds no optimizer state for other stages' parameters, so the whole "
-                "optimizer state cannot be gathered to one rank yet; save with dynshard.checkpoint.save(path, "
-                "model, optimizer), which writes every rank's part and loads under any plan")
-        entries = local["state"][index] = dict(entries)     # (state_dict() shares the optimizer's own dicts)
-        for name, value in list(entries.items()):
-            if isinstance(value, torch.Tensor) and value.shape == param.shape and value.dim():
-                whole = _unit_full_tensor(value, tag)
-                entries[name] = (whole.cpu() if cpu_offload else whole) if here else None
+            entries = _from_stage_owner(entries if tag.owner.held else None, param, tag, whole)
+        elif entries is not None:
+            entries = {name: whole(value, tag) if _sized_like(value, param) else value
+                       for name, value in entries.items()}
+        if entries is None:
+            local["state"].pop(index, None)
+        else:
+            local["state"][index] = entries if here else None
     return local if here else {}
+
+
+def _sized_like(value, param: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
+
+
+def _from_stage_owner(entries: dict | None, param: torch.Tensor, tag, whole) -> dict | None:
+    """A pipeline parameter's whole optimizer state on every rank of its unit, from the unit's first holder
+    (the collectives run on the parameter's device; ``whole`` then offloads)."""
+    import torch.distributed as dist
+
+    from .sharding import _unit_full_tensor
+
+    owner = tag.owner
+    full = {name: _unit_full_tensor(value, tag) if _sized_like(value, param) else value
+            for name, value in entries.items()} if entries is not None else None
+    layout = [None if full is None else {name: (tuple(v.shape), v.dtype) if _sized_like(v, v) else v
+                                         for name, v in full.items()}]
+    dist.broadcast_object_list(layout, src=owner.src, group=owner.group)
+    if layout[0] is None:
+        return None
+    received = {}
+    for name, described in layout[0].items():
+        if not isinstance(described, tuple):
+            received[name] = described
+            continue
+        shape, dtype = described
+        value = full[name] if dist.get_rank() == owner.src else torch.empty(shape, dtype=dtype, device=param.device)
+        dist.broadcast(value, src=owner.src, group=owner.group)
+        received[name] = whole(value, None)
+    return received

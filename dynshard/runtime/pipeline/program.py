@@ -32,6 +32,7 @@ from .executor import StepRun
 from .. import materialize
 from ..ddp import check_active_ddp
 from ..eager_guard import guard_modules
+from ..program import FRAME_MODULE_HOOKS, PREPARE_HOOKS
 from .ownership import FreshGradients, Ownership, materialize_stages, reduce_gradients, take_ownership
 from .recorder import active_recorder, recording
 from .actions import ALL
@@ -211,6 +212,9 @@ class PipelineProgram:
         materialize.install()      # the trace hook, again after a torch._dynamo.reset()
         self._roots = materialize.frame_roots()     # their modules refuse eager calls once they hold shards
         self._others: list[PipelineProgram] = []      # the same plan for other models of the same graph
+        for module in self._roots:
+            for hook in FRAME_MODULE_HOOKS:
+                hook(module)
 
     def __call__(self, *args: Any):
         check_active_ddp()
@@ -304,6 +308,8 @@ class PipelineProgram:
         if self._roots:       # (after the first run: hybrid's stage programs cut their tp shards in it)
             guard_modules(self._roots)
             self._roots = []
+            for hook in PREPARE_HOOKS:
+                hook()
         if sync is not None:
             sync.after_call(mb_args[0], before)
         return run
