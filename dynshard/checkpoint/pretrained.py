@@ -107,11 +107,11 @@ def _adopt_trainer(trainer: Any) -> None:
     """Trainer's checkpoints: the whole model and optimizer state, gathered on every rank, written by rank 0."""
     if getattr(trainer, _WRAPPED, False):
         return
-    save_model, save_optimizer = trainer.save_model, trainer._save_optimizer_and_scheduler
+    save_optimizer = trainer._save_optimizer_and_scheduler
 
     def whole_save_model(output_dir=None, _internal_call: bool = False):
-        if not holds_split_tensors(trainer.model.state_dict(keep_vars=True)):
-            return save_model(output_dir, _internal_call=_internal_call)
+        # (whole tensors too: Trainer would save torch.compile's wrapper's state_dict(), every key prefixed with
+        # "_orig_mod.", which from_pretrained then finds none of)
         full = gather_state_dict(trainer.model)
         if trainer.args.should_save:
             trainer._save(output_dir if output_dir is not None else trainer.args.output_dir, state_dict=full)

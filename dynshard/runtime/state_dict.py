@@ -113,9 +113,9 @@ def gather_optimizer_state(optimizer: torch.optim.Optimizer, *, dst: int = 0, cp
 
     for index, param in enumerate(params):
         tag, entries = get_tag(param), local["state"].get(index)
-        if tag is None or not tag.is_split:
+        if tag is None or tag.owner is None and not tag.is_split:
             continue
-        if tag.owner is not None:
+        if tag.owner is not None:       # (every rank of the unit: the holders' tags say whole, the others' split)
             entries = _from_stage_owner(entries if tag.owner.held else None, param, tag, whole)
         elif entries is not None:
             entries = {name: whole(value, tag) if _sized_like(value, param) else value
