@@ -4,9 +4,10 @@
 """
 
 from .backend.agreement import PlanMismatchError, PlanningFailedError
-from .backend.capture import BackendFailedError
+from .backend.capture import BackendFailedError, keep_floats_constant
 from .backend.offline import plan
 from .backend.planner import Planning, PlannerError
+from .backend.shapes import SymbolicShapesError
 from .config import Config, ConfigError
 from .config.planner import planner
 from .explain import Explanation, explain
@@ -33,6 +34,7 @@ from .checkpoint.merged import (broadcast_weights, deduped_state_dict, load_dedu
                                 load_merged_state_dicts, merge_state_dicts)
 
 route_torch_clip_grad_norm()     # torch.nn.utils.clip_grad_norm_ on dynshard's parameters: the global norm
+keep_floats_constant()           # sizes go symbolic under dynamic=True, not the model's numbers
 
 
 def data_parallel_rank(plan_ngpus: int = 1) -> tuple[int, int]:
@@ -56,4 +58,4 @@ __all__ = ["broadcast_weights", "deduped_state_dict", "load_deduped_state_dict",
            "data_parallel_rank", "explain", "get_parallel_dim", "infer_step", "no_sync", "register_ddp_parameters_to_ignore",
            "register_parallel_attribute", "register_parallel_dim", "relocate_state_dict", "slice", "summon_full_params", "tensor_parallel",
            "train_step", "BackendFailedError", "DDPWrapError", "EagerCallError", "EagerCallOnShardsError",
-           "RecompileLimitError", "UnitInputMismatchError"]
+           "RecompileLimitError", "SymbolicShapesError", "UnitInputMismatchError"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any, Sequence
 
@@ -28,13 +29,14 @@ from ..runtime.sharding import is_sharded, present_global_shapes, restore_local_
 from ..runtime.unit_inputs import InputCheck
 from .agreement import ensure_ranks_agree, ensure_ranks_agree_on_source
 from .autodist import autodist_plan
-from .capture import describe_inputs, raising_not_breaking
+from .capture import describe_inputs, keep_floats_constant, raising_not_breaking
 from .compile import compile_program
 from .pipeline import plan_pipeline
 from .plan_and_compile import plan_and_compile
 from .plan_cache import PLANS, modes_token, plan_key
 from .plan_files import PLAN_FILES
 from .plan_once import plan_once
+from .shapes import check_symbolic_shapes
 from .planner import planner_plan
 
 log = logging.getLogger("dynshard")
@@ -48,6 +50,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         raise TypeError(f"dynshard: unexpected backend arguments {sorted(kwargs)}; pass settings in options=")
     compat.register_logger("dynshard")
     compat.keep_shapes_static()
+    keep_floats_constant()
     compat.on_recompile_limit(refuse_recompile_limit)   # a dynshard frame never runs eagerly
     compat.around_dynamo_compiles(present_global_shapes, restore_local_shards)
     watch_ddp_wraps()       # (again after a torch._dynamo.reset(), which drops Dynamo's callbacks)
@@ -72,6 +75,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         _logged_configs.add(config.describe())
         log.info("%s", config.describe())
     layout = layout_for(outline.mesh.plan_ngpus, device_type, outline.mesh.pp)
+    check_symbolic_shapes(inputs, layout, outline.pipeline is not None, bool(outline.recompute))
 
     key = plan_key(gm.code, inputs, config, layout, None if given is None else given.digest())
     ensure_ranks_agree(key, gm.code, inputs, config, layout)
@@ -91,14 +95,16 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         ctx.plan = record_plan(gm, ctx)
         gm = cast_to_compute_dtype(gm, ctx)
         compiled = compile_program(tag_single_process(gm, example_inputs, ctx), example_inputs, config.compiler,
-                                   layout, config.inference_only)
+                                   layout, config.inference_only, symbolic=any(inp.is_symbolic for inp in inputs))
         plan = CompiledPlan(key, inputs, ctx.placements, {}, layout, compiled, None, [],
                             config.inference_only)
     else:
-        compiled = plan_once(ctx, key, lambda before, after: _compile_planned(gm, ctx, device_type, before, after))
+        compiled = plan_once(ctx, key, lambda before, after: _compile_planned(gm, ctx, device_type, before, after,
+                                                                              example_inputs))
         plan = CompiledPlan(key, inputs, ctx.placements, ctx.zero, layout, compiled, ctx.propagation,
                             ctx.timings, config.inference_only,
-                            build_no_sync=_no_sync_builder(gm, ctx, device_type) if layout.dp_group else None,
+                            build_no_sync=_no_sync_builder(gm, ctx, device_type, example_inputs) if layout.dp_group
+                            else None,
                             input_check=InputCheck.for_program(inputs, layout, config.verify_inputs_every,
                                                                 ctx.draws_random),
                             buffer_sync=BufferSync.for_inputs(inputs, layout.dp_group, config.broadcast_buffers))
@@ -128,20 +134,27 @@ def _pipeline_program(gm, example_inputs, config, outline, layout, inputs, key, 
     return PipelineProgram(plan)
 
 
-def _compile_planned(gm, ctx: PassContext, device_type: str, before_policy, after_policy):
-    program = plan_and_compile(gm, ctx, device_type, before_policy, after_policy)
+def _compile_planned(gm, ctx: PassContext, device_type: str, before_policy, after_policy, example_inputs):
+    program = plan_and_compile(gm, ctx, device_type, before_policy, after_policy, example_inputs=example_inputs)
     ctx.plan = with_forward_collectives(ctx.plan, ctx.propagation, ctx.node_keys)
     return program
 
 
-def _no_sync_builder(gm: fx.GraphModule, planned: PassContext, device_type: str):
+def _no_sync_builder(gm: fx.GraphModule, planned: PassContext, device_type: str, example_inputs):
     """Compiles, on first use, the variant of a plan that communicates nothing across units (same
-    placements, ZeRO parameters as whole replicas): gradient accumulation's micro-steps."""
+    placements, ZeRO parameters as whole replicas): gradient accumulation's micro-steps. A symbolic graph's
+    variant is compiled in the frame's tracing context, on its symbols (and Dynamo's example inputs, kept
+    for it: the model's own parameters and one batch)."""
+    symbolic = any(inp.is_symbolic for inp in planned.inputs)
+    context = compat.dynamo_tracing_context() if symbolic else None
+    examples = list(example_inputs) if symbolic else ()
+
     def build():
         ctx = PassContext(config=planned.config, outline=planned.plan, layout=planned.layout, inputs=planned.inputs,
                           fake_mode=compat.new_fake_mode(), made_for=planned.made_for, given=planned.plan,
                           sync_grads=False)
-        return plan_and_compile(gm, ctx, device_type)
+        with compat.traced_in(context) if symbolic else contextlib.nullcontext():
+            return plan_and_compile(gm, ctx, device_type, example_inputs=examples)
     return build
 
 

@@ -341,7 +341,9 @@ def _differences(reference: dict, other: dict, other_rank: int) -> list[str]:
     for (name, shape, token), (other_name, other_shape, other_token) in zip(reference["inputs"], other["inputs"]):
         if token != other_token:
             if name == other_name and shape != other_shape:
-                found.append(f"input {name!r} has shape {per_rank(shape, other_shape)}")
+                hint = (" (under dp and ZeRO, ranks may hold their own lengths when compiled with dynamic=True; "
+                        "the ranks of one plan unit read one batch)") if token.startswith("input:") else ""
+                found.append(f"input {name!r} has shape {per_rank(shape, other_shape)}{hint}")
             else:
                 found.append(f"graph input {per_rank(token, other_token)}")
             break

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from .. import compat
 from ..compat.dtensor_inputs import tensors_as_replicated
 from ..runtime.graph_inputs import GraphInput, mesh_identity  # noqa: F401  (re-exported)
+from ..runtime.backend_identity import compiling_for_dynshard
 from ..runtime.sharding import get_tag
 
 _MODULE_PATH = re.compile(r"\._modules\['([^']+)'\]|\._(parameters|buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)")
@@ -75,18 +76,24 @@ def fqn_from_source(source: str | None) -> str | None:
 
 
 def describe_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[GraphInput]:
+    """Each placeholder of ``gm`` by name and global metadata. A graph Dynamo traced with symbolic sizes
+    (``dynamic=True``, ``mark_dynamic``) has them as inputs of kind "size" (their symbols), and its tensors
+    say which dimensions follow which symbol (:attr:`GraphInput.symbols`, the shape family)."""
     install_capture_hooks()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    symbols = compat.rename_symbols([compat.symbolic_dims(node) for node in placeholders])
     described = []
-    for index, (node, value) in enumerate(zip(placeholders, example_inputs)):
+    for index, (node, value, dims) in enumerate(zip(placeholders, example_inputs, symbols)):
+        if isinstance(value, torch.SymInt):
+            described.append(GraphInput(
+                index=index, name=str(node.target), kind="size", shape=torch.Size(), stride=(), dtype=torch.int64,
+                device=torch.device("cpu"), requires_grad=False, tag=None, symbols=dims,
+                value=compat.size_hint(value)))
+            continue
         if not isinstance(value, torch.Tensor):
             raise TypeError(
-                f"dynshard: graph input {node.target} is a {type(value).__name__}, not a tensor; dynshard "
-                "plans static shapes, so compile without dynamic=True / mark_dynamic")
-        if any(not isinstance(s, int) for s in value.shape):
-            raise TypeError(
-                f"dynshard: graph input {node.target} has symbolic shape {tuple(value.shape)}; dynshard "
-                "plans static shapes, so compile without dynamic=True / mark_dynamic")
+                f"dynshard: graph input {node.target} is a {type(value).__name__}, not a tensor or a symbolic size; "
+                "pass a changing Python number to the model as a tensor")
         source = compat.grapharg_source_name(node)
         fqn = fqn_from_source(source)
         if isinstance(value, torch.nn.Parameter):
@@ -110,8 +117,33 @@ def describe_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[G
             shape=torch.Size(shape), stride=tuple(stride), dtype=value.dtype, device=value.device,
             requires_grad=value.requires_grad, tag=tag,
             placements=tuple(value.placements) if split else None,
-            mesh=mesh_identity(value.device_mesh) if split else None))
+            mesh=mesh_identity(value.device_mesh) if split else None, symbols=dims))
     return described
+
+
+_FLOATS_BEFORE: list[bool] = []
+
+
+def keep_floats_constant() -> None:
+    """A frame compiled for dynshard traces the model's Python floats as constants, under ``dynamic=True``
+    too (which would make them symbolic inputs: LayerNorm's eps, attention's scaling and dropout p, read
+    back with ``.item()`` inside each repeated block). dynshard makes sizes symbolic, not numbers; a float
+    that changes from call to call recompiles, up to Dynamo's recompile limit, and is then refused
+    (:class:`dynshard.RecompileLimitError`, which names it). Registered when dynshard is imported (the
+    first frame is traced before the backend is called) and at every backend call (``torch._dynamo.reset()``
+    drops Dynamo's callbacks)."""
+    compat.register_compile_start(_floats_constant)
+    compat.register_compile_end(_floats_as_before)
+
+
+def _floats_constant(args) -> None:
+    if compat.starts_frame_compile(args) and compiling_for_dynshard():
+        _FLOATS_BEFORE.append(compat.specialize_floats(True))
+
+
+def _floats_as_before(args) -> None:
+    if compat.starts_frame_compile(args) and _FLOATS_BEFORE:
+        compat.specialize_floats(_FLOATS_BEFORE.pop())
 
 
 _MIXED = contextlib.ExitStack()

@@ -49,9 +49,11 @@ def collectives_in(graph: fx.GraphModule, phase: str, layout: Layout, region: st
         group_name = node.args[-1] if isinstance(node.args[-1], str) else str(node.kwargs.get("group_name"))
         records.append(CollectiveRecord(
             phase=phase, kind=kind, group=layout.group_dim(group_name),
-            # int(): sizes computed by a collective's fake kernel can be (constant) SymInts
-            bytes=int(largest.numel()) * largest.element_size() if largest is not None else 0,
-            shape=tuple(int(size) for size in largest.shape) if largest is not None else (), region=region))
+            # (sizes computed by a collective's fake kernel can be SymInts: counted at their hints, which
+            # adds no guard to the frame)
+            bytes=compat.size_hint(largest.numel()) * largest.element_size() if largest is not None else 0,
+            shape=tuple(compat.size_hint(size) for size in largest.shape) if largest is not None else (),
+            region=region))
     return records
 
 
@@ -82,7 +84,7 @@ def saved_activations(backward: fx.GraphModule, forward_storages: set) -> tuple[
         storage = StorageWeakRef(value.untyped_storage())
         if storage not in forward_storages:
             views[storage][str((value.storage_offset(), tuple(value.shape), value.stride()))] += 1   # (SymInts)
-            sizes[storage] = int(value.untyped_storage().nbytes())
+            sizes[storage] = compat.size_hint(value.untyped_storage().nbytes())     # (no guard on a SymInt)
     copies = {storage: max(seen.values()) for storage, seen in views.items()}
     return sum(sizes[s] * n for s, n in copies.items()), sum(copies.values())
 
@@ -108,13 +110,13 @@ class CompiledProgram:
 def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], compiler: str, layout: Layout,
                     inference_only: bool = False, freeze: bool = False, partition_pass=None,
                     inductor_patches: dict | None = None, backward=None, blocks_only: bool = False,
-                    share_traces: bool | None = None) -> CompiledProgram:
+                    share_traces: bool | None = None, symbolic: bool = False) -> CompiledProgram:
     """``partition_pass``: run on each joint graph right before it is partitioned (the program's and each
     outlined block's: ZeRO-3's recompute tags);
     ``inductor_patches``: Inductor settings for this program (collective bucketing); ``backward``: compiles
     the backward graph instead (:mod:`.split_backward`); ``blocks_only``: Inductor compiles the outlined
     blocks, the program around them runs as traced (``Config.compile_scope="blocks"``); ``share_traces``:
-    ``Config.share_traces``."""
+    ``Config.share_traces``; ``symbolic``: ``local_inputs`` hold symbolic sizes (see compat.compile_per_rank)."""
     program = CompiledProgram(run=None, collectives=[], graphs={}, seconds=0.0)
 
     def on_graph(graph: fx.GraphModule, phase: str) -> None:
@@ -149,11 +151,12 @@ def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], co
         with torch.no_grad():
             program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, freeze=freeze,
                                                   patches=inductor_patches, blocks_only=blocks_only,
-                                                  records=(keep, recall), share_traces=share_traces)
+                                                  records=(keep, recall), share_traces=share_traces,
+                                                  symbolic=symbolic)
     else:
         program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, joint_pass=joint_passes,
                                               partition_pass=partition_pass, patches=inductor_patches,
                                               backward=backward, blocks_only=blocks_only, records=(keep, recall),
-                                              share_traces=share_traces)
+                                              share_traces=share_traces, symbolic=symbolic)
     program.seconds = time.perf_counter() - start
     return program

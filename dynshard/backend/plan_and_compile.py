@@ -3,7 +3,7 @@ pipeline stage split over tp, the accumulation variant) goes through once its pl
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -22,9 +22,11 @@ ASYNC_BUCKET_CAP_MB = 25
 
 def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str,
                      before_policy: Callable[[PassContext], Any] | None = None,
-                     after_policy: Callable[[PassContext], Any] | None = None, backward=None):
+                     after_policy: Callable[[PassContext], Any] | None = None, backward=None,
+                     example_inputs: Sequence[Any] = ()):
     """The passes, then the per-rank compile of their program (``before_policy``/``after_policy``: called
-    around the ``assign_placements`` pass; ``backward``: compiles the backward graph, see compile_program)."""
+    around the ``assign_placements`` pass; ``backward``: compiles the backward graph, see compile_program;
+    ``example_inputs``: Dynamo's, which a graph of symbolic sizes compiles on)."""
     config, layout = ctx.config, ctx.layout
     policy = PASSES.index(assign_placements)
     lowered = run_passes(copy_graph(gm), ctx, PASSES[:policy])   # passes may edit the graph; the variant reuses gm
@@ -35,12 +37,16 @@ def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str,
         after_policy(ctx)
     lowered = run_passes(lowered, ctx, PASSES[policy + 1:])
     local_inputs = [_local_example(inp, ctx.placements[inp.index], ctx.zero_of(inp), layout) for inp in ctx.inputs]
+    symbolic = any(inp.is_symbolic for inp in ctx.inputs)
+    if symbolic:     # one program for every size of the family: compiled on Dynamo's symbols
+        local_inputs = compat.symbolic_examples(example_inputs, local_inputs)
     program = compile_program(lowered, local_inputs, config.compiler, layout, config.inference_only,
                               freeze=config.constant_folding, partition_pass=_reshard_pass(ctx),
                               inductor_patches=compat.bucketing_patches(
                                   bool(ctx.zero) and ctx.sync_grads, _bucket_cap_mb(config),
                                   config.use_async_reducer and device_type == "cuda"), backward=backward,
-                              blocks_only=config.compile_scope == "blocks", share_traces=config.share_traces)
+                              blocks_only=config.compile_scope == "blocks", share_traces=config.share_traces,
+                              symbolic=symbolic)
     program.split_outputs = ctx.split_outputs     # recorded while the program was traced
     program.outlined = ctx.outlined
     return program
@@ -72,4 +78,6 @@ def _local_example(inp, placements, zero, layout) -> torch.Tensor:
     Dynamo traced as it is) arrives materialised on the current device."""
     shape = stored_shape(inp.shape, layout, placements, zero) if inp.is_state or inp.is_split_value else inp.shape
     device = default_device(layout.device_type) if inp.device.type == "meta" else inp.device
+    if inp.kind == "size":
+        return inp.value
     return torch.empty(shape, dtype=inp.dtype, device=device).requires_grad_(inp.requires_grad)

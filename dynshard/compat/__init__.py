@@ -29,6 +29,8 @@ from .ops import (ALL_GATHER, COLLECTIVE_KINDS, all_gather_rows, all_reduce, gro
                   reduce_scatter_rows)
 from .frames import compiling_frame  # noqa: F401
 from .recompile_limit import RecompileLimit, on_recompile_limit  # noqa: F401
+from .symbolic import (dynamo_tracing_context, rename_symbols, size_hint, specialize_floats,  # noqa: F401
+                       symbolic_dims, symbolic_examples, traced_in)
 from .tracing import fake_tensor_log_quiet, isolated_tracing, new_fake_mode, trace_to_aten  # noqa: F401
 
 
@@ -193,6 +195,13 @@ def register_compile_start(callback: Callable[[Any], None]) -> None:
         handler.register_start_callback(callback)
 
 
+def register_compile_end(callback: Callable[[Any], None]) -> None:
+    """:func:`register_compile_start`'s twin for Dynamo's end-of-compile callbacks."""
+    handler = torch._dynamo.callback_handler
+    if callback not in handler.end_callbacks:
+        handler.register_end_callback(callback)
+
+
 def starts_frame_compile(args: Any) -> bool:
     """Whether a compile callback's ``args`` are for Dynamo compiling a frame (trigger DYNAMO), not for
     aot_autograd's lazy backward compile or another trigger."""
@@ -263,8 +272,12 @@ def graph_break_exceptions() -> tuple[type[Exception], ...]:
 
 
 def keep_shapes_static() -> None:
-    """dynshard plans static shapes: a new batch size recompiles instead of going symbolic."""
+    """A size goes symbolic only where the user asks (``dynamic=True``, ``mark_dynamic``): a new batch size
+    recompiles rather than going symbolic on its own, and no frame's dynamism comes from what an earlier
+    process recorded on this host (Dynamo's local PGO), which ranks could read differently and then trace
+    different graphs."""
     torch._dynamo.config.automatic_dynamic_shapes = False
+    torch._dynamo.config.automatic_dynamic_local_pgo = False
 
 
 def dtensor_redistributions(op, args: tuple, kwargs: dict):

@@ -20,7 +20,7 @@ from .cpu_isa import wait_cpu_isa_probe
 from .mask_partial import mask_offsets_read_at_run_time
 from .ops import _c10d, invoke_subgraph
 from .shared_compiles import compile_shared, compiled_once_per_host, rank_free_compiles
-from .tracing import isolated_tracing
+from .tracing import isolated_tracing, local_random_ops
 
 
 def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler: str,
@@ -28,7 +28,7 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
                      joint_pass: Callable | None = None, patches: dict | None = None,
                      backward: Callable | None = None, partition_pass: Callable | None = None,
                      blocks_only: bool = False, records: tuple[Callable[[], Any], Callable[[Any], None]] | None = None,
-                     share_traces: bool | None = None):
+                     share_traces: bool | None = None, symbolic: bool = False):
     """aot_autograd + the configured compiler; ``on_graph(graph, phase)`` sees each forward/backward
     graph (phase "forward", "backward" or "inference") before it is compiled. ``joint_pass(joint,
     inputs)`` runs on the joint graph before it is partitioned (functorch's ``joint_custom_pass``);
@@ -41,15 +41,18 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
     (:func:`_compile_blocks_only`). ``records``: ``(keep, recall)``, what ``on_graph`` learned (``keep()``,
     picklable) and how to restore it (``recall(kept)``): with them, aot_autograd's cache serves the program
     where it can (:func:`_compile_cached`), and ``recall`` replaces ``on_graph`` on a hit; ``share_traces``:
-    ``Config.share_traces``."""
+    ``Config.share_traces``. ``symbolic``: the inputs are fakes of Dynamo's mode with symbolic sizes
+    (:func:`.symbolic.symbolic_examples`), compiled in Dynamo's tracing context, so that the guards the
+    compile adds on those sizes become the frame's."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._dynamo.backends.debugging import boxed_nop
 
     joint = torch._functorch.config.patch(joint_custom_pass=joint_pass) if joint_pass else contextlib.nullcontext()
     fake_mode = None
-    if compiler != "aot_eager" and not freeze:     # (freezing reads the real parameters)
+    if compiler != "aot_eager" and not freeze and not symbolic:     # (freezing reads the real parameters)
         fake_mode, example_inputs = _cacheable_fake_mode(example_inputs)
-    with isolated_tracing(fake_mode), joint, block_schemas_memoized(), mask_offsets_read_at_run_time():
+    tracing = local_random_ops() if symbolic else isolated_tracing(fake_mode)
+    with tracing, joint, block_schemas_memoized(), mask_offsets_read_at_run_time():
         if compiler == "aot_eager":
             def recorder(phase_if_training: str):
                 def compile_graph(graph: fx.GraphModule, inputs):
@@ -349,9 +352,14 @@ def block_schemas_memoized() -> Iterator[None]:
 
 def _operand_signature(operand: Any) -> tuple:
     if isinstance(operand, torch.Tensor):
-        return (type(operand), operand.dtype, operand.device, tuple(operand.shape), operand.stride(),
+        return (type(operand), operand.dtype, operand.device, _sizes(operand.shape), _sizes(operand.stride()),
                 operand.requires_grad)
     return (type(operand), repr(operand) if isinstance(operand, (int, torch.SymInt)) else None)
+
+
+def _sizes(sizes) -> tuple:
+    """Sizes as a key: a symbolic one by its expression (SymInts do not hash)."""
+    return tuple(size if isinstance(size, int) else str(size) for size in sizes)
 
 
 def _partition_after(before: Callable[[fx.GraphModule], Any], partitioner: Callable | None = None):

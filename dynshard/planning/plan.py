@@ -86,8 +86,8 @@ class ZeroChoice:
 
 @dataclasses.dataclass(frozen=True)
 class TensorChoice:
-    kind: str                       # "parameter", "buffer" or "input"
-    shape: tuple[int, ...]
+    kind: str                       # "parameter", "buffer", "input" or "size" (a symbolic size)
+    shape: tuple[int | str, ...]    # a symbolic dimension by its symbol ("d0"): the plan serves every size
     dtype: str
     tp: str | None = "R"            # its placement on the unit's tp ranks (None: by its pipeline stage's tp policy)
     dp: str = "replicate"           # over the data-parallel units: "replicate", "zero" rows, "batch"
@@ -99,7 +99,7 @@ class TensorChoice:
         """A graph input's (``runtime.graph_inputs.GraphInput``) choice; ``dp`` None: "batch" for a user
         input, else "replicate"."""
         dp = dp if dp is not None else "batch" if inp.kind == "input" else "replicate"
-        return cls(inp.kind, tuple(inp.shape), str(inp.dtype).replace("torch.", ""), tp, dp, stages)
+        return cls(inp.kind, inp.family_shape(), str(inp.dtype).replace("torch.", ""), tp, dp, stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -343,10 +343,15 @@ def _placement_text(text: Any, where: str) -> str:
 
 
 def _tensor(name: str, data: Mapping[str, Any]) -> TensorChoice:
-    return TensorChoice(kind=str(data["kind"]), shape=tuple(int(s) for s in data["shape"]), dtype=str(data["dtype"]),
+    return TensorChoice(kind=str(data["kind"]), shape=tuple(_size(s) for s in data["shape"]), dtype=str(data["dtype"]),
                         tp=None if data.get("tp", "R") is None else _placement_text(data["tp"], f"tensor {name!r}"),
                         dp=str(data.get("dp", "replicate")),
                         stages=None if data.get("stages") is None else tuple(int(s) for s in data["stages"]))
+
+
+def _size(size: Any) -> int | str:
+    """A dimension of a plan's tensor: a size, or a symbol ("d0")."""
+    return size if isinstance(size, str) else int(size)
 
 
 def _tensor_dict(t: TensorChoice) -> dict[str, Any]:

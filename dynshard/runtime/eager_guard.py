@@ -106,7 +106,8 @@ def refuse_recompile_limit(limit: compat.RecompileLimit) -> None:
         return
     reason = limit.reason or "unknown (TORCH_LOGS=recompiles lists each reason)"
     if "size mismatch" in reason or "stride mismatch" in reason:
-        cause = ("the inputs' shapes change from call to call, and dynshard compiles a program per shape: pad "
+        cause = ("the inputs' shapes change from call to call, and dynshard compiles a program per shape: under "
+                 "dp and ZeRO, compile with dynamic=True (one program for every length); under any policy, pad "
                  "each batch to one of a few lengths (a collator's pad_to_multiple_of=64, or "
                  "padding='max_length')")
     else:

@@ -17,8 +17,8 @@ class GraphInput:
 
     index: int
     name: str            # fully qualified name for parameters and buffers, placeholder name otherwise
-    kind: str            # "parameter", "buffer" or "input"
-    shape: torch.Size
+    kind: str            # "parameter", "buffer", "input" or "size" (a symbolic size Dynamo passes as an int)
+    shape: torch.Size    # global; a symbolic dimension holds the size this compile was traced at (its hint)
     stride: tuple[int, ...]
     dtype: torch.dtype
     device: torch.device
@@ -27,6 +27,10 @@ class GraphInput:
     # a DTensor input (a split value from another program): its placements, fixed, and its mesh's ranks
     placements: tuple[Placement, ...] | None = None
     mesh: tuple[tuple[str, ...], tuple[int, ...]] | None = None
+    # per dimension, the symbolic size it follows ("d0", "2*d1") or None where it is static; for a "size"
+    # input, its own expression: the graph's shape family (the symbols numbered as they first appear)
+    symbols: tuple[str | None, ...] | None = None
+    value: int | None = None     # a "size" input: the size this compile was traced at
 
     @property
     def is_state(self) -> bool:
@@ -37,8 +41,23 @@ class GraphInput:
         """A DTensor input: it arrives as this rank's piece, with placements no policy may change."""
         return self.placements is not None
 
+    @property
+    def is_symbolic(self) -> bool:
+        return self.symbols is not None and any(s is not None for s in self.symbols)
+
+    def family_shape(self) -> tuple:
+        """The shape with its symbolic dimensions named, not sized: what every size of the family shares."""
+        if self.symbols is None:
+            return tuple(self.shape)
+        if self.kind == "size":
+            return self.symbols
+        return tuple(size if symbol is None else symbol for size, symbol in zip(self.shape, self.symbols))
+
     def token(self) -> str:
-        token = f"{self.kind}:{self.name}:{tuple(self.shape)}:{self.stride}:{self.dtype}:{self.requires_grad}"
+        """What decides a plan: a symbolic dimension counts by its symbol, so every size of a family (and
+        every rank of a family, whatever its own rows' length) has one token."""
+        stride = self.stride if not self.is_symbolic else "symbolic"
+        token = f"{self.kind}:{self.name}:{self.family_shape()}:{stride}:{self.dtype}:{self.requires_grad}"
         return token if self.placements is None else f"{token}:{self.placements}:{self.mesh}"
 
 

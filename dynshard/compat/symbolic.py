@@ -1,0 +1,92 @@
+"""Symbolic sizes in Dynamo's graphs (``dynamic=True``, ``mark_dynamic``): which dimensions of a graph input
+are symbolic, and the sizes they were traced at. Re-exported by :mod:`dynshard.compat`."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+_SYMBOL = re.compile(r"\b[su]\d+\b")
+
+
+def symbolic_dims(node: fx.Node) -> list[str | None] | None:
+    """Per dimension of the placeholder ``node``'s traced value, its symbolic expression (Dynamo's symbol
+    names, e.g. ``s33``, ``2*s33``) or None where it is static; for a SymInt input, its expression alone.
+    None when nothing about the input is symbolic."""
+    value = node.meta.get("example_value")
+    if isinstance(value, torch.SymInt):
+        return [str(value.node.expr)]
+    if not isinstance(value, torch.Tensor):
+        return None
+    dims = [None if isinstance(size, int) or _is_constant(size) else str(size.node.expr) for size in value.shape]
+    return dims if any(d is not None for d in dims) else None
+
+
+def _is_constant(size: torch.SymInt) -> bool:
+    return size.node.expr.is_number
+
+
+def size_hint(value: Any) -> int:
+    """The size a symbolic size was traced at (the int itself for a static one), read without adding a
+    guard: a dynshard record (bytes saved, bytes sent) must not specialize the program."""
+    from torch.fx.experimental.symbolic_shapes import guarding_hint_or_throw
+
+    if isinstance(value, int):
+        return value
+    return int(guarding_hint_or_throw(value))
+
+
+def rename_symbols(expressions: list[list[str | None] | None]) -> list[tuple[str | None, ...] | None]:
+    """Dynamo's symbol names replaced by ``d0, d1, ...`` in order of first appearance, so that two traces
+    of one shape family (on two ranks, or after a restart) name their dimensions alike."""
+    names: dict[str, str] = {}
+
+    def rename(expr: str | None) -> str | None:
+        if expr is None:
+            return None
+        return _SYMBOL.sub(lambda m: names.setdefault(m.group(0), f"d{len(names)}"), expr)
+
+    return [None if dims is None else tuple(rename(d) for d in dims) for dims in expressions]
+
+
+def symbolic_examples(example_inputs: Sequence[Any], local_inputs: Sequence[Any]) -> list[Any]:
+    """The program's example inputs for a symbolic compile: Dynamo's own example where the program takes
+    the input as Dynamo traced it (aot_autograd then finds its symbolic fake, and a wrapped float its
+    symbolic value, in Dynamo's tracing context, whose ShapeEnv takes the compile's guards); elsewhere (a
+    ZeRO shard) a static fake of the local shape in Dynamo's mode."""
+    from torch._guards import TracingContext
+
+    fake_mode = TracingContext.get().fake_mode
+    examples = []
+    for example, local in zip(example_inputs, local_inputs):
+        if not isinstance(example, torch.Tensor) or (tuple(example.shape) == tuple(local.shape)
+                                                     and example.dtype == local.dtype):
+            examples.append(example)
+        else:
+            examples.append(fake_mode.from_tensor(local, static_shapes=True))
+    return examples
+
+
+def dynamo_tracing_context():
+    """The tracing context of the frame Dynamo is compiling (None outside a compile)."""
+    from torch._guards import TracingContext
+
+    return TracingContext.try_get()
+
+
+def traced_in(context):
+    """Re-enter a frame's tracing context for a compile that happens later (a program variant compiled at
+    its first use), as aot_autograd does for a backward compiled at its first call."""
+    from torch._guards import tracing
+
+    return tracing(context)
+
+
+def specialize_floats(specialize: bool) -> bool:
+    """Set whether Dynamo traces a Python float as a constant (``specialize_float``); the previous setting."""
+    previous = torch._dynamo.config.specialize_float
+    torch._dynamo.config.specialize_float = specialize
+    return previous

@@ -1,0 +1,74 @@
+"""Graphs with symbolic sizes (``dynamic=True``, ``mark_dynamic``): one plan and one program for every
+length, each rank holding its own lengths, training like one process (2 ranks, gloo)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from distributed import run_ranks
+from parity import assert_trains_like_one_process
+from workers_symbolic_shapes import refused, saved_then_loaded, train_lengths, trainer_padding
+
+STEPS = 12     # 24 distinct lengths over the two ranks
+
+
+@pytest.mark.parametrize("options", [
+    {"compiler": "aot_eager"},
+    {"compiler": "aot_eager", "use_zero": 1},
+    {"compiler": "aot_eager", "use_zero": 3},
+    {"compiler": "inductor", "use_zero": 2},
+], ids=["dp", "zero1", "zero3", "zero2-inductor"])
+def test_every_length_on_every_rank_trains_like_one_process_from_one_program(options):
+    for rank, result in enumerate(run_ranks(train_lengths, 2, options, STEPS)):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert result["graphs"] == 1, f"rank {rank}: {result['graphs']} graphs for {STEPS} lengths"
+        assert result["programs"] == 1
+
+
+def test_mark_dynamic_on_the_length_compiles_one_program():
+    for rank, result in enumerate(run_ranks(train_lengths, 2, {"compiler": "aot_eager"}, 6, "mark_dynamic")):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert result["graphs"] == 1
+
+
+def test_accumulation_over_lengths_trains_like_one_process():
+    for rank, result in enumerate(run_ranks(train_lengths, 2, {"compiler": "aot_eager", "use_zero": 1}, 6, "dynamic",
+                                            2)):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert result["graphs"] == 1
+
+
+def test_the_plan_names_symbolic_dimensions_and_a_loaded_plan_serves_other_lengths(tmp_path):
+    path, options = str(tmp_path / "plans.json"), {"compiler": "aot_eager", "use_zero": 1}
+    saving = run_ranks(saved_then_loaded, 2, path, options, False)
+    for rank, result in enumerate(run_ranks(saved_then_loaded, 2, path, options, True)):
+        assert_trains_like_one_process(result, f"rank {rank} (loaded plan)")
+        assert result["graphs"] == 1
+    (plan,) = saving[0]["plans"]
+    shapes = {name: t["shape"] for name, t in plan["tensors"].items() if t["kind"] == "input"}
+    assert shapes == {"x": [2, "d0", 8], "target": [2, 8]}, shapes
+    assert [t["shape"] for t in plan["tensors"].values() if t["kind"] == "size"] == [["d0"]]
+    assert json.loads(result["saved"])["tensors"]["x"]["shape"] == [2, "d0", 8]
+
+
+@pytest.mark.parametrize("options", [
+    {"policy": "tp", "plan_ngpus": 2, "compiler": "aot_eager"},
+    {"compiler": "aot_eager", "recompute_modules": "TokenMLP"},
+], ids=["tp", "recompute"])
+def test_a_plan_of_static_shapes_refuses_a_symbolic_graph_on_every_rank(options):
+    for message in run_ranks(refused, 2, options):
+        assert message.startswith("SymbolicShapesError") or "SymbolicShapesError" in message, message
+        assert "input x has symbolic sizes" in message and "pad_to_multiple_of" in message, message
+
+
+@pytest.mark.parametrize("options", [{"compiler": "aot_eager"}, {"compiler": "aot_eager", "use_zero": 3}],
+                         ids=["dp", "zero3"])
+def test_trainer_with_a_padding_collator_trains_like_one_process(options):
+    results = run_ranks(trainer_padding, 2, options, 6)
+    for rank, result in enumerate(results):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert result["graphs"] <= 3, result["graphs"]
+    lengths = [shape[1] for result in results for shape in result["lengths"]]
+    assert len(set(lengths)) >= 6, lengths      # the ranks' own lengths, step after step

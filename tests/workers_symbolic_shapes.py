@@ -1,0 +1,180 @@
+"""Rank functions for tests/test_symbolic_shapes.py: graphs Dynamo traces with symbolic sizes.
+
+Each rank pads its own rows (a different sequence length on every rank and every step, as transformers'
+padding collators give), the model is compiled with ``dynamic=True`` (or ``mark_dynamic``), and a one-process
+eager copy trains on every rank's rows, each unit's mean loss averaged as dp averages gradients. SGD with
+momentum: every update depends on every gradient so far.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+import dynshard
+
+LR, MOMENTUM, DIM = 0.05, 0.9, 8
+
+
+class TokenMLP(torch.nn.Module):
+    """Rows of tokens ``[batch, length, DIM]``: a per-token MLP, a LayerNorm and a mean over the length."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(DIM, 4 * DIM), torch.nn.Linear(4 * DIM, DIM)
+        self.norm = torch.nn.LayerNorm(DIM)
+
+    def forward(self, x, target):
+        h = self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
+        return torch.nn.functional.mse_loss(h.mean(dim=1), target)
+
+
+def lengths(steps: int, world: int) -> list[list[int]]:
+    """Per step, each rank's sequence length: all different, none repeated (>= 2: Dynamo keeps 0 and 1
+    static)."""
+    return [[3 + step * world + rank for rank in range(world)] for step in range(steps)]
+
+
+def _batch(step: int, rank: int, length: int, rows: int = 2):
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(rows, length, DIM, generator=generator), torch.randn(rows, DIM, generator=generator)
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def train_lengths(rank: int, world: int, options: dict, steps: int, mark: str = "dynamic",
+                  accumulation: int = 1, first_step: int = 0) -> dict:
+    """``mark``: "dynamic" (``torch.compile(dynamic=True)``) or "mark_dynamic" (the length dimension of the
+    first batch). ``accumulation``: micro-steps per optimizer step, the first ones under ``no_sync``."""
+    torch.manual_seed(0)
+    model = TokenMLP()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(**options),
+                             dynamic=True if mark == "dynamic" else None)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
+    losses, ref_losses = [], []
+    for step, per_rank in enumerate(lengths(first_step + steps, world)[first_step:]):
+        batches = [_batch(step, r, length) for r, length in enumerate(per_rank)]
+        x, target = batches[rank]
+        if mark == "mark_dynamic" and step == 0:
+            torch._dynamo.mark_dynamic(x, 1)
+        micro = step % accumulation < accumulation - 1
+        with dynshard.no_sync(compiled) if micro else contextlib.nullcontext():
+            loss = compiled(x, target)
+            (loss / accumulation).backward()
+        ref_loss = sum(reference(*b) for b in batches) / world
+        (ref_loss / accumulation).backward()
+        if not micro:
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+        ref_losses.append(ref_loss.item())
+    report = dynshard.explain(compiled)
+    return {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
+            "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
+            "graphs": _graphs(), "programs": len(report.programs),
+            "plans": [json.loads(plan.to_json()) for plan in report.plans]}
+
+
+def refused(rank: int, world: int, options: dict) -> str:
+    """What a symbolic graph under a plan of static shapes raises on this rank."""
+    model = TokenMLP()
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(**options), dynamic=True)
+    try:
+        compiled(*_batch(0, 0, 5))
+    except Exception as error:     # noqa: BLE001  (the test reads the type and message)
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def saved_then_loaded(rank: int, world: int, path: str, options: dict, load: bool) -> dict:
+    """A symbolic dp job that saves its plans (``load`` False: 2 steps), or a later job that runs them
+    (``load`` True: 3 steps, other lengths than the saving job's first); the length marked dynamic."""
+    if not load:
+        return train_lengths(rank, world, {**options, "save_plan_path": path}, steps=2, mark="mark_dynamic")
+    result = train_lengths(rank, world, {**options, "load_plan_path": path}, steps=3, mark="mark_dynamic",
+                           first_step=5)
+    with open(path) as f:
+        result["saved"] = f.read()
+    return result
+
+
+# ------------------------------------------------------------------------- Trainer with a padding collator
+
+def _tokenizer(vocab: int):
+    """A word-level tokenizer built in memory (no download): what a padding collator needs, a pad token."""
+    import tokenizers
+    import transformers
+
+    words = {"[PAD]": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, vocab)}}
+    model = tokenizers.models.WordLevel(words, unk_token="[UNK]")
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tokenizers.Tokenizer(model), pad_token="[PAD]",
+                                                unk_token="[UNK]")
+
+
+def trainer_padding(rank: int, world: int, options: dict, steps: int) -> dict:
+    """transformers' Trainer, ``DataCollatorForLanguageModeling(mlm=False)``: each rank's rows padded to its
+    own longest (labels -100 at the padding), a new length nearly every step; the compiled Llama with
+    ``dynamic=True``. The reference replays every unit's batch in one process with the token count Trainer
+    passed (``num_items_in_batch``, over all ranks), so its gradient is the mean over every rank's tokens."""
+    import transformers
+    from workers_trainer import LR as T_LR, MAX_NORM, MOMENTUM as T_MOMENTUM, build_llama, unit_trainer_class
+
+    model = build_llama()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(**options), dynamic=True)
+    generator = torch.Generator().manual_seed(3)
+    rows = [{"input_ids": torch.randint(2, 128, (int(n),), generator=generator).tolist()}
+            for n in torch.randint(4, 30, (64,), generator=generator)]
+    args = transformers.TrainingArguments(
+        output_dir=tempfile.mkdtemp(), per_device_train_batch_size=2, max_steps=steps, learning_rate=T_LR,
+        lr_scheduler_type="constant", max_grad_norm=MAX_NORM, report_to=[], save_strategy="no", logging_steps=1,
+        remove_unused_columns=False, use_cpu=True, seed=0, disable_tqdm=True)
+    opt = torch.optim.SGD(model.parameters(), lr=T_LR, momentum=T_MOMENTUM)
+    fed = []
+
+    class Recording(unit_trainer_class()):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            fed.append(({k: v.clone() for k, v in inputs.items()}, num_items_in_batch))
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            losses.append(loss.item())
+            return loss
+
+    losses: list[float] = []
+    collator = transformers.DataCollatorForLanguageModeling(_tokenizer(128), mlm=False)
+    Recording(model=compiled, args=args, train_dataset=rows, data_collator=collator, optimizers=(opt, None)).train()
+
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, fed)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=T_LR, momentum=T_MOMENTUM)
+    ref_losses = []
+    for step in range(len(fed)):
+        total = 0.0
+        for inputs, count in (unit[step] for unit in gathered):
+            loss = reference(**inputs, num_items_in_batch=count).loss
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(total)
+    mean = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(mean)
+    return {"losses": (mean / world).tolist(), "ref_losses": ref_losses,
+            "params": dynshard.collect_state_dict(compiled),
+            "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
+            "lengths": [tuple(inputs["input_ids"].shape) for inputs, _ in fed], "graphs": _graphs(),
+            "programs": len(dynshard.explain(compiled).programs)}
