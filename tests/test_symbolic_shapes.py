@@ -9,7 +9,7 @@ import pytest
 
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
-from workers_symbolic_shapes import refused, saved_then_loaded, train_lengths, trainer_padding
+from workers_symbolic_shapes import modes_and_ends, refused, saved_then_loaded, train_lengths, trainer_padding
 
 STEPS = 12     # 24 distinct lengths over the two ranks
 
@@ -51,6 +51,14 @@ def test_the_plan_names_symbolic_dimensions_and_a_loaded_plan_serves_other_lengt
     assert shapes == {"x": [2, "d0", 8], "target": [2, 8]}, shapes
     assert [t["shape"] for t in plan["tensors"].values() if t["kind"] == "size"] == [["d0"]]
     assert json.loads(result["saved"])["tensors"]["x"]["shape"] == [2, "d0", 8]
+
+
+def test_eval_modes_compile_once_each_and_the_ragged_last_batch_compiles_nothing():
+    """A mode (no_grad, inference_mode) is a program of its own, for every size; a batch of one row is
+    another graph (Dynamo keeps sizes 0 and 1 static)."""
+    for seen in run_ranks(modes_and_ends, 2):
+        assert seen == [("train", 1), ("no_grad", 2), ("inference_mode", 3), ("ragged last batch", 3),
+                        ("one row", 4)], seen
 
 
 @pytest.mark.parametrize("options", [

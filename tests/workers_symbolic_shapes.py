@@ -112,6 +112,34 @@ def saved_then_loaded(rank: int, world: int, path: str, options: dict, load: boo
     return result
 
 
+def modes_and_ends(rank: int, world: int) -> list[tuple[str, int]]:
+    """Dynamo graphs after each phase: training over lengths, eval under no_grad and inference_mode at other
+    batch sizes and lengths, the ragged last batch of an epoch, a batch of one row."""
+    torch.manual_seed(0)
+    model = TokenMLP()
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(compiler="aot_eager"), dynamic=True)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    seen = []
+    for step in range(4):
+        compiled(*_batch(step, rank, 5 + step + rank, rows=4)).backward()
+        opt.step()
+        opt.zero_grad()
+    seen.append(("train", _graphs()))
+    with torch.no_grad():
+        for length in (7, 9, 13):
+            compiled(*_batch(9, rank, length, rows=3))
+    seen.append(("no_grad", _graphs()))
+    with torch.inference_mode():
+        for length in (7, 11):
+            compiled(*_batch(9, rank, length, rows=5))
+    seen.append(("inference_mode", _graphs()))
+    compiled(*_batch(20, rank, 6, rows=3)).backward()
+    seen.append(("ragged last batch", _graphs()))
+    compiled(*_batch(21, rank, 6, rows=1)).backward()
+    seen.append(("one row", _graphs()))
+    return seen
+
+
 # ------------------------------------------------------------------------- Trainer with a padding collator
 
 def _tokenizer(vocab: int):
