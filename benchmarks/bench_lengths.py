@@ -4,16 +4,18 @@ every step (as padding to each rank's longest row gives), on bench_gpt.py's GPT:
     python benchmarks/bench_lengths.py                                  # 50 lengths; static dynshard on 8
     python benchmarks/bench_lengths.py --lengths 12 --layers 2 --d-model 64 --static-lengths 4   # a quick look
 
-system            what runs
-ddp               DistributedDataParallel + torch.compile (Dynamo's automatic dynamic shapes)
-dynshard-dynamic  torch.compile(model, backend="dynshard", dynamic=True): one symbolic program
-dynshard-static   torch.compile(model, backend="dynshard"): a plan and a program per length (the recompile
-                  limit raised so that it runs them all)
+system               what runs
+ddp                  DistributedDataParallel + torch.compile (Dynamo's automatic dynamic shapes)
+dynshard-dynamic     torch.compile(model, backend="dynshard", dynamic=True): one symbolic program
+dynshard-static      torch.compile(model, backend="dynshard"): a plan and a program per length (the recompile
+                     limit raised so that it runs them all); every rank at rank 0's lengths, which static plans
+                     need (different lengths on the ranks are refused: PlanMismatchError)
+dynshard-dynamic-0   dynshard-dynamic at dynshard-static's lengths, for the ratio of their steps
 
 Each system trains with AdamW over the lengths twice: the first pass compiles what it needs, the second runs
 every length again, compiled. graphs: Dynamo graphs compiled (rank 0); compile s: first pass minus second
-pass (max over ranks); step ms: the second pass's median step (each step's slower rank), and its median ratio to
-dynshard-static's step at the same lengths (the first --static-lengths). Each system runs in its own processes with an empty Inductor cache.
+pass (max over ranks); step ms: the second pass's median step (each step's slower rank); / ddp and / static: the
+median over steps of the ratio to that system's step at the same lengths. Each system runs in its own processes with an empty Inductor cache.
 """
 
 from __future__ import annotations
@@ -50,15 +52,16 @@ def _rank(rank: int, world: int, port: int, system: str, args, outdir: str) -> N
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, heads=args.heads, layers=args.layers))
-    count = args.static_lengths if system == "dynshard-static" else args.lengths
-    lengths = lengths_of(rank, args.lengths, args.min_length, args.seq)[:count]     # static: the first ones
+    shared = system in ("dynshard-static", "dynshard-dynamic-0")      # rank 0's lengths on every rank
+    lengths = lengths_of(0 if shared else rank, args.lengths, args.min_length, args.seq)
+    lengths = lengths[:args.static_lengths] if shared else lengths
     if system == "ddp":
         dist.init_process_group("gloo")
         compiled = torch.compile(torch.nn.parallel.DistributedDataParallel(model))
-    elif system == "dynshard-dynamic":
+    elif system in ("dynshard-dynamic", "dynshard-dynamic-0"):
         compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(), dynamic=True)
     else:
-        torch._dynamo.config.recompile_limit = count + 8
+        torch._dynamo.config.recompile_limit = len(lengths) + 8
         compiled = torch.compile(model, backend="dynshard", options=dynshard.Config())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
@@ -66,7 +69,7 @@ def _rank(rank: int, world: int, port: int, system: str, args, outdir: str) -> N
         generator = torch.Generator().manual_seed(seed)
         idx = torch.randint(0, args.vocab, (args.batch, length), generator=generator)
         start = time.perf_counter()
-        _, loss = compiled(idx, torch.roll(idx, -1, dims=1))
+        loss = compiled(idx, torch.roll(idx, -1, dims=1))
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -104,23 +107,27 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4, help="rows per rank")
-    parser.add_argument("--systems", default="ddp,dynshard-dynamic,dynshard-static")
+    parser.add_argument("--systems", default="ddp,dynshard-dynamic,dynshard-static,dynshard-dynamic-0")
     args = parser.parse_args()
     results = {system: run(system, args) for system in args.systems.split(",")}
 
-    static = results.get("dynshard-static")
     print(f"\n2 ranks (gloo, Inductor, CPU), GPT {args.layers} layers d{args.d_model}, {args.batch} rows per rank, "
-          f"lengths {args.min_length}-{args.seq - 1}, each rank its own\n")
-    header = ("system", "lengths", "graphs", "compile s", "step ms", "step / static")
+          f"lengths {args.min_length}-{args.seq - 1}\n")
+    header = ("system", "lengths", "graphs", "compile s", "step ms", "/ ddp", "/ static")
+    per_step = {system: [max(times) for times in zip(*(r["steps"] for r in ranks))]     # step i: the slower rank
+                for system, ranks in results.items()}
+
+    def ratio(system: str, peer: str, pairs: tuple[str, ...]) -> str:
+        if system not in pairs or peer not in per_step or system == peer:
+            return "-"
+        return f"{statistics.median(m / t for m, t in zip(per_step[system], per_step[peer])):.3f}"
+
     rows = [header]
     for system, ranks in results.items():
-        steps = [max(times) for times in zip(*(r["steps"] for r in ranks))]      # step i: the slower rank
-        ratio = "-"
-        if static is not None and system != "dynshard-static":      # the same lengths, step by step
-            theirs = [max(times) for times in zip(*(r["steps"] for r in static))]
-            ratio = f"{statistics.median(m / t for m, t in zip(steps, theirs)):.3f}"
-        rows.append((system, str(len(steps)), str(ranks[0]["graphs"]), f"{max(r['compile_s'] for r in ranks):.1f}",
-                     f"{1000 * statistics.median(steps):.1f}", ratio))
+        rows.append((system, str(len(per_step[system])), str(ranks[0]["graphs"]),
+                     f"{max(r['compile_s'] for r in ranks):.1f}", f"{1000 * statistics.median(per_step[system]):.1f}",
+                     ratio(system, "ddp", ("dynshard-dynamic",)),
+                     ratio(system, "dynshard-static", ("dynshard-dynamic-0",))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))

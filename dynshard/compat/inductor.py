@@ -20,6 +20,7 @@ from .cpu_isa import wait_cpu_isa_probe
 from .mask_partial import mask_offsets_read_at_run_time
 from .ops import _c10d, invoke_subgraph
 from .shared_compiles import compile_shared, compiled_once_per_host, rank_free_compiles
+from .symbolic import sizes_key
 from .tracing import isolated_tracing, local_random_ops
 
 
@@ -352,14 +353,9 @@ def block_schemas_memoized() -> Iterator[None]:
 
 def _operand_signature(operand: Any) -> tuple:
     if isinstance(operand, torch.Tensor):
-        return (type(operand), operand.dtype, operand.device, _sizes(operand.shape), _sizes(operand.stride()),
+        return (type(operand), operand.dtype, operand.device, sizes_key(operand.shape), sizes_key(operand.stride()),
                 operand.requires_grad)
     return (type(operand), repr(operand) if isinstance(operand, (int, torch.SymInt)) else None)
-
-
-def _sizes(sizes) -> tuple:
-    """Sizes as a key: a symbolic one by its expression (SymInts do not hash)."""
-    return tuple(size if isinstance(size, int) else str(size) for size in sizes)
 
 
 def _partition_after(before: Callable[[fx.GraphModule], Any], partitioner: Callable | None = None):

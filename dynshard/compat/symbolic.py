@@ -39,6 +39,11 @@ def size_hint(value: Any) -> int:
     return int(guarding_hint_or_throw(value))
 
 
+def sizes_key(sizes) -> tuple:
+    """Sizes as a key: a symbolic one by its expression (SymInts do not hash)."""
+    return tuple(size if isinstance(size, int) else str(size) for size in sizes)
+
+
 def rename_symbols(expressions: list[list[str | None] | None]) -> list[tuple[str | None, ...] | None]:
     """Dynamo's symbol names replaced by ``d0, d1, ...`` in order of first appearance, so that two traces
     of one shape family (on two ranks, or after a restart) name their dimensions alike."""

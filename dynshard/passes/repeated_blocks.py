@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from .. import compat
+
 BLOCK_PATH = re.compile(r"^(.*)\.(\d+)$")
 
 
@@ -36,18 +38,13 @@ def _block_of(node: fx.Node) -> tuple[str, str] | None:
 
 def _signature(value: Any, node: fx.Node | None = None) -> tuple:
     if isinstance(value, torch.Tensor):
-        return ("tensor", _sizes(value.shape), _sizes(value.stride()), value.dtype, value.device.type,
-                value.requires_grad)
+        return ("tensor", compat.sizes_key(value.shape), compat.sizes_key(value.stride()), value.dtype,
+                value.device.type, value.requires_grad)
     if value is None and node is not None and node.op == "call_function" and len(node.all_input_nodes) == 1:
         # dynshard's parameter wrapper carries no value: what it wraps, and how
         (arg,) = node.all_input_nodes
         return ("via", _target_key(node), _signature(value_of(arg), arg))
     return ("other", type(value).__name__, value if isinstance(value, (int, float, bool, str)) else None)
-
-
-def _sizes(sizes) -> tuple:
-    """Sizes as a key: a symbolic one by its expression (SymInts do not hash)."""
-    return tuple(size if isinstance(size, int) else str(size) for size in sizes)
 
 
 def _is_inserted(node: fx.Node) -> bool:
