@@ -26,7 +26,7 @@ class SymbolicShapesError(TypeError):
 
 
 def check_symbolic_shapes(inputs: Sequence[GraphInput], layout: Layout, pipelined: bool, recompute: bool) -> None:
-    symbolic = [inp for inp in inputs if inp.is_symbolic and inp.kind != "size"]
+    symbolic = sorted((inp for inp in inputs if inp.is_symbolic), key=lambda inp: inp.kind == "size")
     if not symbolic:
         return
     reason = ("its pipeline splits the batch into micro-batches" if pipelined
@@ -34,10 +34,14 @@ def check_symbolic_shapes(inputs: Sequence[GraphInput], layout: Layout, pipeline
               else "recompute_modules lowers the graph to ATen at static sizes" if recompute else None)
     if reason is None:
         return
-    first = symbolic[0]
-    dims = ", ".join(f"dim {d} ({s})" for d, s in enumerate(first.symbols) if s is not None)
+    first = symbolic[0]       # a tensor's dimensions say more than a size's symbol
+    if first.kind == "size":
+        what = f"input {first.name} is a symbolic size ({first.symbols[0]})"
+    else:
+        dims = ", ".join(f"dim {d} ({s})" for d, s in enumerate(first.symbols) if s is not None)
+        what = f"input {first.name} has symbolic sizes ({dims} of {list(first.family_shape())})"
     raise SymbolicShapesError(
-        f"dynshard: input {first.name} has symbolic sizes ({dims} of {list(first.family_shape())}), and this plan "
+        f"dynshard: {what}, and this plan "
         f"compiles static shapes only: {reason}. Symbolic sizes are compiled under dp and ZeRO 1-3 (plan_ngpus=1, "
         "no pipeline, no recompute_modules). Here, compile without dynamic=True / mark_dynamic and feed a few "
         "lengths (a collator's pad_to_multiple_of=64, or padding='max_length'): each length compiles once")
