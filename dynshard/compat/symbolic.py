@@ -61,14 +61,16 @@ def symbolic_examples(example_inputs: Sequence[Any], local_inputs: Sequence[Any]
     """The program's example inputs for a symbolic compile: Dynamo's own example where the program takes
     the input as Dynamo traced it (aot_autograd then finds its symbolic fake, and a wrapped float its
     symbolic value, in Dynamo's tracing context, whose ShapeEnv takes the compile's guards); elsewhere (a
-    ZeRO shard) a static fake of the local shape in Dynamo's mode."""
+    ZeRO shard, a meta parameter materialised at the first call) a static fake of the local tensor in
+    Dynamo's mode."""
     from torch._guards import TracingContext
 
     fake_mode = TracingContext.get().fake_mode
     examples = []
     for example, local in zip(example_inputs, local_inputs):
         if not isinstance(example, torch.Tensor) or (tuple(example.shape) == tuple(local.shape)
-                                                     and example.dtype == local.dtype):
+                                                     and example.dtype == local.dtype
+                                                     and example.device == local.device):
             examples.append(example)
         else:
             examples.append(fake_mode.from_tensor(local, static_shapes=True))
