@@ -24,7 +24,7 @@ from .runtime.pipeline import infer_step, train_step
 from .runtime.parallel_attributes import (get_parallel_dim, register_ddp_parameters_to_ignore,
                                           register_parallel_attribute, register_parallel_dim, slice)
 from .runtime.reducer import Reducer
-from .runtime.state_dict import collect_state_dict, relocate_state_dict
+from .runtime.state_dict import collect_state_dict, gather_optimizer_state, gather_state_dict, relocate_state_dict
 from .runtime.unit_inputs import UnitInputMismatchError
 from .runtime.ddp import DDPWrapError
 from .why_not import why_not
@@ -54,7 +54,7 @@ def data_parallel_rank(plan_ngpus: int = 1) -> tuple[int, int]:
 __all__ = ["broadcast_weights", "deduped_state_dict", "load_deduped_state_dict", "load_merged_state_dicts",
            "merge_state_dicts", "Config", "ConfigError", "Explanation", "GradScaler", "Layout", "ParallelOptimizer", "PlanBuilder",
            "PeakMemory", "peak_memory", "Plan", "PlanError", "PlanFileError", "PlanMismatchError", "plan", "planner", "Planning", "PlannerError", "why_not", "Profile", "profile", "PlanningFailedError", "Reducer", "build_optimizer", "clip_grad_norm_",
-           "collect_state_dict",
+           "collect_state_dict", "gather_optimizer_state", "gather_state_dict",
            "data_parallel_rank", "explain", "get_parallel_dim", "infer_step", "no_sync", "register_ddp_parameters_to_ignore",
            "register_parallel_attribute", "register_parallel_dim", "relocate_state_dict", "slice", "summon_full_params", "tensor_parallel",
            "train_step", "BackendFailedError", "DDPWrapError", "EagerCallError", "EagerCallOnShardsError",

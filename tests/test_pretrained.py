@@ -28,10 +28,15 @@ def test_save_pretrained_on_every_rank_writes_the_whole_model_that_from_pretrain
     assert_trains_like_one_process({"losses": [], "ref_losses": [], **{k: result[k] for k in ("params", "ref_params")}})
 
 
-def test_save_pretrained_on_rank_zero_alone_is_refused_within_seconds_and_writes_nothing(tmp_path):
-    result = run_ranks(save_pretrained_on_rank_zero_alone, 2, str(tmp_path / "out"))[0]
+def test_save_pretrained_on_rank_zero_alone_is_refused_within_seconds_and_a_rank_s_torch_save_says_the_fix(tmp_path):
+    results = run_ranks(save_pretrained_on_rank_zero_alone, 2, str(tmp_path / "out"))
+    result = results[0]
     assert result["error"] is not None and "every rank" in result["error"], result
     assert result["seconds"] < 10 and not [f for f in result["files"] if f.endswith(".safetensors")], result
+    assert result["reloaded_exact"]                  # the save called next on every rank wrote the whole model
+    for rank, each in enumerate(results):
+        assert f"rank {rank}'s pieces" in each["plain"] and "dynshard.gather_state_dict(model)" in each["plain"], each
+        assert f"rank {1 - rank}'s pieces" in each["other"] and f"rank {rank} stores other pieces" in each["other"]
 
 
 @pytest.mark.parametrize("policy", ["tp", pytest.param("ZeRO-3", marks=pytest.mark.slow), "dp"])

@@ -59,8 +59,12 @@ def save_pretrained_after_training(rank: int, world: int, options: dict, directo
 
 
 def save_pretrained_on_rank_zero_alone(rank: int, world: int, directory: str) -> dict:
-    """tp: ``save_pretrained`` on rank 0 only must refuse, within seconds, rather than write its shards."""
-    from dynshard.checkpoint import pretrained
+    """tp: ``save_pretrained`` on rank 0 only must refuse, within seconds, rather than write its shards; the
+    next one, on every rank, writes the whole model. A rank's own ``torch.save(model.state_dict())`` loads back
+    on that rank, and a plain model or the other rank refuses it with the fix."""
+    import transformers
+
+    from dynshard.checkpoint import RankPiecesError, pretrained
 
     pretrained.RENDEZVOUS_SECONDS = 2.0
     model = build_llama()
@@ -76,6 +80,26 @@ def save_pretrained_on_rank_zero_alone(rank: int, world: int, directory: str) ->
             result["error"], result["seconds"] = str(error), time.perf_counter() - started
         result["files"] = sorted(os.listdir(directory)) if os.path.isdir(directory) else []
     dist.barrier()
+    model.save_pretrained(directory)          # every rank, after the refused one: the rounds still meet
+    if rank == 0:
+        loaded = transformers.LlamaForCausalLM.from_pretrained(directory)
+        whole = dynshard.gather_state_dict(model)
+        result["reloaded_exact"] = all(torch.equal(loaded.state_dict()[k], v) for k, v in whole.items())
+    else:
+        dynshard.gather_state_dict(model)
+
+    own = os.path.join(os.path.dirname(directory), f"rank{rank}.pt")
+    torch.save(model.state_dict(), own)
+    dist.barrier()
+    mine = torch.load(own)                                   # weights_only=True, torch's default
+    model.load_state_dict(mine, strict=True)                 # a rank's own pieces, on that rank
+    for name, target in (("plain", build_llama()), ("other", model)):
+        state = torch.load(os.path.join(os.path.dirname(directory), f"rank{1 - rank if name == 'other' else rank}.pt"))
+        try:
+            target.load_state_dict(state)
+            result[name] = None
+        except RankPiecesError as error:
+            result[name] = str(error)
     return result
 
 

@@ -7,5 +7,6 @@
 from .api import load, save
 from .io import latest
 from .pretrained import SavePretrainedError  # noqa: F401  (wraps transformers' saves when imported)
+from .rank_state import RankPiecesError  # noqa: F401
 
 __all__ = ["latest", "load", "save"]

@@ -28,7 +28,6 @@ transformers' classes:
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import sys
 import time
@@ -45,7 +44,7 @@ from .api import _cut_whole_state_at_first_step
 _WRAPPED = "_dynshard_saves_whole"
 _RESUMED = "_dynshard_resumed"
 RENDEZVOUS_SECONDS = float(os.environ.get("DYNSHARD_SAVE_RENDEZVOUS_SECONDS", "20"))
-_calls = itertools.count()
+_round = 0          # this process's saves that met every rank
 
 
 class SavePretrainedError(RuntimeError):
@@ -53,19 +52,23 @@ class SavePretrainedError(RuntimeError):
 
 
 def _every_rank_is_here(what: str) -> None:
-    """Each rank signs in on the job's store; raise on a rank that waits in vain (no collective is entered)."""
-    world = dist.get_world_size()
-    store, key = compat.default_store(), f"dynshard/save/{next(_calls)}"
+    """Each rank signs in on the job's store; raise on a rank that waits in vain (no collective is entered).
+    A refused rank takes its sign-in back and keeps its round, so the next save called on every rank meets."""
+    global _round
+    world, store = dist.get_world_size(), compat.default_store()
+    key = f"dynshard/save/{_round}"
     store.add(key, 1)
     deadline = time.monotonic() + RENDEZVOUS_SECONDS
     while store.add(key, 0) < world:
         if time.monotonic() > deadline:
+            store.add(key, -1)
             raise SavePretrainedError(
                 f"dynshard: {what} was called on rank {dist.get_rank()}, but not on every rank within "
                 f"{RENDEZVOUS_SECONDS:.0f} s, and the model's tensors are split over the ranks: each rank holds "
                 "only its pieces. Call it on every rank (transformers' is_main_process=... picks the one that "
                 "writes), or dynshard.checkpoint.save(path, model, optimizer) on every rank")
         time.sleep(0.01)
+    _round += 1
 
 
 def _what_is_written(module: torch.nn.Module, state_dict):
@@ -116,6 +119,8 @@ def _adopt_trainer(trainer: Any) -> None:
         if trainer.args.should_save:
             trainer._save(output_dir if output_dir is not None else trainer.args.output_dir, state_dict=full)
         dist.barrier()
+        if trainer.args.push_to_hub and not _internal_call:       # (as Trainer.save_model does)
+            trainer.push_to_hub(commit_message="Model save", revision=getattr(trainer.args, "hub_revision", None))
 
     def whole_save_optimizer_and_scheduler(output_dir):
         optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)   # (accelerate's wrapper)

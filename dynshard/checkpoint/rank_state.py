@@ -15,6 +15,14 @@ per-rank state dicts do:
   the metadata to ``_load_from_state_dict``, which reads only ``version``). ``torch.save`` /
   ``torch.load`` (also ``weights_only=True``: plain types only) keep ``_metadata``; a dict rebuilt from
   the items (``{k: v for ...}``) loses it, and :func:`.merged.merge_state_dicts` then says so.
+- **A plain model refuses a rank's pieces with the fix.** When the entry holds split tensors (tp shards, ZeRO-3
+  rows), the module's ``_metadata`` value is a :class:`RankPiecesMetadata` (a ``dict``, pickled as one, allowed
+  for ``weights_only`` loads once dynshard is imported). ``Module._load_from_state_dict`` reads
+  ``local_metadata.get("assign_to_params_buffers")`` after the module's load pre-hooks and before it compares
+  any size: the hooked module's pre-hook checks that it stores exactly the pieces the entry describes and
+  claims the entry, and an unclaimed entry raises :class:`RankPiecesError`, which says what to call to get the
+  whole model. Without it the plain model's ``load_state_dict(torch.load(f))`` fails on sizes and names no fix,
+  and a rank loading another rank's file under the same plan would load the wrong pieces without a word.
 - **Optimizer: one more key.** A state-dict post-hook adds ``"dynshard_rank_state": {"format", "rank",
   "world_size", "params": {index: info}}`` beside ``state`` and ``param_groups`` (torch's
   ``Optimizer.load_state_dict`` reads only those two; a load pre-hook removes it anyway).
@@ -199,6 +207,43 @@ def module_entry(module: torch.nn.Module) -> dict[str, Any] | None:
     return {"format": FORMAT, "rank": rank, "world_size": world, "tensors": tensors}
 
 
+class RankPiecesError(ValueError):
+    """A rank's own state dict (its pieces of split tensors) loaded where those pieces do not belong."""
+
+
+_FIX = ("To get the whole model: on every rank, call dynshard.gather_state_dict(model) (the whole state dict on "
+        "rank 0, one tensor at a time) and save that on rank 0, or model.save_pretrained(dir) for a transformers "
+        "model; from files each rank saved, dynshard.merge_state_dicts([rank 0's, rank 1's, ...]) gives the "
+        "whole state dict offline")
+
+
+class RankPiecesMetadata(dict):
+    """A hooked module's ``_metadata`` value whose entry holds split tensors: loading it into a module that
+    has not claimed it (see the module docstring) raises :class:`RankPiecesError`."""
+
+    def __reduce__(self):
+        return (RankPiecesMetadata, (dict(self),))
+
+    def get(self, key, default=None):
+        if key == "assign_to_params_buffers":        # Module._load_from_state_dict, after the pre-hooks
+            claimed, self.__dict__["claimed"] = self.__dict__.get("claimed", False), False
+            if not claimed:
+                raise RankPiecesError(_plain_load_message(self[MARK]))
+        return super().get(key, default)
+
+
+def _split_names(entry: Mapping[str, Any]) -> list[tuple[str, TensorInfo]]:
+    return [(name, info) for name, d in entry["tensors"].items() if "unsupported" not in d
+            for info in [TensorInfo.from_dict(d)] if info.is_split]
+
+
+def _plain_load_message(entry: Mapping[str, Any]) -> str:
+    name, info = _split_names(entry)[0]
+    return (f"dynshard: this state dict holds rank {entry['rank']}'s pieces of a model whose tensors are split "
+            f"over {entry['world_size']} ranks ({name} is stored as {list(info.stored_shape())} of "
+            f"{list(info.shape)}), so a module holding whole tensors cannot load it. {_FIX}.")
+
+
 def _add_entry(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict) -> None:
     entry = module_entry(module)
     if entry is None:
@@ -206,16 +251,46 @@ def _add_entry(module: torch.nn.Module, state_dict: dict[str, Any], prefix: str,
     metadata = getattr(state_dict, "_metadata", {})
     own = prefix[:-1]
     for name, meta in metadata.items():      # a hooked submodule's entry: this one covers its tensors
-        if name != own and name.startswith(prefix) and isinstance(meta, dict):
-            meta.pop(MARK, None)
+        if name != own and name.startswith(prefix) and isinstance(meta, dict) and MARK in meta:
+            metadata[name] = {k: v for k, v in meta.items() if k != MARK}
     local_metadata[MARK] = entry
+    if _split_names(entry) and own in metadata:
+        metadata[own] = RankPiecesMetadata(local_metadata)
+
+
+def _claim_pieces(module: torch.nn.Module, state_dict, prefix: str, local_metadata, *args) -> None:
+    """A load pre-hook of the hooked module: its own pieces, on a rank storing them, are its to load."""
+    if not isinstance(local_metadata, RankPiecesMetadata):
+        return
+    entry, (rank, _) = local_metadata[MARK], rank_and_world()
+    tensors = dict(_named_tensors(module))
+    for name, saved in _split_names(entry):
+        try:
+            here = info_of(tensors[name]) if name in tensors else None
+        except NotImplementedError:
+            continue
+        if here != saved:
+            now = "whole" if here is None else f"stored as {list(here.stored_shape())}"
+            raise RankPiecesError(
+                f"dynshard: this state dict holds rank {entry['rank']}'s pieces of {name} (stored as "
+                f"{list(saved.stored_shape())} of {list(saved.shape)}), saved under another plan or world size; this "
+                f"model's {name} is {now} (a rank's own state dict loads after the first step, under the plan and "
+                f"world size that saved it). {_FIX}; dynshard.load_merged_state_dicts(model, whole) loads a whole "
+                "state dict under any plan.")
+        if saved.piece(entry["rank"]) != saved.piece(rank):
+            raise RankPiecesError(
+                f"dynshard: this state dict holds rank {entry['rank']}'s pieces of {name}, and rank {rank} stores "
+                f"other pieces of it: each rank loads the state dict it saved itself. {_FIX}; "
+                "dynshard.load_merged_state_dicts(model, whole) loads a whole state dict on every rank.")
+    local_metadata.__dict__["claimed"] = True
 
 
 def hook_module(module: torch.nn.Module) -> None:
-    """Make ``module.state_dict()`` say where its tensors sit; idempotent."""
+    """Make ``module.state_dict()`` say where its tensors sit, and its loads check them; idempotent."""
     if getattr(module, _HOOKED, False):
         return
     module.register_state_dict_post_hook(_add_entry)
+    module.register_load_state_dict_pre_hook(_claim_pieces)
     setattr(module, _HOOKED, True)
 
 
@@ -279,4 +354,5 @@ def _watch_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
 
 
 _STEP_HOOK = register_optimizer_step_pre_hook(_watch_optimizer)
+torch.serialization.add_safe_globals([RankPiecesMetadata])      # torch.load(weights_only=True) of a rank's file
 FRAME_MODULE_HOOKS.append(hook_module)     # each program's frame modules, when the program is built

@@ -239,16 +239,16 @@ def full_tensor(tensor: torch.Tensor) -> torch.Tensor:
     tag = get_tag(tensor)
     if tag is not None and tag.owner is not None:   # pipeline: from the first rank of a stage holding it
         if tag.owner.held:
-            whole = _unit_full_tensor(tensor, tag)
+            whole = unit_full_tensor(tensor, tag)
             whole = whole.clone() if whole is tensor.detach() else whole
         else:
             whole = torch.empty(tag.global_shape, dtype=tensor.dtype, device=tensor.device)
         dist.broadcast(whole, src=tag.owner.src, group=tag.owner.group)
         return whole
-    return _unit_full_tensor(tensor, tag)
+    return unit_full_tensor(tensor, tag)
 
 
-def _unit_full_tensor(tensor: torch.Tensor, tag: ShardTag | None) -> torch.Tensor:
+def unit_full_tensor(tensor: torch.Tensor, tag: ShardTag | None) -> torch.Tensor:
     """The whole tensor from the tp shards and ZeRO rows of the ranks holding it."""
     if tag is None or not (is_sharded(tag.placements) or tag.zero is not None):
         return tensor.detach()

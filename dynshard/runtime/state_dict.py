@@ -101,14 +101,14 @@ def gather_optimizer_state(optimizer: torch.optim.Optimizer, *, dst: int = 0, cp
     keeps none for parameters it does not hold, as a plain optimizer never creates any)."""
     import torch.distributed as dist
 
-    from .sharding import _unit_full_tensor
+    from .sharding import unit_full_tensor
 
     params = [p for group in optimizer.param_groups for p in group["params"]]
     local = optimizer.state_dict()
     here = not dist.is_initialized() or dist.get_rank() == dst
 
     def whole(value: torch.Tensor, tag) -> torch.Tensor:
-        value = _unit_full_tensor(value, tag)
+        value = unit_full_tensor(value, tag)
         return value.cpu() if cpu_offload else value
 
     for index, param in enumerate(params):
@@ -136,10 +136,10 @@ def _from_stage_owner(entries: dict | None, param: torch.Tensor, tag, whole) -> 
     (the collectives run on the parameter's device; ``whole`` then offloads)."""
     import torch.distributed as dist
 
-    from .sharding import _unit_full_tensor
+    from .sharding import unit_full_tensor
 
     owner = tag.owner
-    full = {name: _unit_full_tensor(value, tag) if _sized_like(value, param) else value
+    full = {name: unit_full_tensor(value, tag) if _sized_like(value, param) else value
             for name, value in entries.items()} if entries is not None else None
     layout = [None if full is None else {name: (tuple(v.shape), v.dtype) if _sized_like(v, v) else v
                                          for name, v in full.items()}]
