@@ -131,6 +131,16 @@ def test_sum_reduced_loss_is_a_sum():
     assert_exact(model, batch, kinds, 4)
 
 
+def test_a_copy_to_the_device_the_batch_is_on_stays_a_mean():
+    # transformers' masks: mask(...).to(result.device); the analysis runs on meta tensors, whatever the device
+    torch.manual_seed(0)
+    model = Lambda(lambda m, x, y: (m.fc(x).sum(-1) * (y > 0).to(y.device, torch.float32)).mean())
+    batch = mlp_batch(8, 0)
+    kinds = combine(model, batch, 4)
+    assert kinds == ["mean"]
+    assert_exact(model, batch, kinds, 4)
+
+
 def test_gpt_logits_are_concatenated_and_its_cross_entropy_averaged():
     torch.manual_seed(0)
     cfg = GPTConfig(layers=2)

@@ -39,7 +39,7 @@ def test_save_pretrained_on_rank_zero_alone_is_refused_within_seconds_and_a_rank
         assert f"rank {1 - rank}'s pieces" in each["other"] and f"rank {rank} stores other pieces" in each["other"]
 
 
-@pytest.mark.parametrize("policy", ["tp", pytest.param("ZeRO-3", marks=pytest.mark.slow), "dp"])
+@pytest.mark.parametrize("policy", ["tp", pytest.param("ZeRO-3", marks=pytest.mark.slow), "dp", "pp"])
 def test_trainer_checkpoints_load_in_one_process_and_resume_ends_like_the_uninterrupted_run(policy, tmp_path):
     directory = str(tmp_path / "run")
     trained = run_ranks(trainer_checkpoints, 2, POLICIES[policy], directory)

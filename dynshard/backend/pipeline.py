@@ -87,7 +87,9 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, outline: P
     def combine():
         from ..passes.microbatch_outputs import microbatch_combine
 
-        batch_inputs = [i.index for i in inputs if i.kind == "input"]
+        # (a 0-d input has no batch dimension: every micro-batch reads it whole, as the split passes it;
+        # Trainer's num_items_in_batch, the count a summed loss is divided by, is one)
+        batch_inputs = [i.index for i in inputs if i.kind == "input" and len(i.shape) > 0]
         # by their metadata: by now this rank holds only its stages' parameters
         examples = [torch.empty(i.shape, dtype=i.dtype, device="meta") for i in inputs]
         return microbatch_combine(gm, examples, batch_inputs, m)

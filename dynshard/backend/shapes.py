@@ -34,6 +34,11 @@ def check_symbolic_shapes(inputs: Sequence[GraphInput], layout: Layout, pipeline
               else "recompute_modules lowers the graph to ATen at static sizes" if recompute else None)
     if reason is None:
         return
+    # every unit must then hold the same shape at each step: with one unit a few lengths will do
+    units = layout.world_size // layout.plan_ngpus
+    fix = ("pad every row to one length (padding='max_length'): the job's units must hold the same shapes at "
+           "every step" if units > 1 else "feed a few lengths (a collator's pad_to_multiple_of=64, or "
+           "padding='max_length'): each length compiles once")
     first = symbolic[0]       # a tensor's dimensions say more than a size's symbol
     if first.kind == "size":
         what = f"input {first.name} is a symbolic size ({first.symbols[0]})"
@@ -43,5 +48,4 @@ def check_symbolic_shapes(inputs: Sequence[GraphInput], layout: Layout, pipeline
     raise SymbolicShapesError(
         f"dynshard: {what}, and this plan "
         f"compiles static shapes only: {reason}. Symbolic sizes are compiled under dp and ZeRO 1-3 (plan_ngpus=1, "
-        "no pipeline, no recompute_modules). Here, compile without dynamic=True / mark_dynamic and feed a few "
-        "lengths (a collator's pad_to_multiple_of=64, or padding='max_length'): each length compiles once")
+        f"no pipeline, no recompute_modules). Here, compile without dynamic=True / mark_dynamic and {fix}")

@@ -322,6 +322,8 @@ class _MicrobatchMode(TorchDispatchMode):
             except Exception as error:    # e.g. a data-dependent op, which has no meta kernel
                 raise self._refuse(func, _not_abstract(error)) from error
             return pytree.tree_map_only(torch.Tensor, self.replicate, out)
+        if "device" in kwargs:      # (x.to(x.device), as transformers' masks do: the local tensors stay on meta)
+            kwargs = {**kwargs, "device": torch.device("meta")}
         if any(isinstance(a, torch.Tensor) and not isinstance(a, DTensor) for a in leaves):
             args, kwargs = pytree.tree_map_only(
                 torch.Tensor, lambda t: t if isinstance(t, DTensor) else self.replicate(t), (args, kwargs))
