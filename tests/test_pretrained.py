@@ -12,7 +12,8 @@ import pytest
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
 from workers_pretrained import (lora_adapters_saved, pipeline_whole_state, save_pretrained_after_training,
-                                save_pretrained_on_rank_zero_alone, trainer_checkpoints, trainer_resumed)
+                                save_pretrained_on_rank_zero_alone, second_model_of_the_class, trainer_checkpoints,
+                                trainer_resumed)
 from workers_trainer import VOCAB
 
 POLICIES = {"tp": {"policy": "tp", "plan_ngpus": 2}, "ZeRO-3": {"use_zero": 3}, "dp": {},
@@ -69,3 +70,10 @@ def test_a_pipeline_s_whole_model_and_optimizer_state_gather_to_rank_zero_as_one
     results = run_ranks(pipeline_whole_state, 2, "pp2")
     assert results[1]["empty"]
     assert_trains_like_one_process(results[0], "pp, rank 0's gathered state")
+
+
+def test_a_second_model_of_the_class_served_the_first_one_s_frame_saves_whole_and_refuses_eager_calls(tmp_path):
+    results = run_ranks(second_model_of_the_class, 2, str(tmp_path / "second"))
+    for rank, result in enumerate(results):
+        assert result["split"] and result["eager"] == "EagerCallOnShardsError", (rank, result)
+    assert results[0]["exact"]          # from_pretrained: the second model whole, as it was before its step

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import dynshard
-from workers_trainer import LR, MOMENTUM, ROWS, _mean_over_ranks, _recording, build_llama, dataset, unit_trainer_class
+from workers_trainer import LR, MOMENTUM, ROWS, VOCAB as VOCAB_SIZE, _mean_over_ranks, _recording, build_llama, dataset, unit_trainer_class
 
 STEPS, SAVE_EVERY = 4, 2
 
@@ -217,3 +217,31 @@ def pipeline_whole_state(rank: int, world: int, plan: str) -> dict:
             "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
             "momentum": {names[i]: s["momentum_buffer"] for i, s in state["state"].items()},
             "ref_momentum": {n: ref_opt.state[p]["momentum_buffer"] for n, p in reference.named_parameters()}}
+
+
+def second_model_of_the_class(rank: int, world: int, directory: str) -> dict:
+    """Two Llamas in one process under tp: Dynamo serves the first one's compiled frame to the second, whose
+    modules dynshard then finds on the call stack; its save_pretrained writes it whole and its eager call is
+    refused."""
+    import transformers
+
+    options = _config({"policy": "tp", "plan_ngpus": 2})
+    ids = torch.stack([row["input_ids"] for row in dataset(2)])
+    first, second = build_llama(), build_llama()
+    with torch.no_grad():
+        for p in second.parameters():
+            p.mul_(0.5)
+    whole = {k: v.detach().clone() for k, v in second.state_dict().items()}
+    for model in (first, second):
+        torch.compile(model, backend="dynshard", options=options)(input_ids=ids, labels=ids).loss.backward()
+    second.save_pretrained(directory)
+    result = {"split": second.model.embed_tokens.weight.shape[0] < VOCAB_SIZE}
+    if rank == 0:
+        loaded = transformers.LlamaForCausalLM.from_pretrained(directory)
+        result["exact"] = all(torch.equal(loaded.state_dict()[k], v) for k, v in whole.items())
+    try:
+        second(input_ids=ids, labels=ids)
+        result["eager"] = None
+    except dynshard.EagerCallError as error:
+        result["eager"] = type(error).__name__
+    return result

@@ -52,6 +52,7 @@ before it the tensors have no values (``load_state_dict`` into meta tensors does
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import weakref
 from typing import Any, Callable, Iterable, Sequence
 
@@ -151,6 +152,18 @@ def frame_roots() -> list[nn.Module]:
     if frame is None:
         return []
     return _outermost([getattr(m, "_orig_mod", m) for m in _modules_of(frame)])
+
+
+def roots_holding(tensor: torch.Tensor) -> list[nn.Module]:
+    """The module running on the call stack that holds ``tensor`` (behind ``torch.compile``'s wrapper): the
+    frame's module when Dynamo serves a frame compiled for one model to another model of its class, whose
+    modules :func:`frame_roots` never saw."""
+    def holds(candidate: Any) -> bool:
+        return isinstance(candidate, nn.Module) and any(
+            t is tensor for t in itertools.chain(candidate.parameters(), candidate.buffers()))
+
+    module, _ = compat.caller_self(holds)
+    return [] if module is None else [getattr(module, "_orig_mod", module)]
 
 
 def _modules_of(frame: dict[str, Any]) -> list[nn.Module]:

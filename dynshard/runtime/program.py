@@ -91,9 +91,7 @@ class ShardedProgram:
         self._meta_models = materialize.frame_models()
         materialize.install()      # the trace hook, again after a torch._dynamo.reset()
         self._roots = materialize.frame_roots()     # their modules refuse eager calls once they hold shards
-        for module in self._roots:
-            for hook in FRAME_MODULE_HOOKS:
-                hook(module)
+        _hook_frame_modules(self._roots)
 
     def __call__(self, *args: Any):
         check_active_ddp()      # a DDP built around the model after its parameters were cut is refused
@@ -149,6 +147,9 @@ class ShardedProgram:
 
     def prepare(self, args) -> None:
         """Cut the program's parameters and buffers into this rank's pieces, in place, and tag them."""
+        if self._prepared and self._state:      # another model of the class: its modules, found on the stack
+            self._roots = materialize.roots_holding(args[self._state[0]])
+            _hook_frame_modules(self._roots)
         materialize.materialize(self._meta_models, self.plan, args)   # cuts this program's tensors as it goes
         self._meta_models = []
         for inp in self.plan.inputs:
@@ -164,3 +165,9 @@ class ShardedProgram:
         self._prepared = True
         for hook in PREPARE_HOOKS:
             hook()
+
+
+def _hook_frame_modules(roots: list[torch.nn.Module]) -> None:
+    for module in roots:
+        for hook in FRAME_MODULE_HOOKS:
+            hook(module)

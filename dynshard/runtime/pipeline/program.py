@@ -250,7 +250,12 @@ class PipelineProgram:
             if program.plan.serves(args):
                 return program
         program = PipelineProgram.__new__(PipelineProgram)
-        program.plan, program._meta_models, program._roots, program._others = self.plan.fork(), [], [], []
+        program.plan, program._meta_models, program._others = self.plan.fork(), [], []
+        state = next((args[i.index] for i in self.plan.inputs if i.is_state), None)
+        program._roots = materialize.roots_holding(state) if state is not None else []
+        for module in program._roots:        # another model of the class: its modules, found on the stack
+            for hook in FRAME_MODULE_HOOKS:
+                hook(module)
         self._others.append(program)
         return program
 
