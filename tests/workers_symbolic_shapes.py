@@ -206,3 +206,35 @@ def trainer_padding(rank: int, world: int, options: dict, steps: int) -> dict:
             "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
             "lengths": [tuple(inputs["input_ids"].shape) for inputs, _ in fed], "graphs": _graphs(),
             "programs": len(dynshard.explain(compiled).programs)}
+
+
+def train_lengths_in_units(rank: int, world: int, options: dict, steps: int, plan_ngpus: int) -> dict:
+    """Units of ``plan_ngpus`` ranks (tp): the ranks of a unit read one batch, the units their own lengths; a
+    one-process copy trains on every unit's batch, their mean losses averaged as dp averages gradients."""
+    torch.manual_seed(0)
+    model = TokenMLP()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="dynshard",
+                             options=dynshard.Config(plan_ngpus=plan_ngpus, **options), dynamic=True)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
+    units, unit = world // plan_ngpus, rank // plan_ngpus
+    losses, ref_losses = [], []
+    for step, per_unit in enumerate(lengths(steps, units)):
+        batches = [_batch(step, u, length) for u, length in enumerate(per_unit)]
+        loss = compiled(*batches[unit])
+        loss.backward()
+        ref_loss = sum(reference(*b) for b in batches) / units
+        ref_loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+        ref_losses.append(ref_loss.item())
+    report = dynshard.explain(compiled)
+    return {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
+            "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
+            "graphs": _graphs(), "plans": len(report.plans),
+            "local": {k: tuple(v.shape) for k, v in model.state_dict().items()}}

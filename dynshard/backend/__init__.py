@@ -23,6 +23,7 @@ from ..runtime.mesh import ensure_process_group, layout_for, world_size
 from ..runtime.pipeline.program import PipelineProgram
 from ..runtime.program import CompiledPlan, ShardedProgram
 from ..runtime.buffer_sync import BufferSync
+from ..runtime.graph_inputs import sizes_of
 from ..runtime.ddp import watch as watch_ddp_wraps
 from ..runtime.eager_guard import refuse_recompile_limit
 from ..runtime.sharding import is_sharded, present_global_shapes, restore_local_shards
@@ -36,7 +37,7 @@ from .plan_and_compile import plan_and_compile
 from .plan_cache import PLANS, modes_token, plan_key
 from .plan_files import PLAN_FILES
 from .plan_once import plan_once
-from .shapes import check_symbolic_shapes
+from .shapes import at_sizes, check_symbolic_shapes
 from .planner import planner_plan
 
 log = logging.getLogger("dynshard")
@@ -107,7 +108,9 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
                             else None,
                             input_check=InputCheck.for_program(inputs, layout, config.verify_inputs_every,
                                                                 ctx.draws_random),
-                            buffer_sync=BufferSync.for_inputs(inputs, layout.dp_group, config.broadcast_buffers))
+                            buffer_sync=BufferSync.for_inputs(inputs, layout.dp_group, config.broadcast_buffers),
+                            build_sized=_sized_builder(gm, ctx, device_type) if layout.tp_mesh is not None and any(
+                                inp.is_symbolic for inp in inputs) else None)
     plan.plan = ctx.plan
     PLAN_FILES.record(config, ctx.plan, layout.rank)
     _drop_guards_on_sharded(gm, plan)
@@ -155,6 +158,20 @@ def _no_sync_builder(gm: fx.GraphModule, planned: PassContext, device_type: str,
                           sync_grads=False)
         with compat.traced_in(context) if symbolic else contextlib.nullcontext():
             return plan_and_compile(gm, ctx, device_type, example_inputs=examples)
+    return build
+
+
+def _sized_builder(gm: fx.GraphModule, planned: PassContext, device_type: str):
+    """A symbolic graph under a unit of several ranks: its program at a call's sizes (the accumulation variant
+    too, ``sync=False``), from the plan made at the traced sizes. Only the passes and the compile run, on this
+    rank alone: the unit's ranks read one batch, so they build the same program at the same call."""
+    def build(args, sync: bool):
+        ctx = PassContext(config=planned.config, outline=planned.plan, layout=planned.layout,
+                          inputs=at_sizes(planned.inputs, args), fake_mode=compat.new_fake_mode(),
+                          made_for=planned.made_for, given=planned.plan, sync_grads=sync)
+        program = plan_and_compile(gm, ctx, device_type)
+        log.info("compiled plan %s at the sizes %s in %.2fs", planned.made_for, sizes_of(ctx.inputs), program.seconds)
+        return program
     return build
 
 

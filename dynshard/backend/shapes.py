@@ -1,24 +1,38 @@
 """Graphs Dynamo traced with symbolic sizes (``dynamic=True``, ``mark_dynamic``): which programs dynshard
 compiles on them, and the error for the rest.
 
-A symbolic graph is planned once, at the sizes it was traced at (its hints), and compiled once on Dynamo's
-symbols: one program serves every size its guards admit, with no planning and no compile. Its plan key and
-the ranks' agreement count a symbolic dimension by its symbol, so ranks of different data-parallel units
-may hold different sizes (each pads its own rows), as DDP allows; only what the collectives carry (the
-parameters' gradients and shards) must agree.
+A symbolic graph is planned once, at the sizes it was traced at (its hints), and Dynamo keeps one graph for
+every size its guards admit. Its plan key and the ranks' agreement count a symbolic dimension by its symbol,
+so ranks of different data-parallel units may hold different sizes (each pads its own rows), as DDP allows;
+only what the collectives carry (the parameters' gradients and shards) must agree.
 
-Units of one rank (dp, ZeRO 1-3) compile symbolic graphs: their programs split no dimension of a user
-input, and the Dynamo graph reaches aot_autograd as it is. A unit of several ranks (tp, sequence parallel,
-``data``), a pipeline or a graph lowered for recompute tags traces ATen on FakeTensors of static sizes, so
-these plan static shapes and refuse a symbolic graph with :class:`SymbolicShapesError`.
+- **Units of one rank** (dp, ZeRO 1-3) compile one program on Dynamo's symbols: their programs split no
+  dimension of a user input, and the Dynamo graph reaches aot_autograd as it is.
+- **Units of several ranks** (tp, sequence parallel, ``data``) compile a static program per size the unit
+  meets, from the one plan (:func:`at_sizes`): no planning, no agreement, nothing communicated, only the
+  passes and the compile at those sizes (``CompiledPlan.build_sized``). Why not one program on the
+  symbols: the placement passes lower the graph to ATen on FakeTensors and ask DTensor's cached propagation
+  for every op; both run on concrete sizes, and the per-rank program localises reshape sizes as numbers. A
+  program per size costs a compile per length, so pad to a few lengths (``pad_to_multiple_of``); Dynamo
+  still traces once, so its recompile limit is never reached. Where the plan splits a dimension the size
+  does not divide (sequence parallel's sequence, ``data``'s batch), :func:`check_even_shards` raises before
+  the program is compiled, naming the value, the dimension, the size and the fix.
+- **Pipelines and recompute tags** (``recompute_modules``) refuse a symbolic graph with
+  :class:`SymbolicShapesError`: a pipeline splits the batch into micro-batches of a size it plans, and the
+  recompute tags are placed on an ATen graph of static sizes.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import dataclasses
+from typing import Any, Sequence
 
+import torch
+
+from ..passes.propagate_sharding import source_line
 from ..runtime.graph_inputs import GraphInput
 from ..runtime.mesh import Layout
+from ..runtime.sharding import SHARDS
 
 
 class SymbolicShapesError(TypeError):
@@ -29,9 +43,11 @@ def check_symbolic_shapes(inputs: Sequence[GraphInput], layout: Layout, pipeline
     symbolic = sorted((inp for inp in inputs if inp.is_symbolic), key=lambda inp: inp.kind == "size")
     if not symbolic:
         return
+    split_values = [inp.name for inp in symbolic if inp.is_split_value]
     reason = ("its pipeline splits the batch into micro-batches" if pipelined
-              else f"its unit of {layout.plan_ngpus} ranks splits tensors inside one batch" if layout.plan_ngpus > 1
-              else "recompute_modules lowers the graph to ATen at static sizes" if recompute else None)
+              else "recompute_modules lowers the graph to ATen at static sizes" if recompute
+              else f"its unit of {layout.plan_ngpus} ranks receives {split_values[0]} split (a DTensor)"
+              if split_values and layout.plan_ngpus > 1 else None)
     if reason is None:
         return
     # every unit must then hold the same shape at each step: with one unit a few lengths will do
@@ -47,5 +63,38 @@ def check_symbolic_shapes(inputs: Sequence[GraphInput], layout: Layout, pipeline
         what = f"input {first.name} has symbolic sizes ({dims} of {list(first.family_shape())})"
     raise SymbolicShapesError(
         f"dynshard: {what}, and this plan "
-        f"compiles static shapes only: {reason}. Symbolic sizes are compiled under dp and ZeRO 1-3 (plan_ngpus=1, "
-        f"no pipeline, no recompute_modules). Here, compile without dynamic=True / mark_dynamic and {fix}")
+        f"compiles static shapes only: {reason}. Symbolic sizes are compiled without a pipeline and without "
+        f"recompute_modules. Here, compile without dynamic=True / mark_dynamic and {fix}")
+
+
+def at_sizes(inputs: Sequence[GraphInput], args: Sequence[Any]) -> list[GraphInput]:
+    """``inputs`` at the sizes of a call's ``args``: a symbolic tensor input takes the call's shape and
+    strides, a size input its value; the symbols stay (the plan's shape family)."""
+    sized = []
+    for inp in inputs:
+        if inp.is_symbolic and inp.kind == "size":
+            inp = dataclasses.replace(inp, value=int(args[inp.index]))
+        elif inp.is_symbolic:
+            value = args[inp.index]
+            inp = dataclasses.replace(inp, shape=torch.Size(value.shape), stride=tuple(value.stride()))
+        sized.append(inp)
+    return sized
+
+
+def check_even_shards(propagation, layout: Layout, sizes: str) -> None:
+    """Every value the plan splits along a mesh dimension divides evenly at these sizes (``sizes``: how the
+    error names them); else :class:`SymbolicShapesError`, before anything is compiled or run."""
+    for node, value in propagation.env.items():
+        placements = propagation.placements.get(getattr(node, "name", None))
+        if not isinstance(value, torch.Tensor) or not placements:
+            continue
+        for dim_name, placement in zip(layout.placement_dims, placements):
+            if not isinstance(placement, SHARDS) or value.dim() <= placement.dim:
+                continue
+            size, parts = int(value.shape[placement.dim]), layout.size(dim_name)
+            if size % parts:
+                raise SymbolicShapesError(
+                    f"dynshard: at {sizes}, {node.name} ({source_line(node)}) is split along dimension "
+                    f"{placement.dim} over {parts} ranks, and its size there, {size}, does not divide by {parts}. "
+                    f"Pad the batch so that this dimension is a multiple of {parts} (a collator's "
+                    f"pad_to_multiple_of={parts} or a multiple of it)")

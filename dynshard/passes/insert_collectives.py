@@ -208,7 +208,7 @@ def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     with graph.inserting_after(placeholders[-1]) if placeholders else graph.inserting_before():
         for inp, node in reversed(list(zip(ctx.inputs, placeholders))):
             sync = grad_sync_for(inp, ctx)
-            if layout.tp_mesh is None and sync is None:
+            if (layout.tp_mesh is None and sync is None) or inp.kind == "size":   # (a size stays a number)
                 continue
             fn = wrap_input_fn(layout, ctx.arrival(inp), ctx.placements[inp.index], inp.shape, inp.stride, sync)
             wrapper = graph.call_function(_named(fn, f"wrap_{inp.kind}"), (node,))

@@ -64,3 +64,18 @@ class GraphInput:
 def mesh_identity(mesh) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """What tells two device meshes apart: their dimension names and global ranks."""
     return tuple(mesh.mesh_dim_names or ()), tuple(mesh.mesh.flatten().tolist())
+
+
+def sizes_of(inputs, args=None) -> tuple:
+    """The sizes a call gives a graph's symbolic dimensions (``args``: the call's arguments; None: the sizes the
+    graph was traced at), in input order: what tells the programs of one shape family apart."""
+    sizes = []
+    for inp in inputs:
+        if not inp.is_symbolic:
+            continue
+        if inp.kind == "size":
+            sizes.append(int(args[inp.index]) if args is not None else inp.value)
+        else:
+            shape = args[inp.index].shape if args is not None else inp.shape
+            sizes.append(tuple(int(shape[d]) for d, symbol in enumerate(inp.symbols) if symbol is not None))
+    return tuple(sizes)

@@ -20,6 +20,7 @@ from .accumulation import ACCUMULATION
 from .buffer_sync import BufferSync
 from .ddp import check_active_ddp
 from .eager_guard import guard_modules
+from .graph_inputs import sizes_of
 from .mesh import Layout
 from .sharding import get_tag, shard_in_place
 from .split_values import adopt_split_inputs, local_arguments, mark_split_outputs, split_input_indices
@@ -56,7 +57,11 @@ class CompiledPlan:
     buffer_sync: BufferSync | None = None       # written buffers stay equal over the data-parallel units
     plan: Any = None                            # planning.Plan: the decisions this program executes
     calls: collections.deque = dataclasses.field(default_factory=lambda: collections.deque(maxlen=16))
+    # a symbolic graph under a unit of several ranks: its program at a call's sizes, (args, sync) -> program,
+    # compiled from this plan without planning or communication (``program`` is the one at the traced sizes)
+    build_sized: Callable[[Any, bool], Any] | None = None
     _no_sync: Any = None
+    _sized: dict = dataclasses.field(default_factory=dict)
 
     def seconds_between_calls(self) -> float | None:
         """The median time between this program's latest training calls: its step, when a step calls it once
@@ -66,10 +71,23 @@ class CompiledPlan:
             return None
         return statistics.median(b - a for a, b in zip(times, times[1:]))
 
-    def no_sync_program(self) -> Any:
+    def no_sync_program(self, args=None) -> Any:
+        if self.build_sized is not None:
+            return self.program_at(args, sync=False)
         if self._no_sync is None:
             self._no_sync = self.build_no_sync()
         return self._no_sync
+
+    def program_at(self, args, sync: bool = True) -> Any:
+        """The program for a call's arguments: ``program``, or (``build_sized``) the one at their sizes."""
+        if self.build_sized is None:
+            return self.program
+        key = (sync, sizes_of(self.inputs, args))
+        if key == (True, sizes_of(self.inputs)):
+            return self.program
+        if key not in self._sized:
+            self._sized[key] = self.build_sized(args, sync)
+        return self._sized[key]
 
 
 class ShardedProgram:
@@ -114,14 +132,16 @@ class ShardedProgram:
     def _run(self, plan: CompiledPlan, args):
         if plan.inference_only:
             with torch.no_grad():
-                return self._outputs(plan.program, plan.program.run(*args))
+                program = plan.program_at(args)
+                return self._outputs(program, program.run(*args))
         if plan.build_no_sync is not None and torch.is_grad_enabled() and ACCUMULATION.wants_no_sync(
                 args[i.index] for i in self._params):
-            program = plan.no_sync_program()
+            program = plan.no_sync_program(args)
             return self._outputs(program, program.run(*self._accumulating(args)))
         if ACCUMULATION.pending and torch.is_grad_enabled():
             ACCUMULATION.flush()       # the first synchronising call reduces what was accumulated
-        return self._outputs(plan.program, plan.program.run(*args))
+        program = plan.program_at(args)
+        return self._outputs(program, program.run(*args))
 
     def _outputs(self, program, outputs):
         """``Config(gather_outputs=False)``: this rank's shards of split outputs become DTensors."""
