@@ -37,6 +37,9 @@ class ProgramReport:
     compiled_once: tuple[tuple[str, int], ...] = ()   # repeated blocks compiled once: (class, calls)
     seconds_between_calls: float | None = None        # median, latest training calls (a step, when once a step)
     plan: Plan | None = None                          # the dynshard.Plan it executes
+    # a symbolic graph under a unit of several ranks: the sizes of its symbolic dimensions that each of its
+    # programs was compiled for (the traced sizes first); () for one program serving every size
+    compiled_sizes: tuple[tuple, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,6 +158,10 @@ class Explanation:
                          f"cache hits {program.cache_hits})")
             lines.append(f"  saved for backward: {program.saved_bytes} bytes in {program.saved_count} tensors "
                          "(activations, per rank)")
+            if program.compiled_sizes:
+                lines.append(f"  compiled at {len(program.compiled_sizes)} sizes of its symbolic dimensions (a "
+                             "program per size under a unit of several ranks): " + ", ".join(
+                                 str(list(sizes)) for sizes in program.compiled_sizes))
             if program.compiled_once:
                 lines.append("  compiled once, called per repetition: " + ", ".join(
                     f"{cls} x{calls}" for cls, calls in program.compiled_once))
@@ -407,9 +414,10 @@ def explain(model: torch.nn.Module | Plan | Sequence[Plan]) -> Explanation | Pla
     programs = tuple(ProgramReport(
         key=plan.key, inputs=len(plan.inputs), collectives=tuple(plan.program.collectives),
         fallbacks=tuple(plan.propagation.fallbacks.values()) if plan.propagation else (),
-        compile_seconds=plan.program.seconds, cache_hits=plan.hits, saved_bytes=plan.program.saved_bytes,
+        compile_seconds=plan.compile_seconds, cache_hits=plan.hits, saved_bytes=plan.program.saved_bytes,
         saved_count=plan.program.saved_count, compiled_once=tuple(plan.program.outlined),
-        seconds_between_calls=plan.seconds_between_calls(), plan=plan.plan) for plan in plans)
+        seconds_between_calls=plan.seconds_between_calls(), plan=plan.plan, compiled_sizes=plan.compiled_sizes)
+        for plan in plans)
     return Explanation(tuple(parameters), programs, pipelines, values)
 
 

@@ -1,5 +1,6 @@
-"""Graphs with symbolic sizes (``dynamic=True``, ``mark_dynamic``): one plan and one program for every
-length, each rank holding its own lengths, training like one process (2 ranks, gloo)."""
+"""Graphs with symbolic sizes (``dynamic=True``, ``mark_dynamic``): one plan and one Dynamo graph for every
+length, each unit holding its own lengths, training like one process (gloo). Units of one rank (dp, ZeRO)
+compile one program; units of several ranks (tp) a program per size, from the one plan."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
-from workers_symbolic_shapes import modes_and_ends, refused, saved_then_loaded, train_lengths, trainer_padding
+from workers_symbolic_shapes import (modes_and_ends, refused, saved_then_loaded, train_lengths, train_lengths_in_units,
+                                     trainer_padding)
 
 STEPS = 12     # 24 distinct lengths over the two ranks
 
@@ -62,9 +64,10 @@ def test_eval_modes_compile_once_each_and_the_ragged_last_batch_compiles_nothing
 
 
 @pytest.mark.parametrize("options, fix", [
-    ({"policy": "tp", "plan_ngpus": 2, "compiler": "aot_eager"}, "pad_to_multiple_of"),      # one unit: a few lengths
+    ({"policy": "pp", "plan_ngpus": 2, "use_end2end": True, "pas_config": {"pipeline_nmicros": 2},
+      "compiler": "aot_eager"}, "pad_to_multiple_of"),                                     # one unit: a few lengths
     ({"compiler": "aot_eager", "recompute_modules": "TokenMLP"}, "padding='max_length'"),   # two: one length
-], ids=["tp", "recompute"])
+], ids=["pp", "recompute"])
 def test_a_plan_of_static_shapes_refuses_a_symbolic_graph_on_every_rank(options, fix):
     for message in run_ranks(refused, 2, options):
         assert message.startswith("SymbolicShapesError") or "SymbolicShapesError" in message, message
@@ -80,3 +83,38 @@ def test_trainer_with_a_padding_collator_trains_like_one_process(options):
         assert result["graphs"] <= 3, result["graphs"]
     lengths = [shape[1] for result in results for shape in result["lengths"]]
     assert len(set(lengths)) >= 6, lengths      # the ranks' own lengths, step after step
+
+
+TP = {"policy": "tp", "compiler": "aot_eager"}
+
+
+@pytest.mark.parametrize("world, compiler", [(2, "aot_eager"), pytest.param(4, "aot_eager", marks=pytest.mark.slow),
+                                             pytest.param(2, "inductor", marks=pytest.mark.slow)],
+                         ids=["one-unit", "two-units", "inductor"])
+def test_tp_trains_every_length_like_one_process_from_one_graph_and_one_plan(world, compiler):
+    """tp 2: a program per length the unit meets (4 steps, 4 lengths per unit; two units hold different ones),
+    compiled from the one plan with no planning and nothing communicated."""
+    for rank, result in enumerate(run_ranks(train_lengths_in_units, world, {**TP, "compiler": compiler}, 4, 2)):
+        assert result["error"] is None, result["error"]
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert result["graphs"] == 1 and result["plans"] == 1, result
+        (sizes,) = result["sizes"]
+        assert len(sizes) == 4 == len(set(sizes)), sizes           # one program per size, none twice
+        assert result["local"]["up.weight"] == (16, 8)              # the unit split the parameters
+
+
+def test_a_sequence_parallel_split_of_a_length_it_does_not_divide_is_refused_on_every_rank():
+    lengths = [[4], [6], [5]]
+    results = run_ranks(train_lengths_in_units, 2, {**TP, "pas_config": {"sequence_parallel": True}}, 0, 2, lengths)
+    for rank, result in enumerate(results):
+        assert len(result["losses"]) == 2, result                  # the even lengths trained
+        assert_trains_like_one_process(result, f"rank {rank}, before the odd length")
+        error = result["error"] or ""
+        assert error.startswith("SymbolicShapesError") and "x[2, 5, 8]" in error, error
+        assert "does not divide by 2" in error and "pad_to_multiple_of=2" in error, error
+
+
+def test_trainer_with_a_padding_collator_under_tp_trains_like_one_process():
+    (result, _) = run_ranks(trainer_padding, 2, {"policy": "tp", "compiler": "aot_eager"}, 6, 2)
+    assert_trains_like_one_process(result)
+    assert result["graphs"] == 1 and len(set(result["lengths"])) == 6, result["lengths"]

@@ -153,17 +153,19 @@ def _tokenizer(vocab: int):
                                                 unk_token="[UNK]")
 
 
-def trainer_padding(rank: int, world: int, options: dict, steps: int) -> dict:
+def trainer_padding(rank: int, world: int, options: dict, steps: int, plan_ngpus: int = 1) -> dict:
     """transformers' Trainer, ``DataCollatorForLanguageModeling(mlm=False)``: each rank's rows padded to its
     own longest (labels -100 at the padding), a new length nearly every step; the compiled Llama with
     ``dynamic=True``. The reference replays every unit's batch in one process with the token count Trainer
-    passed (``num_items_in_batch``, over all ranks), so its gradient is the mean over every rank's tokens."""
+    passed (``num_items_in_batch``, over all ranks: each unit's tokens ``plan_ngpus`` times), so its gradient
+    is the mean over every unit's tokens."""
     import transformers
     from workers_trainer import LR as T_LR, MAX_NORM, MOMENTUM as T_MOMENTUM, build_llama, unit_trainer_class
 
     model = build_llama()
     reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(**options), dynamic=True)
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(plan_ngpus=plan_ngpus, **options),
+                             dynamic=True)
     generator = torch.Generator().manual_seed(3)
     rows = [{"input_ids": torch.randint(2, 128, (int(n),), generator=generator).tolist()}
             for n in torch.randint(4, 30, (64,), generator=generator)]
@@ -183,7 +185,8 @@ def trainer_padding(rank: int, world: int, options: dict, steps: int) -> dict:
 
     losses: list[float] = []
     collator = transformers.DataCollatorForLanguageModeling(_tokenizer(128), mlm=False)
-    Recording(model=compiled, args=args, train_dataset=rows, data_collator=collator, optimizers=(opt, None)).train()
+    Recording(model=compiled, args=args, train_dataset=rows, data_collator=collator, optimizers=(opt, None),
+              plan_ngpus=plan_ngpus).train()
 
     gathered: list = [None] * world
     dist.all_gather_object(gathered, fed)
@@ -191,8 +194,8 @@ def trainer_padding(rank: int, world: int, options: dict, steps: int) -> dict:
     ref_losses = []
     for step in range(len(fed)):
         total = 0.0
-        for inputs, count in (unit[step] for unit in gathered):
-            loss = reference(**inputs, num_items_in_batch=count).loss
+        for inputs, count in (unit[step] for unit in gathered[::plan_ngpus]):
+            loss = reference(**inputs, num_items_in_batch=count // plan_ngpus).loss
             loss.backward()
             total += loss.item()
         torch.nn.utils.clip_grad_norm_(reference.parameters(), MAX_NORM)
@@ -208,9 +211,11 @@ def trainer_padding(rank: int, world: int, options: dict, steps: int) -> dict:
             "programs": len(dynshard.explain(compiled).programs)}
 
 
-def train_lengths_in_units(rank: int, world: int, options: dict, steps: int, plan_ngpus: int) -> dict:
-    """Units of ``plan_ngpus`` ranks (tp): the ranks of a unit read one batch, the units their own lengths; a
-    one-process copy trains on every unit's batch, their mean losses averaged as dp averages gradients."""
+def train_lengths_in_units(rank: int, world: int, options: dict, steps: int, plan_ngpus: int,
+                           per_step: list[list[int]] | None = None) -> dict:
+    """Units of ``plan_ngpus`` ranks (tp): the ranks of a unit read one batch, the units their own lengths
+    (``per_step``: each step's, per unit); a one-process copy trains on every unit's batch, their mean losses
+    averaged as dp averages gradients. A step that raises ends the run: its error is returned."""
     torch.manual_seed(0)
     model = TokenMLP()
     reference = copy.deepcopy(model)
@@ -219,10 +224,14 @@ def train_lengths_in_units(rank: int, world: int, options: dict, steps: int, pla
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
     units, unit = world // plan_ngpus, rank // plan_ngpus
-    losses, ref_losses = [], []
-    for step, per_unit in enumerate(lengths(steps, units)):
+    losses, ref_losses, error = [], [], None
+    for step, per_unit in enumerate(per_step or lengths(steps, units)):
         batches = [_batch(step, u, length) for u, length in enumerate(per_unit)]
-        loss = compiled(*batches[unit])
+        try:
+            loss = compiled(*batches[unit])
+        except Exception as raised:      # noqa: BLE001  (the test reads the type and message)
+            error = f"{type(raised).__name__}: {raised}"
+            break
         loss.backward()
         ref_loss = sum(reference(*b) for b in batches) / units
         ref_loss.backward()
@@ -236,5 +245,5 @@ def train_lengths_in_units(rank: int, world: int, options: dict, steps: int, pla
     report = dynshard.explain(compiled)
     return {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
             "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
-            "graphs": _graphs(), "plans": len(report.plans),
-            "local": {k: tuple(v.shape) for k, v in model.state_dict().items()}}
+            "error": error, "graphs": _graphs(), "plans": len(report.plans), "sizes": [p.compiled_sizes for p in report.programs],
+            "local": {k: tuple(v.shape) for k, v in model.state_dict().items()}, "report": str(report)}

@@ -16,7 +16,6 @@ from ..runtime.sharding import stored_shape
 from ..runtime.zero import zero_groups
 from .compile import compile_program
 from .reshard import reshard_pass
-from .shapes import check_even_shards
 
 ASYNC_BUCKET_CAP_MB = 25
 
@@ -41,10 +40,6 @@ def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str,
     # one program for every size of the family, compiled on Dynamo's symbols, where a unit is one rank; a
     # unit of several ranks compiles at the inputs' sizes (see .shapes)
     symbolic = layout.tp_mesh is None and any(inp.is_symbolic for inp in ctx.inputs)
-    if not symbolic and ctx.propagation is not None and any(inp.is_symbolic for inp in ctx.inputs):
-        check_even_shards(ctx.propagation, layout, "the sizes " + ", ".join(
-            f"{inp.name}{list(inp.shape) if inp.kind != 'size' else [inp.value]}" for inp in ctx.inputs
-            if inp.is_symbolic))
     if symbolic:
         local_inputs = compat.symbolic_examples(example_inputs, local_inputs)
     program = compile_program(lowered, local_inputs, config.compiler, layout, config.inference_only,

@@ -15,7 +15,7 @@ only what the collectives carry (the parameters' gradients and shards) must agre
   for every op; both run on concrete sizes, and the per-rank program localises reshape sizes as numbers. A
   program per size costs a compile per length, so pad to a few lengths (``pad_to_multiple_of``); Dynamo
   still traces once, so its recompile limit is never reached. Where the plan splits a dimension the size
-  does not divide (sequence parallel's sequence, ``data``'s batch), :func:`check_even_shards` raises before
+  does not divide (sequence parallel's sequence, ``data``'s batch), ``propagate_sharding`` raises before
   the program is compiled, naming the value, the dimension, the size and the fix.
 - **Pipelines and recompute tags** (``recompute_modules``) refuse a symbolic graph with
   :class:`SymbolicShapesError`: a pipeline splits the batch into micro-batches of a size it plans, and the
@@ -29,14 +29,11 @@ from typing import Any, Sequence
 
 import torch
 
-from ..passes.propagate_sharding import source_line
+from ..config.errors import SymbolicShapesError
 from ..runtime.graph_inputs import GraphInput
 from ..runtime.mesh import Layout
-from ..runtime.sharding import SHARDS
 
-
-class SymbolicShapesError(TypeError):
-    """A symbolic graph under a plan that compiles static shapes only."""
+__all__ = ["SymbolicShapesError", "at_sizes", "check_symbolic_shapes"]
 
 
 def check_symbolic_shapes(inputs: Sequence[GraphInput], layout: Layout, pipelined: bool, recompute: bool) -> None:
@@ -79,22 +76,3 @@ def at_sizes(inputs: Sequence[GraphInput], args: Sequence[Any]) -> list[GraphInp
             inp = dataclasses.replace(inp, shape=torch.Size(value.shape), stride=tuple(value.stride()))
         sized.append(inp)
     return sized
-
-
-def check_even_shards(propagation, layout: Layout, sizes: str) -> None:
-    """Every value the plan splits along a mesh dimension divides evenly at these sizes (``sizes``: how the
-    error names them); else :class:`SymbolicShapesError`, before anything is compiled or run."""
-    for node, value in propagation.env.items():
-        placements = propagation.placements.get(getattr(node, "name", None))
-        if not isinstance(value, torch.Tensor) or not placements:
-            continue
-        for dim_name, placement in zip(layout.placement_dims, placements):
-            if not isinstance(placement, SHARDS) or value.dim() <= placement.dim:
-                continue
-            size, parts = int(value.shape[placement.dim]), layout.size(dim_name)
-            if size % parts:
-                raise SymbolicShapesError(
-                    f"dynshard: at {sizes}, {node.name} ({source_line(node)}) is split along dimension "
-                    f"{placement.dim} over {parts} ranks, and its size there, {size}, does not divide by {parts}. "
-                    f"Pad the batch so that this dimension is a multiple of {parts} (a collator's "
-                    f"pad_to_multiple_of={parts} or a multiple of it)")

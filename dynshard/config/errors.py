@@ -10,6 +10,10 @@ class ConfigError(ValueError):
     """The configuration cannot work; the message says what to change."""
 
 
+class SymbolicShapesError(TypeError):
+    """A symbolic graph under a plan that compiles static shapes only, or at sizes its plan cannot split."""
+
+
 def check_option_names(options: type, pas_config: Mapping[str, Any], owner: str) -> None:
     """Raise ConfigError naming every key of ``pas_config`` that the dataclass ``options`` has no field for."""
     fields = [f.name for f in dataclasses.fields(options)]

@@ -28,6 +28,9 @@ def lower(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     with ctx.fake_mode:
         fakes = []
         for inp in ctx.inputs:
+            if inp.kind == "size":      # a symbolic size, at the size this program is for
+                fakes.append(inp.value)
+                continue
             fake = torch.empty_strided(inp.shape, inp.stride, dtype=inp.dtype, device=device_of(inp))
             fakes.append(fake.requires_grad_(inp.requires_grad))
     aten_gm = compat.trace_to_aten(gm, fakes, ctx.fake_mode, compat.sharding_decompositions())

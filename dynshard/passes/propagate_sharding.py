@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Sha
 
 from .. import compat
 from ..compat import pytree
+from ..config.errors import SymbolicShapesError
 from ..runtime.mesh import Layout
 from ..runtime.sharding import SHARDS, local_shape
 from .context import PassContext
@@ -502,7 +503,32 @@ def propagate_sharding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     planning (``backend.plan_graph.place_graph``) places one lowered graph for every candidate."""
     placements = [ctx.placements[inp.index] for inp in ctx.inputs]
     ctx.propagation = propagate(gm, ctx, placements, warn=True)
+    if any(inp.is_symbolic for inp in ctx.inputs):      # a new size of a symbolic graph meets an old plan
+        check_even_splits(ctx.propagation, ctx)
     # (the plan outlives the compile; the fake value of every node need not)
     ctx.propagation.env, ctx.propagation.placed = {}, {}
     return gm
 
+
+
+def check_even_splits(propagation: Propagation, ctx: PassContext) -> None:
+    """A symbolic graph's plan is made at its first sizes and runs at others: every value it splits along a
+    mesh dimension must divide evenly at these sizes (a mean over uneven shards is not the mean), or
+    :class:`~dynshard.config.errors.SymbolicShapesError`, before anything is compiled or run."""
+    layout = ctx.layout
+    sizes = ", ".join(f"{inp.name}{list(inp.shape)}" if inp.kind != "size" else f"{inp.symbols[0]}={inp.value}"
+                      for inp in ctx.inputs if inp.is_symbolic)
+    for node, value in propagation.env.items():
+        placements = propagation.placements.get(getattr(node, "name", None))
+        if not isinstance(value, torch.Tensor) or not placements:
+            continue
+        for dim_name, placement in zip(layout.placement_dims, placements):
+            if not isinstance(placement, SHARDS) or value.dim() <= placement.dim:
+                continue
+            size, parts = int(value.shape[placement.dim]), layout.size(dim_name)
+            if size % parts:
+                raise SymbolicShapesError(
+                    f"dynshard: at the sizes {sizes}, {node.name} ({source_line(node)}) is split along dimension "
+                    f"{placement.dim} over {parts} ranks, and its size there, {size}, does not divide by {parts}. "
+                    f"Pad the batch so that this dimension is a multiple of {parts} (a collator's "
+                    f"pad_to_multiple_of={parts} or a multiple of it)")

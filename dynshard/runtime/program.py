@@ -78,6 +78,18 @@ class CompiledPlan:
             self._no_sync = self.build_no_sync()
         return self._no_sync
 
+    @property
+    def compiled_sizes(self) -> tuple[tuple, ...]:
+        """The sizes of the symbolic dimensions each compiled program of ``build_sized`` is for (the traced
+        sizes first), the accumulation variants' included; () for a plan of one program."""
+        if self.build_sized is None:
+            return ()
+        return (sizes_of(self.inputs),) + tuple(sizes for _, sizes in self._sized)
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.program.seconds + sum(program.seconds for program in self._sized.values())
+
     def program_at(self, args, sync: bool = True) -> Any:
         """The program for a call's arguments: ``program``, or (``build_sized``) the one at their sizes."""
         if self.build_sized is None:
