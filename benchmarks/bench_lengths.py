@@ -11,6 +11,9 @@ dynshard-static      torch.compile(model, backend="dynshard"): a plan and a prog
                      limit raised so that it runs them all); every rank at rank 0's lengths, which static plans
                      need (different lengths on the ranks are refused: PlanMismatchError)
 dynshard-dynamic-0   dynshard-dynamic at dynshard-static's lengths, for the ratio of their steps
+tp-static            policy="tp" over both ranks (one unit): a plan and a program per length, rank 0's lengths
+tp-dynamic           the same with dynamic=True: one plan and one Dynamo graph, a program per length compiled
+                     from the plan (no planning, nothing communicated)
 
 Each system trains with AdamW over the lengths twice: the first pass compiles what it needs, the second runs
 every length again, compiled. graphs: Dynamo graphs compiled (rank 0); compile s: first pass minus second
@@ -52,7 +55,8 @@ def _rank(rank: int, world: int, port: int, system: str, args, outdir: str) -> N
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, heads=args.heads, layers=args.layers))
-    shared = system in ("dynshard-static", "dynshard-dynamic-0")      # rank 0's lengths on every rank
+    # rank 0's lengths on every rank (the ranks of a tp unit read one batch)
+    shared = system in ("dynshard-static", "dynshard-dynamic-0", "tp-static", "tp-dynamic")
     lengths = lengths_of(0 if shared else rank, args.lengths, args.min_length, args.seq)
     lengths = lengths[:args.static_lengths] if shared else lengths
     if system == "ddp":
@@ -60,6 +64,12 @@ def _rank(rank: int, world: int, port: int, system: str, args, outdir: str) -> N
         compiled = torch.compile(torch.nn.parallel.DistributedDataParallel(model))
     elif system in ("dynshard-dynamic", "dynshard-dynamic-0"):
         compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(), dynamic=True)
+    elif system == "tp-dynamic":
+        compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(policy="tp", plan_ngpus=2),
+                                 dynamic=True)
+    elif system == "tp-static":
+        torch._dynamo.config.recompile_limit = len(lengths) + 8
+        compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(policy="tp", plan_ngpus=2))
     else:
         torch._dynamo.config.recompile_limit = len(lengths) + 8
         compiled = torch.compile(model, backend="dynshard", options=dynshard.Config())
@@ -127,7 +137,8 @@ def main() -> None:
         rows.append((system, str(len(per_step[system])), str(ranks[0]["graphs"]),
                      f"{max(r['compile_s'] for r in ranks):.1f}", f"{1000 * statistics.median(per_step[system]):.1f}",
                      ratio(system, "ddp", ("dynshard-dynamic",)),
-                     ratio(system, "dynshard-static", ("dynshard-dynamic-0",))))
+                     ratio(system, "dynshard-static", ("dynshard-dynamic-0",)) if system != "tp-dynamic"
+                     else ratio(system, "tp-static", ("tp-dynamic",))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))
