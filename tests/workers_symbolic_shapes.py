@@ -212,7 +212,7 @@ def trainer_padding(rank: int, world: int, options: dict, steps: int, plan_ngpus
 
 
 def train_lengths_in_units(rank: int, world: int, options: dict, steps: int, plan_ngpus: int,
-                           per_step: list[list[int]] | None = None) -> dict:
+                           per_step: list[list[int]] | None = None, accumulation: int = 1) -> dict:
     """Units of ``plan_ngpus`` ranks (tp): the ranks of a unit read one batch, the units their own lengths
     (``per_step``: each step's, per unit); a one-process copy trains on every unit's batch, their mean losses
     averaged as dp averages gradients. A step that raises ends the run: its error is returned."""
@@ -227,17 +227,20 @@ def train_lengths_in_units(rank: int, world: int, options: dict, steps: int, pla
     losses, ref_losses, error = [], [], None
     for step, per_unit in enumerate(per_step or lengths(steps, units)):
         batches = [_batch(step, u, length) for u, length in enumerate(per_unit)]
+        micro = step % accumulation < accumulation - 1
         try:
-            loss = compiled(*batches[unit])
+            with dynshard.no_sync(compiled) if micro else contextlib.nullcontext():
+                loss = compiled(*batches[unit])
+                (loss / accumulation).backward()
         except Exception as raised:      # noqa: BLE001  (the test reads the type and message)
             error = f"{type(raised).__name__}: {raised}"
             break
-        loss.backward()
         ref_loss = sum(reference(*b) for b in batches) / units
-        ref_loss.backward()
-        for o in (opt, ref_opt):
-            o.step()
-            o.zero_grad()
+        (ref_loss / accumulation).backward()
+        if not micro:
+            for o in (opt, ref_opt):
+                o.step()
+                o.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
