@@ -170,6 +170,13 @@ def test_hybrid_runs_two_tensor_parallel_stages_on_four_ranks_with_recompute():
         assert result["held"]["wte.weight"] == 64 * 32 // 2      # vocab parallel, tied, on both stages
 
 
+def test_a_plain_call_under_hybrid_cuts_the_stages_tensors_before_autograd_records_them():
+    """``loss = model(batch)`` under hybrid: the first call's stage programs cut their tp shards before the
+    pipeline's autograd node records the parameters (a gradient accumulator keeps the shape it first saw)."""
+    _assert_parity(run_ranks(pipeline_parity, 4, "gpt", 4, {"pipeline_nmicros": 2, "pipeline_nstages": 2}, "plain",
+                             2, 8, "hybrid"))
+
+
 def test_zero_bubble_splits_each_backward_and_trains_like_one_process():
     """zb1p: input gradients first (the previous stage waits for them), weight gradients in the bubbles."""
     _assert_parity(run_ranks(pipeline_parity, 2, "gpt", 2, {"pipeline_nmicros": 4, "pipeline_scheduler": "zb1p"},

@@ -17,7 +17,9 @@ from workers_pretrained import (lora_adapters_saved, pipeline_whole_state, save_
 from workers_trainer import VOCAB
 
 POLICIES = {"tp": {"policy": "tp", "plan_ngpus": 2}, "ZeRO-3": {"use_zero": 3}, "dp": {},
-            "pp": {"policy": "pp", "plan_ngpus": 2, "use_end2end": True, "pas_config": {"pipeline_nmicros": 2}}}
+            "pp": {"policy": "pp", "plan_ngpus": 2, "use_end2end": True, "pas_config": {"pipeline_nmicros": 2}},
+            "hybrid": {"policy": "hybrid", "plan_ngpus": 4, "use_end2end": True,      # 2 stages x tp 2, 4 ranks
+                       "pas_config": {"pipeline_nmicros": 2, "pipeline_nstages": 2}}}
 
 
 @pytest.mark.parametrize("policy", ["tp", "ZeRO-3"])
@@ -40,14 +42,15 @@ def test_save_pretrained_on_rank_zero_alone_is_refused_within_seconds_and_a_rank
         assert f"rank {1 - rank}'s pieces" in each["other"] and f"rank {rank} stores other pieces" in each["other"]
 
 
-@pytest.mark.parametrize("policy", ["tp", pytest.param("ZeRO-3", marks=pytest.mark.slow), "dp", "pp"])
+@pytest.mark.parametrize("policy", ["tp", pytest.param("ZeRO-3", marks=pytest.mark.slow), "dp", "pp",
+                                    pytest.param("hybrid", marks=pytest.mark.slow)])
 def test_trainer_checkpoints_load_in_one_process_and_resume_ends_like_the_uninterrupted_run(policy, tmp_path):
-    directory = str(tmp_path / "run")
-    trained = run_ranks(trainer_checkpoints, 2, POLICIES[policy], directory)
+    directory, world = str(tmp_path / "run"), POLICIES[policy].get("plan_ngpus", 2)
+    trained = run_ranks(trainer_checkpoints, world, POLICIES[policy], directory)
     first = trained[0]
     # checkpoint-4: the weights one process trained on the same batches, and SGD's momentum, both whole
     assert_trains_like_one_process(first, "checkpoint-4 through from_pretrained")
-    resumed = run_ranks(trainer_resumed, 2, POLICIES[policy], directory)
+    resumed = run_ranks(trainer_resumed, world, POLICIES[policy], directory)
     for rank, result in enumerate(resumed):
         # a new job resumed from checkpoint-2 (weights, momentum, schedule) ends where the first job ended
         assert_trains_like_one_process({"losses": [], "ref_losses": [], "params": result["resumed"],

@@ -20,7 +20,9 @@ rank of the unit. Each rank compiles only its own stages, once per micro-batch s
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import time
 from typing import Any, Callable
 
@@ -136,7 +138,8 @@ class PipelinePlan:
         why the stage graphs do not run at that shape (a graph holding sizes of the batch it was traced with)."""
         shapes = self._input_shapes(mb_args)
         if shapes not in self._metas:
-            with compat.fake_tensor_log_quiet():      # a failure is an answer, not an error to report
+            # a failure is an answer, not an error to report (fx prints a failing call of a traced module)
+            with compat.fake_tensor_log_quiet(), contextlib.redirect_stderr(io.StringIO()):
                 try:
                     self._metas[shapes] = _boundary_metas(self, mb_args[0])
                 except Exception as error:   # noqa: BLE001 (any failure of the fake run means the same)
@@ -242,6 +245,11 @@ class PipelineProgram:
             outputs = self.whole_outputs(run, args)
             runner.plan.finish_step(run)
             return outputs
+        if runner.plan.ownership.pending:
+            # hybrid's first call: the stage programs cut the tensors into tp shards, before autograd records
+            # their shapes (the gradient accumulator of a parameter keeps the shape it first saw)
+            with torch.enable_grad():
+                runner.plan.programs_for(mb_args)
         trainable = [t for t in runner.plan.ownership.held.values() if t.requires_grad]
         return _GPipe.apply(self, runner, args, mb_args, *trainable)
 
