@@ -177,6 +177,13 @@ def test_a_plain_call_under_hybrid_cuts_the_stages_tensors_before_autograd_recor
                              2, 8, "hybrid"))
 
 
+def test_a_tensor_given_twice_reaches_both_arguments_when_the_model_is_traced_at_the_micro_batch_shape():
+    from workers_pipeline import llama_labels_are_the_inputs
+
+    for rank, result in enumerate(run_ranks(llama_labels_are_the_inputs, 2)):
+        assert_trains_like_one_process(result, f"rank {rank}")
+
+
 def test_zero_bubble_splits_each_backward_and_trains_like_one_process():
     """zb1p: input gradients first (the previous stage waits for them), weight gradients in the bubbles."""
     _assert_parity(run_ranks(pipeline_parity, 2, "gpt", 2, {"pipeline_nmicros": 4, "pipeline_scheduler": "zb1p"},

@@ -290,3 +290,31 @@ def two_models(rank: int, world: int, steps: int = 2) -> dict:
         out[seed] = train_beside(compiled, reference, opts,
                                  [(dict(zip(("x", "y"), mlp_batch(4, 10 * step + seed))),) for step in range(steps)])
     return out
+
+
+def llama_labels_are_the_inputs(rank: int, world: int, steps: int = 2) -> dict:
+    """transformers' Llama under pp, called as ``model(input_ids=ids, labels=ids)``: one tensor given twice is
+    one graph input, so the re-trace at the micro-batch shape must give it to both arguments (before, labels
+    went missing there and the loss with them). SGD with momentum beside one process."""
+    from workers_trainer import LR, MOMENTUM, build_llama, dataset
+
+    model = build_llama()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy="pp", plan_ngpus=2, use_end2end=True, compiler="aot_eager", pas_config={"pipeline_nmicros": 2}))
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
+    losses, ref_losses = [], []
+    for step in range(steps):
+        ids = torch.stack([row["input_ids"] for row in dataset(4 * (step + 1))[4 * step:]])
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        ref_loss = reference(input_ids=ids, labels=ids).loss
+        ref_loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        losses.append(loss.item())
+        ref_losses.append(ref_loss.item())
+    return {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
+            "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()}}

@@ -40,44 +40,44 @@ class _Tuple(list):
     """A tuple of the frame's arguments while its tensors are filled in."""
 
 
-def _skeleton(value: Any) -> Any:
-    """Containers copied, tensors dropped (filled per micro-batch), anything else kept by reference."""
+@dataclasses.dataclass(frozen=True)
+class _Input:
+    """Where the skeleton takes the graph's user input ``index``: every place the frame held that tensor (Dynamo
+    passes a tensor given twice, ``model(input_ids=x, labels=x)``, as one graph input)."""
+
+    index: int
+
+
+def _skeleton(value: Any, inputs: dict[int, int]) -> Any:
+    """Containers copied, the graph's input tensors marked (``inputs``: id -> graph input index; filled per
+    micro-batch), other tensors dropped, anything else kept by reference."""
     if isinstance(value, torch.Tensor):
-        return None
+        return _Input(inputs[id(value)]) if id(value) in inputs else None
     if isinstance(value, dict):
-        return {k: _skeleton(v) for k, v in value.items()}
+        return {k: _skeleton(v, inputs) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        items = [_skeleton(v) for v in value]
+        items = [_skeleton(v, inputs) for v in value]
         return _Tuple(items) if isinstance(value, tuple) else items
     return value
 
 
-def _build(skeleton: Any) -> Any:
-    """A fresh, fillable copy of ``skeleton`` (tuples as :class:`_Tuple` lists)."""
+def _build(skeleton: Any, tensors: dict[int, torch.Tensor]) -> Any:
+    """The frame's arguments from ``skeleton``, each marked input replaced by its tensor in ``tensors``."""
+    if isinstance(skeleton, _Input):
+        return tensors[skeleton.index]
     if isinstance(skeleton, dict):
-        return {k: _build(v) for k, v in skeleton.items()}
+        return {k: _build(v, tensors) for k, v in skeleton.items()}
     if isinstance(skeleton, list):
-        return type(skeleton)(_build(v) for v in skeleton)
+        items = [_build(v, tensors) for v in skeleton]
+        return tuple(items) if isinstance(skeleton, _Tuple) else items
     return skeleton
 
 
-def _finish(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _finish(v) for k, v in value.items()}
-    if isinstance(value, list):
-        items = [_finish(v) for v in value]
-        return tuple(items) if isinstance(value, _Tuple) else items
+def _resolve(root: dict, name: str, path: tuple[Any, ...]) -> Any:
+    value = root[name]
+    for key in path:
+        value = value[key]
     return value
-
-
-def _put(root: dict, name: str, path: tuple[Any, ...], value: torch.Tensor) -> None:
-    if not path:
-        root[name] = value
-        return
-    container = root[name]
-    for key in path[:-1]:
-        container = container[key]
-    container[path[-1]] = value
 
 
 @dataclasses.dataclass
@@ -112,8 +112,14 @@ class FrameCall:
         wanted = names[:positional] + tuple(n for n in (varargs, varkw) if n)
         if not all(name in frame["locals"] for name in wanted):
             return None
+        try:
+            held = {id(_resolve(frame["locals"], name, path)): index for index, (name, path) in inputs.items()}
+        except (KeyError, IndexError, TypeError):
+            return None
+        if len(held) != len(inputs):        # (two graph inputs from one tensor: not Dynamo's way)
+            return None
         function = types.FunctionType(code, frame["globals"], code.co_name, None, frame.get("closure"))
-        skeleton = {name: _skeleton(frame["locals"][name]) for name in wanted}
+        skeleton = {name: _skeleton(frame["locals"][name], held) for name in wanted}
         return cls(function, names[:code.co_argcount], varargs, varkw, skeleton, inputs)
 
     def call(self, options: Any, tensors: dict[int, torch.Tensor]) -> Any:
@@ -121,14 +127,7 @@ class FrameCall:
         user inputs."""
         if self._compiled is None:
             self._compiled = torch.compile(self.function, backend="dynshard", options=options)
-        local = _build(self.skeleton)
-        try:
-            for index, (name, path) in self.inputs.items():
-                _put(local, name, path, tensors[index])
-        except (KeyError, IndexError, TypeError):
-            raise RuntimeError("dynshard: cannot rebuild the model's arguments for a micro-batch (an input in a "
-                               "tuple or behind an attribute); call the model through dynshard.train_step") from None
-        local = {name: _finish(value) for name, value in local.items()}
+        local = {name: _build(value, tensors) for name, value in self.skeleton.items()}
         args = [local[n] for n in self.argnames] + (list(local[self.varargs]) if self.varargs else [])
         kwargs = dict(local[self.varkw]) if self.varkw else {}
         return self._compiled(*args, **kwargs)
