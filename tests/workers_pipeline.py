@@ -302,19 +302,18 @@ def llama_labels_are_the_inputs(rank: int, world: int, steps: int = 2) -> dict:
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
         policy="pp", plan_ngpus=2, use_end2end=True, compiler="aot_eager", pas_config={"pipeline_nmicros": 2}))
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
-    losses, ref_losses = [], []
+    opts = [torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in (model, reference)]
+    rows = torch.stack([row["input_ids"] for row in dataset(4 * steps)])
+    losses = []
     for step in range(steps):
-        ids = torch.stack([row["input_ids"] for row in dataset(4 * (step + 1))[4 * step:]])
-        loss = compiled(input_ids=ids, labels=ids).loss
-        loss.backward()
-        ref_loss = reference(input_ids=ids, labels=ids).loss
-        ref_loss.backward()
-        for o in (opt, ref_opt):
+        ids = rows[4 * step:4 * (step + 1)]
+        pair = [m(input_ids=ids, labels=ids).loss for m in (compiled, reference)]
+        for loss in pair:
+            loss.backward()
+        for o in opts:
             o.step()
             o.zero_grad()
-        losses.append(loss.item())
-        ref_losses.append(ref_loss.item())
-    return {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
+        losses.append([loss.item() for loss in pair])
+    return {"losses": [a for a, _ in losses], "ref_losses": [b for _, b in losses],
+            "params": dynshard.collect_state_dict(compiled),
             "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()}}
