@@ -55,6 +55,24 @@ def train_lengths(rank: int, world: int, options: dict, steps: int, mark: str = 
                   accumulation: int = 1, first_step: int = 0) -> dict:
     """``mark``: "dynamic" (``torch.compile(dynamic=True)``) or "mark_dynamic" (the length dimension of the
     first batch). ``accumulation``: micro-steps per optimizer step, the first ones under ``no_sync``."""
+    return _train_over_lengths(rank, world, options, lengths(first_step + steps, world)[first_step:], 1, mark,
+                               accumulation)
+
+
+def train_lengths_in_units(rank: int, world: int, options: dict, steps: int, plan_ngpus: int,
+                           per_step: list[list[int]] | None = None, accumulation: int = 1) -> dict:
+    """Units of ``plan_ngpus`` ranks (tp): the ranks of a unit read one batch, the units their own lengths
+    (``per_step``: each step's, per unit). A step that raises ends the run: its error is returned."""
+    per_step = per_step or lengths(steps, world // plan_ngpus)
+    return _train_over_lengths(rank, world, {"plan_ngpus": plan_ngpus, **options}, per_step, plan_ngpus,
+                               "dynamic", accumulation, stop_at_error=True)
+
+
+def _train_over_lengths(rank: int, world: int, options: dict, per_step: list[list[int]], plan_ngpus: int,
+                        mark: str, accumulation: int, stop_at_error: bool = False) -> dict:
+    """Each unit trains on its own length at every step; a one-process copy trains on every unit's batch,
+    their mean losses averaged as dp averages gradients. ``stop_at_error``: a step that raises ends the run
+    and its error is returned (else it fails the rank)."""
     torch.manual_seed(0)
     model = TokenMLP()
     reference = copy.deepcopy(model)
@@ -62,17 +80,24 @@ def train_lengths(rank: int, world: int, options: dict, steps: int, mark: str = 
                              dynamic=True if mark == "dynamic" else None)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
-    losses, ref_losses = [], []
-    for step, per_rank in enumerate(lengths(first_step + steps, world)[first_step:]):
-        batches = [_batch(step, r, length) for r, length in enumerate(per_rank)]
-        x, target = batches[rank]
+    units, unit = world // plan_ngpus, rank // plan_ngpus
+    losses, ref_losses, error = [], [], None
+    for step, per_unit in enumerate(per_step):
+        batches = [_batch(step, u, length) for u, length in enumerate(per_unit)]
+        x, target = batches[unit]
         if mark == "mark_dynamic" and step == 0:
             torch._dynamo.mark_dynamic(x, 1)
         micro = step % accumulation < accumulation - 1
-        with dynshard.no_sync(compiled) if micro else contextlib.nullcontext():
-            loss = compiled(x, target)
-            (loss / accumulation).backward()
-        ref_loss = sum(reference(*b) for b in batches) / world
+        try:
+            with dynshard.no_sync(compiled) if micro else contextlib.nullcontext():
+                loss = compiled(x, target)
+                (loss / accumulation).backward()
+        except Exception as raised:      # noqa: BLE001  (the test reads the type and message)
+            if not stop_at_error:
+                raise
+            error = f"{type(raised).__name__}: {raised}"
+            break
+        ref_loss = sum(reference(*b) for b in batches) / units
         (ref_loss / accumulation).backward()
         if not micro:
             for o in (opt, ref_opt):
@@ -85,8 +110,10 @@ def train_lengths(rank: int, world: int, options: dict, steps: int, mark: str = 
     report = dynshard.explain(compiled)
     return {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
             "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
-            "graphs": _graphs(), "programs": len(report.programs),
-            "plans": [json.loads(plan.to_json()) for plan in report.plans]}
+            "error": error, "graphs": _graphs(), "programs": len(report.programs),
+            "plans": [json.loads(plan.to_json()) for plan in report.plans],
+            "sizes": [p.compiled_sizes for p in report.programs],
+            "local": {k: tuple(v.shape) for k, v in model.state_dict().items()}}
 
 
 def refused(rank: int, world: int, options: dict) -> str:
@@ -209,44 +236,3 @@ def trainer_padding(rank: int, world: int, options: dict, steps: int, plan_ngpus
             "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
             "lengths": [tuple(inputs["input_ids"].shape) for inputs, _ in fed], "graphs": _graphs(),
             "programs": len(dynshard.explain(compiled).programs)}
-
-
-def train_lengths_in_units(rank: int, world: int, options: dict, steps: int, plan_ngpus: int,
-                           per_step: list[list[int]] | None = None, accumulation: int = 1) -> dict:
-    """Units of ``plan_ngpus`` ranks (tp): the ranks of a unit read one batch, the units their own lengths
-    (``per_step``: each step's, per unit); a one-process copy trains on every unit's batch, their mean losses
-    averaged as dp averages gradients. A step that raises ends the run: its error is returned."""
-    torch.manual_seed(0)
-    model = TokenMLP()
-    reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="dynshard",
-                             options=dynshard.Config(plan_ngpus=plan_ngpus, **options), dynamic=True)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
-    units, unit = world // plan_ngpus, rank // plan_ngpus
-    losses, ref_losses, error = [], [], None
-    for step, per_unit in enumerate(per_step or lengths(steps, units)):
-        batches = [_batch(step, u, length) for u, length in enumerate(per_unit)]
-        micro = step % accumulation < accumulation - 1
-        try:
-            with dynshard.no_sync(compiled) if micro else contextlib.nullcontext():
-                loss = compiled(*batches[unit])
-                (loss / accumulation).backward()
-        except Exception as raised:      # noqa: BLE001  (the test reads the type and message)
-            error = f"{type(raised).__name__}: {raised}"
-            break
-        ref_loss = sum(reference(*b) for b in batches) / units
-        (ref_loss / accumulation).backward()
-        if not micro:
-            for o in (opt, ref_opt):
-                o.step()
-                o.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
-        ref_losses.append(ref_loss.item())
-    report = dynshard.explain(compiled)
-    return {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
-            "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
-            "error": error, "graphs": _graphs(), "plans": len(report.plans), "sizes": [p.compiled_sizes for p in report.programs],
-            "local": {k: tuple(v.shape) for k, v in model.state_dict().items()}, "report": str(report)}

@@ -63,6 +63,9 @@ class CompiledPlan:
     _no_sync: Any = None
     _sized: dict = dataclasses.field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self._traced_sizes = sizes_of(self.inputs)     # what ``program`` was compiled for
+
     def seconds_between_calls(self) -> float | None:
         """The median time between this program's latest training calls: its step, when a step calls it once
         (measured for explain's predicted-against-measured; None before three calls)."""
@@ -84,7 +87,7 @@ class CompiledPlan:
         sizes first), the accumulation variants' included; () for a plan of one program."""
         if self.build_sized is None:
             return ()
-        return (sizes_of(self.inputs),) + tuple(sizes for _, sizes in self._sized)
+        return (self._traced_sizes,) + tuple(sizes for _, sizes in self._sized)
 
     @property
     def compile_seconds(self) -> float:
@@ -95,7 +98,7 @@ class CompiledPlan:
         if self.build_sized is None:
             return self.program
         key = (sync, sizes_of(self.inputs, args))
-        if key == (True, sizes_of(self.inputs)):
+        if key == (True, self._traced_sizes):
             return self.program
         if key not in self._sized:
             self._sized[key] = self.build_sized(args, sync)
@@ -121,7 +124,7 @@ class ShardedProgram:
         self._meta_models = materialize.frame_models()
         materialize.install()      # the trace hook, again after a torch._dynamo.reset()
         self._roots = materialize.frame_roots()     # their modules refuse eager calls once they hold shards
-        _hook_frame_modules(self._roots)
+        hook_frame_modules(self._roots)
 
     def __call__(self, *args: Any):
         check_active_ddp()      # a DDP built around the model after its parameters were cut is refused
@@ -181,7 +184,7 @@ class ShardedProgram:
         """Cut the program's parameters and buffers into this rank's pieces, in place, and tag them."""
         if self._prepared and self._state:      # another model of the class: its modules, found on the stack
             self._roots = materialize.roots_holding(args[self._state[0]])
-            _hook_frame_modules(self._roots)
+            hook_frame_modules(self._roots)
         materialize.materialize(self._meta_models, self.plan, args)   # cuts this program's tensors as it goes
         self._meta_models = []
         for inp in self.plan.inputs:
@@ -199,7 +202,8 @@ class ShardedProgram:
             hook()
 
 
-def _hook_frame_modules(roots: list[torch.nn.Module]) -> None:
+def hook_frame_modules(roots: list[torch.nn.Module]) -> None:
+    """Run ``FRAME_MODULE_HOOKS`` on each outermost module of a program's frame."""
     for module in roots:
         for hook in FRAME_MODULE_HOOKS:
             hook(module)

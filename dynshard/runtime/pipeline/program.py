@@ -34,7 +34,7 @@ from .executor import StepRun
 from .. import materialize
 from ..ddp import check_active_ddp
 from ..eager_guard import guard_modules
-from ..program import FRAME_MODULE_HOOKS, PREPARE_HOOKS
+from ..program import PREPARE_HOOKS, hook_frame_modules
 from .ownership import FreshGradients, Ownership, materialize_stages, reduce_gradients, take_ownership
 from .recorder import active_recorder, recording
 from .actions import ALL
@@ -215,9 +215,7 @@ class PipelineProgram:
         materialize.install()      # the trace hook, again after a torch._dynamo.reset()
         self._roots = materialize.frame_roots()     # their modules refuse eager calls once they hold shards
         self._others: list[PipelineProgram] = []      # the same plan for other models of the same graph
-        for module in self._roots:
-            for hook in FRAME_MODULE_HOOKS:
-                hook(module)
+        hook_frame_modules(self._roots)
 
     def __call__(self, *args: Any):
         check_active_ddp()
@@ -261,9 +259,7 @@ class PipelineProgram:
         program.plan, program._meta_models, program._others = self.plan.fork(), [], []
         state = next((args[i.index] for i in self.plan.inputs if i.is_state), None)
         program._roots = materialize.roots_holding(state) if state is not None else []
-        for module in program._roots:        # another model of the class: its modules, found on the stack
-            for hook in FRAME_MODULE_HOOKS:
-                hook(module)
+        hook_frame_modules(program._roots)      # another model of the class: its modules, found on the stack
         self._others.append(program)
         return program
 
