@@ -149,7 +149,8 @@ GPT_DP_CASES = [
 ]
 TP_ZERO_CASES = [  # model, cases: tensor parallel inside units of 2 ranks, ZeRO over the 2 units
     pytest.param("mlp", [{"use_zero": 1, "clip": 0.5, "clip_with": "torch"},
-                         {"use_zero": 3, "accumulate": 2, "clip": 0.5}], id="mlp"),
+                         {"use_zero": 3, "accumulate": 2, "clip": 0.5},
+                         {"use_zero": 2, "accumulate": 2, "clip": 0.5, "clip_with": "get_total_norm"}], id="mlp"),
     pytest.param("gpt", [{"use_zero": 2}, {"use_zero": 3, "accumulate": 2, "clip": 0.5},
                          {"use_zero": 3, "mixed_precision": BF16}], id="gpt", marks=pytest.mark.slow),
 ]

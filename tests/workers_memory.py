@@ -56,7 +56,9 @@ def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: 
     accumulate = case.pop("accumulate", 1)
     builder = case.pop("optimizer", "plain")
     clip = case.pop("clip", None)
-    clip_with = case.pop("clip_with", "dynshard")     # "torch": torch.nn.utils.clip_grad_norm_ (routed)
+    # "torch": torch.nn.utils.clip_grad_norm_ (routed); "get_total_norm": accelerate's way since 1.16, the
+    # public get_total_norm of the gradients (routed) and clip_grads_with_norm_
+    clip_with = case.pop("clip_with", "dynshard")
     hooks = case.pop("hooks", False)
     counter = OpCounter(case.pop("count_ops", ()))
     model, make_batch = build(model_name)
@@ -96,6 +98,10 @@ def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: 
             except RuntimeError as error:
                 stale_error = str(error)
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        elif clip is not None and clip_with == "get_total_norm":
+            params = [p for p in model.parameters() if p.grad is not None]
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
         elif clip is not None:
             norm = opt.clip_gnorm(clip) if builder == "build" else dynshard.clip_grad_norm_(model.parameters(), clip)
         if clip is not None:

@@ -7,7 +7,8 @@ sends a call on dynshard's parameters to dynshard's global norm and any other ca
 A reference taken before dynshard was imported (``from torch.nn.utils import clip_grad_norm_`` at the top
 of a script) still reaches torch's code: torch's private ``_get_total_norm``, which that code looks up at
 call time, is wrapped to raise on gradients of split dynshard parameters instead of returning a wrong
-norm.
+norm. The public ``torch.nn.utils.get_total_norm`` (accelerate's clipping since 1.16: the norm, then
+``clip_grads_with_norm_``) is routed the same way: on dynshard's gradients it returns the global norm.
 """
 
 from __future__ import annotations
@@ -21,9 +22,13 @@ _ROUTED = "_dynshard_routed"
 
 
 def route_clip_grad_norm(owns: Callable[[list], bool], clip: Callable[..., torch.Tensor],
-                         is_split_grad: Callable[[list], bool], message: str) -> None:
+                         is_split_grad: Callable[[list], bool], message: str,
+                         grads_norm: Callable[[list, float], torch.Tensor | None]) -> None:
     """Install the router (idempotent). ``owns(params)``: whether dynshard clips these parameters
-    (``clip`` has torch's signature); ``is_split_grad(grads)``: whether torch's own norm would be wrong."""
+    (``clip`` has torch's signature); ``is_split_grad(grads)``: whether torch's own norm would be wrong;
+    ``grads_norm(grads, norm_type)``: the global norm of dynshard's gradients (None for others), what the
+    public ``torch.nn.utils.get_total_norm`` returns for them (accelerate >= 1.16 clips with it and
+    ``clip_grads_with_norm_``, which scales by the norm it is given)."""
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
 
@@ -48,6 +53,20 @@ def route_clip_grad_norm(owns: Callable[[list], bool], clip: Callable[..., torch
             raise RuntimeError(message)
         return total_norm(grads, *args, **kwargs)
 
+    public_total_norm = utils.get_total_norm
+
+    @functools.wraps(public_total_norm)
+    def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        total = grads_norm(grads, norm_type)
+        if total is None:
+            return public_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"dynshard: the total norm of order {norm_type} of the gradients is non-finite "
+                               f"({total.item()}); set error_if_nonfinite=False to skip this check")
+        return total
+
     clip_grad._get_total_norm = _get_total_norm
     clip_grad.clip_grad_norm_ = clip_grad_norm_
     utils.clip_grad_norm_ = clip_grad_norm_
+    utils.get_total_norm = get_total_norm

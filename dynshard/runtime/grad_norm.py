@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from ..compat.clip_grad import route_clip_grad_norm
 from .accumulation import ACCUMULATION
-from .sharding import get_tag, is_sharded, split_tensors
+from .sharding import get_tag, is_sharded, split_tensors, tagged_tensors
 
 _STALE_REFERENCE = (
     "dynshard: torch's clip_grad_norm_ was called on gradients of parameters dynshard has split across ranks "
@@ -108,7 +108,23 @@ def _split_grads(grads: list) -> bool:
     return any(id(g) in ids for g in grads)
 
 
+def _grads_norm(grads: list, norm_type: float) -> torch.Tensor | None:
+    """The global norm of gradients of dynshard's parameters (None when none of them is one). Every rank
+    must call it; gradients accumulated under no_sync are reduced first."""
+    by_grad = {id(p.grad): p for p in tagged_tensors() if p.grad is not None}
+    params = [by_grad.get(id(g)) for g in grads]
+    if all(p is None for p in params):
+        return None
+    ACCUMULATION.flush()
+    if any(p is None for p in params):
+        raise RuntimeError(
+            "dynshard: torch.nn.utils.get_total_norm was given gradients of dynshard's parameters together with "
+            "other tensors; their global norm is counted over dynshard's ranks: pass dynshard's gradients alone")
+    return global_grad_norm(unique_parameters(params), norm_type)
+
+
 def route_torch_clip_grad_norm() -> None:
     """``torch.nn.utils.clip_grad_norm_`` on dynshard's parameters gives :func:`clip_grad_norm_`'s global
-    norm (every rank must call it, as with torch's on DTensors); other calls run torch's own code."""
-    route_clip_grad_norm(_owns, clip_grad_norm_, _split_grads, _STALE_REFERENCE)
+    norm, and ``torch.nn.utils.get_total_norm`` on their gradients the global norm (every rank must call
+    them, as with torch's on DTensors); other calls run torch's own code."""
+    route_clip_grad_norm(_owns, clip_grad_norm_, _split_grads, _STALE_REFERENCE, _grads_norm)

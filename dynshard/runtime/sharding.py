@@ -29,6 +29,7 @@ TAG_ATTR = "_dynshard_tag"
 ALIKE_ATTR = "_dynshard_initialized_alike"   # every rank computed the same values (no broadcast needed)
 SHARDS = (Shard, StridedShard)   # torch's _StridedShard is not a Shard subclass in torch 2.13
 _SHARDED: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
+_TAGGED: "weakref.WeakSet[torch.Tensor]" = weakref.WeakSet()
 _LOCAL_DATA: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
 
@@ -179,8 +180,14 @@ def shard_in_place(tensor: torch.Tensor, fqn: str, layout: Layout,
         with torch.no_grad():
             tensor.data = stored_piece(tensor.data, tag).clone()
         _SHARDED.add(tensor)
+    _TAGGED.add(tensor)
     setattr(tensor, TAG_ATTR, tag)
     return tag
+
+
+def tagged_tensors() -> list[torch.Tensor]:
+    """Every parameter and buffer a dynshard program has taken (split or whole)."""
+    return list(_TAGGED)
 
 
 def split_tensors() -> list[torch.Tensor]:
