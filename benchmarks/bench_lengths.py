@@ -14,6 +14,9 @@ dynshard-dynamic-0   dynshard-dynamic at dynshard-static's lengths, for the rati
 tp-static            policy="tp" over both ranks (one unit): a plan and a program per length, rank 0's lengths
 tp-dynamic           the same with dynamic=True: one plan and one Dynamo graph, a program per length compiled
                      from the plan (no planning, nothing communicated)
+pp-static            policy="pp" over both ranks (2 stages, 2 micro-batches), rank 0's lengths
+pp-dynamic           the same with dynamic=True: one plan and one Dynamo graph, each rank's stage compiled per
+                     micro-batch shape from the plan
 
 Each system trains with AdamW over the lengths twice: the first pass compiles what it needs, the second runs
 every length again, compiled. graphs: Dynamo graphs compiled (rank 0); compile s: first pass minus second
@@ -36,6 +39,14 @@ import torch.multiprocessing as mp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 
+TP = {"policy": "tp", "plan_ngpus": 2}
+PP = {"policy": "pp", "plan_ngpus": 2, "use_end2end": True, "pas_config": {"pipeline_nmicros": 2}}
+SYSTEMS = {     # dynshard's: (options, dynamic=True)
+    "dynshard-dynamic": ({}, True), "dynshard-static": ({}, False), "dynshard-dynamic-0": ({}, True),
+    "tp-static": (TP, False), "tp-dynamic": (TP, True), "pp-static": (PP, False), "pp-dynamic": (PP, True)}
+STATIC_OF = {"dynshard-dynamic-0": "dynshard-static", "tp-dynamic": "tp-static", "pp-dynamic": "pp-static"}
+
+
 def lengths_of(rank: int, count: int, low: int, high: int) -> list[int]:
     """``count`` distinct lengths in [low, high) for this rank, in an order of its own."""
     generator = torch.Generator().manual_seed(17 + rank)
@@ -55,24 +66,19 @@ def _rank(rank: int, world: int, port: int, system: str, args, outdir: str) -> N
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, heads=args.heads, layers=args.layers))
-    # rank 0's lengths on every rank (the ranks of a tp unit read one batch)
-    shared = system in ("dynshard-static", "dynshard-dynamic-0", "tp-static", "tp-dynamic")
+    # rank 0's lengths on every rank (the ranks of a tp or pp unit read one batch)
+    shared = system not in ("ddp", "dynshard-dynamic")
     lengths = lengths_of(0 if shared else rank, args.lengths, args.min_length, args.seq)
     lengths = lengths[:args.static_lengths] if shared else lengths
     if system == "ddp":
         dist.init_process_group("gloo")
         compiled = torch.compile(torch.nn.parallel.DistributedDataParallel(model))
-    elif system in ("dynshard-dynamic", "dynshard-dynamic-0"):
-        compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(), dynamic=True)
-    elif system == "tp-dynamic":
-        compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(policy="tp", plan_ngpus=2),
-                                 dynamic=True)
-    elif system == "tp-static":
-        torch._dynamo.config.recompile_limit = len(lengths) + 8
-        compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(policy="tp", plan_ngpus=2))
     else:
-        torch._dynamo.config.recompile_limit = len(lengths) + 8
-        compiled = torch.compile(model, backend="dynshard", options=dynshard.Config())
+        options, dynamic = SYSTEMS[system]
+        if not dynamic:
+            torch._dynamo.config.recompile_limit = len(lengths) + 8
+        compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(**options),
+                                 dynamic=True if dynamic else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(length: int, seed: int) -> float:
@@ -137,8 +143,7 @@ def main() -> None:
         rows.append((system, str(len(per_step[system])), str(ranks[0]["graphs"]),
                      f"{max(r['compile_s'] for r in ranks):.1f}", f"{1000 * statistics.median(per_step[system]):.1f}",
                      ratio(system, "ddp", ("dynshard-dynamic",)),
-                     ratio(system, "dynshard-static", ("dynshard-dynamic-0",)) if system != "tp-dynamic"
-                     else ratio(system, "tp-static", ("tp-dynamic",))))
+                     ratio(system, STATIC_OF.get(system, ""), tuple(STATIC_OF))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:
         print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)))

@@ -66,6 +66,8 @@ class PipelineReport:
     cache_hits: int
     plan: Plan | None = None              # the dynshard.Plan it executes
     trace_dir: str | None = None          # where its ranks write their traces (Config.trace_dir)
+    # the micro-batch shapes (of the graph's user inputs) this rank's stages were compiled at, per mode
+    compiled_shapes: tuple[tuple, ...] = ()
 
     def __str__(self) -> str:
         lines = [f"pipeline {self.key}: {len(self.stages)} stages, schedule {self.schedule}, "
@@ -76,6 +78,9 @@ class PipelineReport:
         lines += _table(rows)
         lines.append(f"  p2p per step (all ranks of a unit, forward + backward): {self.p2p_bytes} bytes; "
                      f"this rank sent {self.sent_bytes} bytes, idle {self.idle_fraction:.1%} of its latest step")
+        if len(self.compiled_shapes) > 1:
+            lines.append(f"  this rank's stages compiled at {len(self.compiled_shapes)} micro-batch shapes (grad mode, "
+                         f"the inputs' shapes): " + ", ".join(str(shape) for shape in self.compiled_shapes))
         lines += ["  " + line for line in self.grid.splitlines()]
         return "\n".join(lines)
 
@@ -431,4 +436,4 @@ def _pipeline_report(plan) -> PipelineReport:
         key=plan.key, schedule=plan.schedule.name, nmicros=plan.nmicros, stages=stages,
         grid=plan.schedule.format(comms=False), p2p_bytes=plan.p2p_bytes(), sent_bytes=plan.last_step.get("sent_bytes", 0),
         idle_fraction=plan.last_step.get("idle_fraction", 0.0), compile_seconds=plan.seconds, cache_hits=plan.hits,
-        plan=getattr(plan, "plan", None), trace_dir=plan.config.trace_dir)
+        plan=getattr(plan, "plan", None), trace_dir=plan.config.trace_dir, compiled_shapes=plan.compiled_shapes)

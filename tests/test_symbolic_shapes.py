@@ -1,6 +1,7 @@
 """Graphs with symbolic sizes (``dynamic=True``, ``mark_dynamic``): one plan and one Dynamo graph for every
 length, each unit holding its own lengths, training like one process (gloo). Units of one rank (dp, ZeRO)
-compile one program; units of several ranks (tp) a program per size, from the one plan."""
+compile one program; units of several ranks (tp), recompute and pipeline stages a program per size, from the
+one plan."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import pytest
 
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
-from workers_symbolic_shapes import (modes_and_ends, refused, saved_then_loaded, train_lengths, train_lengths_in_units,
-                                     trainer_padding)
+from workers_symbolic_shapes import (modes_and_ends, pipeline_duck_shaped, pipeline_lengths, saved_then_loaded, train_lengths,
+                                     train_lengths_in_units, trainer_padding)
 
 STEPS = 12     # 24 distinct lengths over the two ranks
 
@@ -63,15 +64,16 @@ def test_eval_modes_compile_once_each_and_the_ragged_last_batch_compiles_nothing
                         ("one row", 4)], seen
 
 
-@pytest.mark.parametrize("options, fix", [
-    ({"policy": "pp", "plan_ngpus": 2, "use_end2end": True, "pas_config": {"pipeline_nmicros": 2},
-      "compiler": "aot_eager"}, "pad_to_multiple_of"),                                     # one unit: a few lengths
-    ({"compiler": "aot_eager", "recompute_modules": "TokenMLP"}, "padding='max_length'"),   # two: one length
-], ids=["pp", "recompute"])
-def test_a_plan_of_static_shapes_refuses_a_symbolic_graph_on_every_rank(options, fix):
-    for message in run_ranks(refused, 2, options):
-        assert message.startswith("SymbolicShapesError") or "SymbolicShapesError" in message, message
-        assert "input x has symbolic sizes" in message and fix in message, message
+@pytest.mark.parametrize("world", [2, pytest.param(1, marks=pytest.mark.slow)], ids=["dp", "one-process"])
+def test_recompute_over_lengths_trains_like_one_process_from_one_graph_and_a_program_per_length(world):
+    """recompute_modules tags an ATen graph of static sizes: a program per length, from the one plan."""
+    for rank, result in enumerate(run_ranks(train_lengths, world, {"compiler": "aot_eager",
+                                                                   "recompute_modules": "ROOT"}, 4)):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert result["graphs"] == 1 and len(result["plans"]) == 1, result
+        (sizes,) = result["sizes"]
+        assert len(set(sizes)) == 4, sizes
+        assert result["saved"] == [0], result["saved"]      # ROOT: every activation recomputed
 
 
 @pytest.mark.parametrize("options", [{"compiler": "aot_eager"}, {"compiler": "aot_eager", "use_zero": 3}],
@@ -94,7 +96,8 @@ TP = {"policy": "tp", "compiler": "aot_eager"}
     pytest.param(2, {"compiler": "inductor"}, 1, marks=pytest.mark.slow),
     pytest.param(4, {"use_zero": 3}, 2, marks=pytest.mark.slow),
     pytest.param(2, {"policy": "data"}, 1, marks=pytest.mark.slow),
-], ids=["one-unit", "two-units", "inductor", "two-units-zero3-accumulation", "data"])
+    (2, {"policy": "autodist"}, 1),        # searched once, at the first call's sizes; it chooses tp here
+], ids=["one-unit", "two-units", "inductor", "two-units-zero3-accumulation", "data", "autodist"])
 def test_tp_trains_every_length_like_one_process_from_one_graph_and_one_plan(world, options, accumulation):
     """tp 2: a program per length the unit meets (4 steps, 4 lengths per unit; two units hold different ones),
     compiled from the one plan with no planning and nothing communicated."""
@@ -124,3 +127,36 @@ def test_trainer_with_a_padding_collator_under_tp_trains_like_one_process():
     (result, _) = run_ranks(trainer_padding, 2, {"policy": "tp", "compiler": "aot_eager"}, 6, 2)
     assert_trains_like_one_process(result)
     assert result["graphs"] == 1 and len(set(result["lengths"])) == 6, result["lengths"]
+
+
+PP = {"policy": "pp", "plan_ngpus": 2, "compiler": "aot_eager", "use_end2end": True,
+      "pas_config": {"pipeline_nmicros": 2}}
+
+
+@pytest.mark.parametrize("world, options, entry, per_step", [
+    (2, PP, "plain", [[5], [9], [12], [7]]),
+    pytest.param(2, {**PP, "pas_config": {"pipeline_nmicros": 2, "pipeline_scheduler": "1f1b"}}, "train_step",
+                 [[5], [9], [12], [7]], marks=pytest.mark.slow),
+    pytest.param(4, {**PP, "use_zero": 1}, "plain", [[5, 6], [9, 4], [12, 13], [7, 3]], marks=pytest.mark.slow),
+    pytest.param(4, {**PP, "policy": "hybrid", "plan_ngpus": 4,
+                     "pas_config": {"pipeline_nmicros": 2, "pipeline_nstages": 2}}, "plain",
+                 [[5], [9], [12], [7]], marks=pytest.mark.slow),
+], ids=["pp", "pp-1f1b-train-step", "pp-two-units-zero1", "hybrid"])
+def test_a_pipeline_trains_every_length_like_one_process_from_one_graph_and_one_plan(world, options, entry,
+                                                                                     per_step):
+    """A symbolic batch split into micro-batches (a Llama, sizes of its batch read inside the graph): the
+    stages compiled once per micro-batch shape, from the one plan; Dynamo traces once (no re-trace at the
+    micro-batch shape). Two units hold different lengths."""
+    results = run_ranks(pipeline_lengths, world, options, per_step, entry)
+    for rank, result in enumerate(results):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert result["graphs"] == 1 and len(result["plans"]) == 1, result
+        (shapes,) = result["shapes"]
+        unit = rank // options["plan_ngpus"]
+        assert [s[1] for s in shapes] == [(2, lengths[unit]) for lengths in per_step], shapes   # 4 rows, 2 micro
+
+
+def test_a_pipeline_refuses_a_batch_symbol_dynamo_shares_with_the_length_on_every_rank():
+    for message in run_ranks(pipeline_duck_shaped, 2, PP):
+        assert "SymbolicShapesError: dynshard:" in message, message
+        assert "input idx (d0, 4 rows) with the same symbol as dim 1 of idx (d0)" in message, message

@@ -112,19 +112,8 @@ def _train_over_lengths(rank: int, world: int, options: dict, per_step: list[lis
             "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
             "error": error, "graphs": _graphs(), "programs": len(report.programs),
             "plans": [json.loads(plan.to_json()) for plan in report.plans],
-            "sizes": [p.compiled_sizes for p in report.programs],
+            "sizes": [p.compiled_sizes for p in report.programs], "saved": [p.saved_bytes for p in report.programs],
             "local": {k: tuple(v.shape) for k, v in model.state_dict().items()}}
-
-
-def refused(rank: int, world: int, options: dict) -> str:
-    """What a symbolic graph under a plan of static shapes raises on this rank."""
-    model = TokenMLP()
-    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(**options), dynamic=True)
-    try:
-        compiled(*_batch(0, 0, 5))
-    except Exception as error:     # noqa: BLE001  (the test reads the type and message)
-        return f"{type(error).__name__}: {error}"
-    return "no error"
 
 
 def saved_then_loaded(rank: int, world: int, path: str, options: dict, load: bool) -> dict:
@@ -236,3 +225,85 @@ def trainer_padding(rank: int, world: int, options: dict, steps: int, plan_ngpus
             "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
             "lengths": [tuple(inputs["input_ids"].shape) for inputs, _ in fed], "graphs": _graphs(),
             "programs": len(dynshard.explain(compiled).programs)}
+
+
+# ------------------------------------------------------------------------- pipelines over lengths
+
+class _OneSample(torch.nn.Module):
+    """``model(sample)``, as ``dynshard.train_step`` calls it: the sample is ``(idx, tgt)``."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, sample):
+        return self.model(*sample)
+
+
+def pipeline_lengths(rank: int, world: int, options: dict, per_step: list[list[int]], entry: str = "plain",
+                     rows: int = 4) -> dict:
+    """A Llama (tests/models.LlamaLM) under a pipeline plan, compiled with ``dynamic=True``: each unit of
+    ``plan_ngpus`` ranks trains on its own length at every step (``per_step``: the lengths per unit).
+    ``entry`` "plain": ``model(batch).backward()``, the batch's mean loss; "train_step": one call per
+    micro-batch through ``dynshard.train_step``, the micro-batches' losses summed (nnScaler's semantics).
+    The one-process reference trains on every unit's batch, the units averaged as dp averages gradients."""
+    from models import GPTConfig, LlamaLM
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=64, seq=64, d_model=32, heads=4, layers=2)
+    model = _OneSample(LlamaLM(cfg))
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model if entry == "train_step" else model.model, backend="dynshard",
+                             options=dynshard.Config(**options), dynamic=True)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
+    plan_ngpus = options["plan_ngpus"]
+    units, unit = world // plan_ngpus, rank // plan_ngpus
+    m = options["pas_config"]["pipeline_nmicros"]
+    losses, ref_losses = [], []
+    for step, per_unit in enumerate(per_step):
+        batches = []
+        for u, length in enumerate(per_unit):
+            generator = torch.Generator().manual_seed(1000 * step + u)
+            batches.append(tuple(torch.randint(0, cfg.vocab, (rows, length), generator=generator) for _ in range(2)))
+        idx, tgt = batches[unit]
+        if entry == "train_step":
+            rows_of = lambda t, k: t[k * (rows // m):(k + 1) * (rows // m)]      # noqa: E731
+            samples = [(rows_of(idx, k), rows_of(tgt, k)) for k in range(m)]
+            loss = sum(float(v) for v in dynshard.train_step(compiled, samples))
+            ref_loss = sum(reference((rows_of(i, k), rows_of(t, k))) for i, t in batches for k in range(m)) / units
+        else:
+            loss = compiled(idx, tgt)
+            loss.backward()
+            loss = loss.item()
+            ref_loss = sum(reference(b) for b in batches) / units
+        ref_loss.backward()
+        for o in (opt, ref_opt):
+            o.step()
+            o.zero_grad()
+        mean = torch.tensor(loss)
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+        ref_losses.append(ref_loss.item())
+    report = dynshard.explain(compiled)
+    params = dynshard.collect_state_dict(compiled)
+    return {"losses": losses, "ref_losses": ref_losses,
+            "params": params if entry == "train_step" else {f"model.{k}": v for k, v in params.items()},
+            "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
+            "graphs": _graphs(), "plans": [json.loads(plan.to_json()) for plan in report.plans],
+            "shapes": [p.compiled_shapes for p in report.pipelines]}
+
+
+def pipeline_duck_shaped(rank: int, world: int, options: dict) -> str:
+    """What a pipeline raises on a symbolic graph whose first batch has as many rows as tokens (Dynamo then
+    gives both dimensions one symbol)."""
+    from models import GPTConfig, LlamaLM
+
+    model = LlamaLM(GPTConfig(vocab=64, seq=64, d_model=32, heads=4, layers=2))
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(**options), dynamic=True)
+    idx = torch.randint(0, 64, (4, 4))
+    try:
+        compiled(idx, idx).backward()
+    except Exception as error:     # noqa: BLE001  (the test reads the type and message)
+        return f"{type(error).__name__}: {error}"
+    return "no error"

@@ -33,11 +33,11 @@ from .autodist import autodist_plan
 from .capture import describe_inputs, keep_floats_constant, raising_not_breaking
 from .compile import compile_program
 from .pipeline import plan_pipeline
-from .plan_and_compile import plan_and_compile
+from .plan_and_compile import local_example, plan_and_compile
 from .plan_cache import PLANS, modes_token, plan_key
 from .plan_files import PLAN_FILES
 from .plan_once import plan_once
-from .shapes import at_sizes, check_symbolic_shapes
+from .shapes import at_sizes, check_symbolic_shapes, compiles_per_size
 from .planner import planner_plan
 
 log = logging.getLogger("dynshard")
@@ -76,7 +76,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         _logged_configs.add(config.describe())
         log.info("%s", config.describe())
     layout = layout_for(outline.mesh.plan_ngpus, device_type, outline.mesh.pp)
-    check_symbolic_shapes(inputs, layout, outline.pipeline is not None, bool(outline.recompute))
+    check_symbolic_shapes(inputs, layout)
 
     key = plan_key(gm.code, inputs, config, layout, None if given is None else given.digest())
     ensure_ranks_agree(key, gm.code, inputs, config, layout)
@@ -91,14 +91,17 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
 
     ctx = PassContext(config=config, outline=outline, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
                       made_for=made_for, given=given, policy=place)
+    per_size = compiles_per_size(inputs, layout, outline)
     if layout.mesh is None:   # a single process: nothing to place, compile as it is
         ctx.placements = {i.index: () for i in inputs}
         ctx.plan = record_plan(gm, ctx)
         gm = cast_to_compute_dtype(gm, ctx)
-        compiled = compile_program(tag_single_process(gm, example_inputs, ctx), example_inputs, config.compiler,
-                                   layout, config.inference_only, symbolic=any(inp.is_symbolic for inp in inputs))
-        plan = CompiledPlan(key, inputs, ctx.placements, {}, layout, compiled, None, [],
-                            config.inference_only)
+        compiled = _single_process_at(gm, ctx, inputs) if per_size else compile_program(
+            tag_single_process(gm, example_inputs, ctx), example_inputs, config.compiler, layout,
+            config.inference_only, symbolic=any(inp.is_symbolic for inp in inputs))
+        plan = CompiledPlan(key, inputs, ctx.placements, {}, layout, compiled, None, [], config.inference_only,
+                            build_sized=(lambda args, sync: _single_process_at(gm, ctx, at_sizes(inputs, args)))
+                            if per_size else None)
     else:
         compiled = plan_once(ctx, key, lambda before, after: _compile_planned(gm, ctx, device_type, before, after,
                                                                               example_inputs))
@@ -109,8 +112,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
                             input_check=InputCheck.for_program(inputs, layout, config.verify_inputs_every,
                                                                 ctx.draws_random),
                             buffer_sync=BufferSync.for_inputs(inputs, layout.dp_group, config.broadcast_buffers),
-                            build_sized=_sized_builder(gm, ctx, device_type) if layout.tp_mesh is not None and any(
-                                inp.is_symbolic for inp in inputs) else None)
+                            build_sized=_sized_builder(gm, ctx, device_type) if per_size else None)
     plan.plan = ctx.plan
     PLAN_FILES.record(config, ctx.plan, layout.rank)
     _drop_guards_on_sharded(gm, plan)
@@ -173,6 +175,13 @@ def _sized_builder(gm: fx.GraphModule, planned: PassContext, device_type: str):
         log.info("compiled plan %s at the sizes %s in %.2fs", planned.made_for, sizes_of(ctx.inputs), program.seconds)
         return program
     return build
+
+
+def _single_process_at(gm: fx.GraphModule, ctx: PassContext, inputs):
+    """One process's program at the sizes of ``inputs`` (a symbolic graph lowered to ATen for recompute)."""
+    examples = [local_example(inp, (), None, ctx.layout) for inp in inputs]
+    return compile_program(tag_single_process(gm, examples, ctx), examples, ctx.config.compiler, ctx.layout,
+                           ctx.config.inference_only)
 
 
 def _drop_guards_on_sharded(gm: fx.GraphModule, plan: CompiledPlan) -> None:

@@ -84,7 +84,8 @@ def describe_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[G
     symbols = compat.rename_symbols([compat.symbolic_dims(node) for node in placeholders])
     described = []
     for index, (node, value, dims) in enumerate(zip(placeholders, example_inputs, symbols)):
-        if isinstance(value, torch.SymInt):
+        # (an int where Dynamo traced a SymInt: a pipeline stage of a symbolic graph, at a micro-batch's sizes)
+        if isinstance(value, torch.SymInt) or (isinstance(value, int) and dims is not None):
             described.append(GraphInput(
                 index=index, name=str(node.target), kind="size", shape=torch.Size(), stride=(), dtype=torch.int64,
                 device=torch.device("cpu"), requires_grad=False, tag=None, symbols=dims,

@@ -32,6 +32,7 @@ from .capture import describe_inputs
 from .compile import compile_program
 from .plan_and_compile import copy_graph, plan_and_compile
 from .plan_once import plan_once
+from .shapes import check_micro_batch_split
 from .split_backward import compiled_backward
 from .stage_plans import merge_stage_plans, plan_stages, stage_context, stage_plan
 
@@ -52,6 +53,7 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, outline: P
     nstages, nranks, m = pipeline.nsegments, layout.pp_size, pipeline.nmicros
     first = pipeline.all_device_first
     schedule = build_schedule(pipeline.schedule, nstages, m, nranks, first)
+    check_micro_batch_split(inputs, m)
     ctx = PassContext(config=config, outline=outline, layout=layout, inputs=inputs, fake_mode=compat.new_fake_mode(),
                       made_for=made_for, given=given)
     _cut_once(copy_graph(gm), ctx, key, schedule)
@@ -76,7 +78,8 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, outline: P
         if layout.tp_size > 1:
             return _tensor_parallel_stage(stage, tensors, ctx, layout, key, device_type, backward)
         # (what it compiled, what the executor calls)
-        examples = [torch.empty(a.shape, dtype=a.dtype, device=a.device).requires_grad_(a.requires_grad) for a in args]
+        examples = [torch.empty(a.shape, dtype=a.dtype, device=a.device).requires_grad_(a.requires_grad)
+                    if isinstance(a, torch.Tensor) else a for a in args]
         stage_ctx = PassContext(config=config, outline=ctx.plan, layout=layout, inputs=inputs,
                                 fake_mode=compat.new_fake_mode(), stage_program=True)
         module = tag_single_process(stage.module, examples, stage_ctx)    # recompute_modules, when asked for
@@ -91,7 +94,7 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, outline: P
         # Trainer's num_items_in_batch, the count a summed loss is divided by, is one)
         batch_inputs = [i.index for i in inputs if i.kind == "input" and len(i.shape) > 0]
         # by their metadata: by now this rank holds only its stages' parameters
-        examples = [torch.empty(i.shape, dtype=i.dtype, device="meta") for i in inputs]
+        examples = [i.value if i.kind == "size" else torch.empty(i.shape, dtype=i.dtype, device="meta") for i in inputs]
         return microbatch_combine(gm, examples, batch_inputs, m)
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]

@@ -11,6 +11,7 @@ import torch.fx as fx
 from .. import compat
 from ..config import Config
 from ..passes import PASSES, PassContext, assign_placements, run_passes
+from ..passes.lower_to_aten import lowers
 from ..runtime.materialize import default_device
 from ..runtime.sharding import stored_shape
 from ..runtime.zero import zero_groups
@@ -36,10 +37,10 @@ def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str,
     if after_policy is not None:
         after_policy(ctx)
     lowered = run_passes(lowered, ctx, PASSES[policy + 1:])
-    local_inputs = [_local_example(inp, ctx.placements[inp.index], ctx.zero_of(inp), layout) for inp in ctx.inputs]
-    # one program for every size of the family, compiled on Dynamo's symbols, where a unit is one rank; a
-    # unit of several ranks compiles at the inputs' sizes (see .shapes)
-    symbolic = layout.tp_mesh is None and any(inp.is_symbolic for inp in ctx.inputs)
+    local_inputs = [local_example(inp, ctx.placements[inp.index], ctx.zero_of(inp), layout) for inp in ctx.inputs]
+    # one program for every size of the family, compiled on Dynamo's symbols, where the passes do not lower
+    # the graph; else the program is compiled at the inputs' sizes (see .shapes)
+    symbolic = not lowers(layout, ctx.outline) and any(inp.is_symbolic for inp in ctx.inputs)
     if symbolic:
         local_inputs = compat.symbolic_examples(example_inputs, local_inputs)
     program = compile_program(lowered, local_inputs, config.compiler, layout, config.inference_only,
@@ -75,7 +76,7 @@ def _reshard_pass(ctx: PassContext):
     return reshard_pass(groups)
 
 
-def _local_example(inp, placements, zero, layout) -> torch.Tensor:
+def local_example(inp, placements, zero, layout) -> torch.Tensor:
     """A tensor of the shape and device ``inp`` arrives in at run time; a meta parameter (a meta-built model
     Dynamo traced as it is) arrives materialised on the current device."""
     shape = stored_shape(inp.shape, layout, placements, zero) if inp.is_state or inp.is_split_value else inp.shape

@@ -8,7 +8,8 @@ only what the collectives carry (the parameters' gradients and shards) must agre
 
 - **Units of one rank** (dp, ZeRO 1-3) compile one program on Dynamo's symbols: their programs split no
   dimension of a user input, and the Dynamo graph reaches aot_autograd as it is.
-- **Units of several ranks** (tp, sequence parallel, ``data``) compile a static program per size the unit
+- **Graphs whose passes lower them to ATen** (units of several ranks: tp, sequence parallel, ``data``; and
+  ``recompute_modules``, whose tags are placed on ATen ops) compile a static program per size the unit
   meets, from the one plan (:func:`at_sizes`): no planning, no agreement, nothing communicated, only the
   passes and the compile at those sizes (``CompiledPlan.build_sized``). Why not one program on the
   symbols: the placement passes lower the graph to ATen on FakeTensors and ask DTensor's cached propagation
@@ -17,36 +18,42 @@ only what the collectives carry (the parameters' gradients and shards) must agre
   still traces once, so its recompile limit is never reached. Where the plan splits a dimension the size
   does not divide (sequence parallel's sequence, ``data``'s batch), ``propagate_sharding`` raises before
   the program is compiled, naming the value, the dimension, the size and the fix.
-- **Pipelines and recompute tags** (``recompute_modules``) refuse a symbolic graph with
-  :class:`SymbolicShapesError`: a pipeline splits the batch into micro-batches of a size it plans, and the
-  recompute tags are placed on an ATen graph of static sizes.
+- **Pipelines** (pp, hybrid) cut the one symbolic graph once, at its hints, and compile each rank's stages
+  per micro-batch shape, as they always have: a call's batch is split along dim 0, and the size inputs that
+  are the batch's symbol are divided with it, so the stage graphs run on micro-batches with no re-trace.
+  :func:`check_micro_batch_split` refuses a batch symbol Dynamo also gave another dimension.
+- **A split value** (a DTensor another program returned) with symbolic sizes, under a unit of several ranks,
+  is refused with :class:`SymbolicShapesError` (:func:`check_symbolic_shapes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any, Sequence
 
 import torch
 
 from ..config.errors import SymbolicShapesError
+from ..passes.lower_to_aten import lowers
 from ..runtime.graph_inputs import GraphInput
 from ..runtime.mesh import Layout
 
-__all__ = ["SymbolicShapesError", "at_sizes", "check_symbolic_shapes"]
+__all__ = ["SymbolicShapesError", "at_sizes", "check_micro_batch_split", "check_symbolic_shapes", "compiles_per_size"]
 
 
-def check_symbolic_shapes(inputs: Sequence[GraphInput], layout: Layout, pipelined: bool, recompute: bool) -> None:
+def compiles_per_size(inputs: Sequence[GraphInput], layout: Layout, outline) -> bool:
+    """Whether a graph's program is compiled at each size its unit meets, from its one plan (a symbolic graph
+    whose passes lower it to ATen: a unit of several ranks, or recompute), rather than once."""
+    return any(inp.is_symbolic for inp in inputs) and lowers(layout, outline)
+
+
+def check_symbolic_shapes(inputs: Sequence[GraphInput], layout: Layout) -> None:
     symbolic = sorted((inp for inp in inputs if inp.is_symbolic), key=lambda inp: inp.kind == "size")
-    if not symbolic:
-        return
     split_values = [inp.name for inp in symbolic if inp.is_split_value]
-    reason = ("its pipeline splits the batch into micro-batches" if pipelined
-              else "recompute_modules lowers the graph to ATen at static sizes" if recompute
-              else f"its unit of {layout.plan_ngpus} ranks receives {split_values[0]} split (a DTensor)"
-              if split_values and layout.plan_ngpus > 1 else None)
-    if reason is None:
+    if not split_values or layout.plan_ngpus == 1:
         return
+    reason = f"its unit of {layout.plan_ngpus} ranks receives {split_values[0]} split (a DTensor)"
     # every unit must then hold the same shape at each step: with one unit a few lengths will do
     units = layout.world_size // layout.plan_ngpus
     fix = ("pad every row to one length (padding='max_length'): the job's units must hold the same shapes at "
@@ -60,8 +67,27 @@ def check_symbolic_shapes(inputs: Sequence[GraphInput], layout: Layout, pipeline
         what = f"input {first.name} has symbolic sizes ({dims} of {list(first.family_shape())})"
     raise SymbolicShapesError(
         f"dynshard: {what}, and this plan "
-        f"compiles static shapes only: {reason}. Symbolic sizes are compiled without a pipeline and without "
-        f"recompute_modules. Here, compile without dynamic=True / mark_dynamic and {fix}")
+        f"compiles static shapes only: {reason}. Here, compile without dynamic=True / mark_dynamic and {fix}")
+
+
+def check_micro_batch_split(inputs: Sequence[GraphInput], nmicros: int) -> None:
+    """A pipeline gives its stages the batch's symbol divided by ``nmicros``: refused where Dynamo gave that
+    symbol to another dimension too (duck shaping: dimensions of equal size at the first call share one)."""
+    batch = {inp.symbols[0]: inp for inp in inputs if inp.kind == "input" and inp.symbols and inp.symbols[0]}
+    for inp in inputs:
+        for dim, symbol in enumerate(inp.symbols or ()):
+            if symbol is None or (dim == 0 and inp.kind == "input") or inp.kind == "size":
+                continue
+            shared = next((s for s in batch if re.search(rf"\b{s}\b", symbol)), None)
+            if shared is not None and nmicros > 1:
+                first = batch[shared]
+                raise SymbolicShapesError(
+                    f"dynshard: Dynamo traced the batch of input {first.name} ({shared}, {first.shape[0]} rows) "
+                    f"with the same symbol as dim {dim} of {inp.name} ({symbol}): at the first call they were the "
+                    f"same size, and Dynamo gives equal sizes one symbol. The pipeline splits the batch into "
+                    f"{nmicros} micro-batches and not that dimension, so the graph cannot run on them. Make the "
+                    f"first batch's rows differ from its other sizes, or mark the dimensions dynamic one by one "
+                    f"(torch._dynamo.mark_dynamic) with torch.fx.experimental._config.use_duck_shape = False")
 
 
 def at_sizes(inputs: Sequence[GraphInput], args: Sequence[Any]) -> list[GraphInput]:

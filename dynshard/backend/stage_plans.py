@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from .. import compat
 from ..passes import PASSES, PassContext, propagate_sharding, run_passes
 from ..planning import STAGE_SEPARATOR, ActivationChoice, Plan, TensorChoice
@@ -48,14 +50,16 @@ def plan_stages(ctx: PassContext, stages, planned: set[int]) -> dict[int, Plan]:
 
 def stage_inputs(stage, inputs: list[GraphInput]) -> list[GraphInput]:
     """A stage graph's inputs as its compile describes them: the captured graph's inputs it reads, then the
-    values it receives (whole, at the captured shape)."""
+    values it receives (whole, at the captured shape: a symbolic graph's at its hints)."""
     described = [dataclasses.replace(inputs[i], index=j) for j, i in enumerate(stage.graph_inputs)]
     placeholders = [n for n in stage.module.graph.nodes if n.op == "placeholder"][len(described):]
     for node in placeholders:
         value = node.meta["example_value"]
         described.append(GraphInput(index=len(described), name=str(node.target), kind="input",
-                                    shape=value.shape, stride=tuple(value.stride()), dtype=value.dtype,
-                                    device=value.device, requires_grad=value.requires_grad, tag=None))
+                                    shape=torch.Size(compat.size_hint(d) for d in value.shape),
+                                    stride=tuple(compat.size_hint(d) for d in value.stride()), dtype=value.dtype,
+                                    device=value.device, requires_grad=value.requires_grad, tag=None,
+                                    symbols=compat.symbolic_dims(node)))
     return described
 
 

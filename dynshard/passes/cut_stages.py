@@ -106,12 +106,15 @@ def _measure_flops(gm: fx.GraphModule, ctx: PassContext) -> dict[fx.Node, int]:
     counter = FlopCounterMode(display=False)
     measured: dict[Any, int] = {}
 
-    def fresh(arg: fx.Node):        # (a value of this fake mode like the one Dynamo recorded)
+    def fresh(arg: fx.Node):        # (a value of this fake mode like the one Dynamo recorded, at its hints)
         value = arg.meta["example_value"]
+        if isinstance(value, torch.SymInt):
+            return compat.size_hint(value)
         if not isinstance(value, torch.Tensor):
             return value
         device = ctx.layout.device_type if value.device.type == "meta" else value.device
-        return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device)
+        return torch.empty_strided([compat.size_hint(d) for d in value.shape],
+                                   [compat.size_hint(d) for d in value.stride()], dtype=value.dtype, device=device)
 
     with ctx.fake_mode, counter, torch.no_grad():
         for node, signature in signatures.items():

@@ -17,9 +17,16 @@ def lower_to_aten(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """Units of one rank (data parallelism, ZeRO) have nothing to place: their Dynamo graph only gains
     the data-parallel wrappers, and aot_autograd lowers it once, in the compile. Recompute tags need
     ATen ops, so ``recompute_modules`` lowers here too."""
-    if ctx.layout.tp_mesh is None and not ctx.outline.recompute:
+    if not lowers(ctx.layout, ctx.outline):
         return gm
     return lower(gm, ctx)
+
+
+def lowers(layout, outline) -> bool:
+    """Whether the passes lower the graph to ATen (at static sizes: a symbolic graph's program is then
+    compiled once per size, see ``backend.shapes``): a unit of several ranks places its ops, and recompute
+    tags ATen ops."""
+    return layout.tp_mesh is not None or bool(outline.recompute)
 
 
 def lower(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -105,7 +105,7 @@ def _bytes_of(plan: Plan, tensors: list[TensorChoice], ranks: str) -> RankBytes:
     totals: dict[str, int] = defaultdict(int)
     exact = True
     for tensor, count in Counter(tensors).items():      # (a model's repeated layers: the same choices, costed once)
-        if tensor.kind == "input":
+        if tensor.kind in ("input", "size"):
             continue
         numel, precise = local_numel(plan, tensor)
         numel *= count

@@ -32,6 +32,7 @@ from ..config import Config
 from ..config.pins import pin_of, split_dim
 from ..passes.assign_placements import zero_specs
 from ..passes.context import ActivationPlacement, PassContext
+from ..passes.lower_to_aten import lowers
 from ..passes.propagate_sharding import Propagation, propagate
 from ..runtime.sharding import check_divisible, placements_for
 from ..runtime.zero import ZeroSpec
@@ -143,7 +144,7 @@ class PlanBuilder:
     def recompute(self, *modules: str) -> None:
         """Recompute the activations of these modules (class names or module paths, as ``recompute_modules``)
         in the backward instead of keeping them; replaces the config's choice for this graph."""
-        if self.ctx.layout.tp_mesh is None and not self.ctx.outline.recompute:
+        if not lowers(self.ctx.layout, self.ctx.outline):
             raise PlanError("dynshard: a policy chooses recompute on the ATen graph, which a plan unit of one rank "
                             "does not lower; set Config(recompute_modules=...) for units of one rank")
         self.ctx.recompute = tuple(m.strip() for m in modules if m.strip())

@@ -91,6 +91,12 @@ class PipelinePlan:
                                    _programs={}, compiled={}, _metas={})
 
     @property
+    def compiled_shapes(self) -> tuple[tuple, ...]:
+        """The micro-batch shapes this rank's stage programs were compiled at: (grad mode, the user inputs'
+        shapes) each, in compile order."""
+        return tuple(self._programs)
+
+    @property
     def nmicros(self) -> int:
         return self.plan.pipeline.nmicros
 
@@ -146,6 +152,25 @@ class PipelinePlan:
                     self._metas[shapes] = error
         return self._metas[shapes]
 
+    def outputs_at(self, mb_args: list[list[Any]], whole: bool) -> list[ValueMeta | None]:
+        """The graph's outputs' metadata for micro-batches shaped like ``mb_args[0]`` (``whole``: for the
+        batch they were split from): ``output_metas`` where the graph's sizes are static, else found by the
+        fake run of the stages at that shape."""
+        if not any(inp.is_symbolic for inp in self.inputs):
+            return self.output_metas
+        metas = self.boundary_metas(mb_args)
+        outputs = []
+        for position, (ref, meta) in enumerate(zip(self.staged.outputs, self.output_metas)):
+            if ref[0] != "value" or meta is None:
+                outputs.append(meta)
+                continue
+            micro = metas[ref[1]]
+            shape = micro.shape
+            if whole and self.combine[position] == "cat":
+                shape = torch.Size([shape[0] * len(mb_args), *shape[1:]])
+            outputs.append(dataclasses.replace(micro, shape=shape))
+        return outputs
+
     def runs_micro_batches(self, mb_args: list[list[Any]]) -> bool:
         """Whether the stage graphs run on micro-batches shaped like ``mb_args[0]``."""
         return not isinstance(self.boundary_metas(mb_args), Exception)
@@ -180,7 +205,9 @@ class PipelinePlan:
         return self._programs[shapes]
 
 
-def _example(inp, value, device) -> torch.Tensor:
+def _example(inp, value, device) -> torch.Tensor | int:
+    if inp.kind == "size":
+        return int(value)
     shape = inp.shape if inp.is_state else value.shape
     return torch.empty(shape, dtype=inp.dtype, device=device).requires_grad_(inp.requires_grad)
 
@@ -289,9 +316,11 @@ class PipelineProgram:
 
     # -- pieces the steps share ----------------------------------------------------------------------
     def split(self, args) -> list[list[Any]]:
-        """The micro-batches of a call: every tensor input split along dim 0 into pipeline_nmicros."""
+        """The micro-batches of a call: every tensor input split along dim 0 into pipeline_nmicros, and a
+        symbolic size that is the batch's (the symbol of a split input's dim 0) divided with it."""
         m = self.plan.nmicros
         mb_args = [list(args) for _ in range(m)]
+        batch_symbols = set()
         for inp in self.plan.inputs:
             value = args[inp.index]
             if inp.kind != "input" or value.dim() == 0:
@@ -301,6 +330,12 @@ class PipelineProgram:
                                  f"pipeline_nmicros={m} micro-batches along dim 0; use a batch divisible by {m}")
             for mb, piece in enumerate(value.chunk(m)):
                 mb_args[mb][inp.index] = piece
+            if inp.symbols is not None and inp.symbols[0] is not None:
+                batch_symbols.add(inp.symbols[0])
+        for inp in self.plan.inputs:
+            if inp.kind == "size" and inp.symbols[0] in batch_symbols:
+                for mb in range(m):
+                    mb_args[mb][inp.index] = int(args[inp.index]) // m
         return mb_args
 
     def run(self, schedule, mb_args, train: bool, seed_fn=None, actions=None) -> StepRun:
@@ -349,7 +384,7 @@ class PipelineProgram:
         """The whole batch's outputs on every rank, from the micro-batches' on the last stage's rank."""
         plan = self.plan
         outputs, tensors = [], []
-        for position, (ref, meta) in enumerate(zip(plan.staged.outputs, plan.output_metas)):
+        for position, (ref, meta) in enumerate(zip(plan.staged.outputs, plan.outputs_at(run.args, whole=True))):
             if ref[0] == "constant":
                 outputs.append(ref[1])
                 continue

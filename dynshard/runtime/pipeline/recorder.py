@@ -30,7 +30,7 @@ class Recorder:
     def record(self, program, args) -> list[Any]:
         plan = program.plan
         outputs = []
-        for ref, meta in zip(plan.staged.outputs, plan.output_metas):
+        for ref, meta in zip(plan.staged.outputs, plan.outputs_at([args], whole=False)):
             if ref[0] == "constant":
                 outputs.append(ref[1])
             elif ref[0] == "input":
