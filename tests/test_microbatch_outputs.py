@@ -333,3 +333,50 @@ def test_with_no_process_group_and_with_a_real_gloo_group_of_one():
     assert run.returncode == 0, run.stderr[-3000:]
     lines = [line for line in run.stdout.splitlines() if line.startswith(("none", "gloo"))]
     assert lines == ["none ['cat', 'mean']", "gloo gloo 1 ['cat', 'mean']"]
+
+
+def combine_symbolic(model, inputs, nmicros):
+    """``combine`` on the graph Dynamo traces with ``dynamic=True``: its batch's size input given as the
+    pipeline gives it (divided with the batch)."""
+    found = []
+
+    def backend(gm, example_inputs):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        batch = [i for i, value in enumerate(example_inputs) if any(value is t for t in inputs)]
+        rows = str(placeholders[batch[0]].meta["example_value"].shape[0])
+        sizes = [i for i, value in enumerate(example_inputs) if isinstance(value, torch.SymInt) and str(value) == rows]
+        hinted = [int(str(v.node.hint)) if isinstance(v, torch.SymInt) else v for v in example_inputs]
+        found.append(microbatch_combine(gm, hinted, batch, nmicros, sizes))
+        return gm.forward
+
+    try:
+        torch.compile(model, backend=backend, fullgraph=True, dynamic=True)(*inputs)
+    except torch._dynamo.exc.BackendCompilerFailed as failed:
+        raise failed.inner_exception from None
+    return found[0]
+
+
+def _masked_by_positions(module, x, mask):
+    """transformers' padding mask: the mask read by the batch's positions (``masking_utils.sdpa_mask``)."""
+    rows = torch.arange(x.shape[0])[:, None, None]
+    keep = mask[rows, torch.arange(x.shape[1])[None, None, :]]      # [B, 1, T]
+    return (module.fc(x) * keep.transpose(1, 2)).mean()
+
+
+def test_a_symbolic_batchs_positions_index_its_rows_and_the_outputs_combine_exactly():
+    model = Lambda(_masked_by_positions)
+    x, mask = torch.randn(8, 5, 16), (torch.rand(8, 5) > 0.3).float()
+    kinds = combine_symbolic(model, [x, mask], 4)
+    assert kinds == ["mean"], kinds
+    assert_exact(model, [x, mask], kinds, 4)
+    with pytest.raises(MicrobatchError, match="needs the whole batch at once"):     # static: arange(8), a constant
+        combine(model, [x, mask], 4)
+
+
+def test_anything_else_computed_from_a_symbolic_batchs_positions_is_refused():
+    def first_row_only(module, x, mask):
+        first = (torch.arange(x.shape[0]) == 0).float()       # each micro-batch's first row, not the batch's
+        return (module.fc(x).mean((1, 2)) * first).sum()
+
+    with pytest.raises(MicrobatchError, match="computes with the batch's positions"):
+        combine_symbolic(Lambda(first_row_only), [torch.randn(8, 5, 16), torch.ones(8, 5)], 4)

@@ -123,8 +123,12 @@ def test_a_sequence_parallel_split_of_a_length_it_does_not_divide_is_refused_on_
         assert "does not divide by 2" in error and "pad_to_multiple_of=2" in error, error
 
 
-def test_trainer_with_a_padding_collator_under_tp_trains_like_one_process():
-    (result, _) = run_ranks(trainer_padding, 2, {"policy": "tp", "compiler": "aot_eager"}, 6, 2)
+@pytest.mark.parametrize("options", [{"policy": "tp"}, {"policy": "pp", "use_end2end": True,
+                                                     "pas_config": {"pipeline_nmicros": 2}}], ids=["tp", "pp"])
+def test_trainer_with_a_padding_collator_in_one_unit_of_two_ranks_trains_like_one_process(options):
+    """pp: the padding mask transformers reads by the batch's positions splits into micro-batches, and
+    Trainer's clipping (accelerate's get_total_norm) sees the global norm."""
+    (result, _) = run_ranks(trainer_padding, 2, {"compiler": "aot_eager", **options}, 6, 2)
     assert_trains_like_one_process(result)
     assert result["graphs"] == 1 and len(set(result["lengths"])) == 6, result["lengths"]
 

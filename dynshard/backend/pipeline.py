@@ -24,6 +24,7 @@ from ..runtime.pipeline.groups import PipelineGroups
 from ..runtime.pipeline.program import PipelinePlan, ValueMeta
 from ..runtime.pipeline.retrace import FrameCall
 from ..runtime.buffer_sync import BufferSync
+from ..runtime.graph_inputs import batch_size_inputs
 from ..runtime.pipeline.schedules import build_schedule
 from ..runtime.program import CompiledPlan, ShardedProgram
 from ..runtime.unit_inputs import InputCheck
@@ -95,7 +96,7 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, outline: P
         batch_inputs = [i.index for i in inputs if i.kind == "input" and len(i.shape) > 0]
         # by their metadata: by now this rank holds only its stages' parameters
         examples = [i.value if i.kind == "size" else torch.empty(i.shape, dtype=i.dtype, device="meta") for i in inputs]
-        return microbatch_combine(gm, examples, batch_inputs, m)
+        return microbatch_combine(gm, examples, batch_inputs, m, batch_size_inputs(inputs))
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     frame_call = FrameCall.capture(compat.compiling_frame(), {

@@ -36,7 +36,7 @@ import torch
 
 from ..config.errors import SymbolicShapesError
 from ..passes.lower_to_aten import lowers
-from ..runtime.graph_inputs import GraphInput
+from ..runtime.graph_inputs import GraphInput, batch_size_inputs
 from ..runtime.mesh import Layout
 
 __all__ = ["SymbolicShapesError", "at_sizes", "check_micro_batch_split", "check_symbolic_shapes", "compiles_per_size"]
@@ -73,14 +73,17 @@ def check_symbolic_shapes(inputs: Sequence[GraphInput], layout: Layout) -> None:
 def check_micro_batch_split(inputs: Sequence[GraphInput], nmicros: int) -> None:
     """A pipeline gives its stages the batch's symbol divided by ``nmicros``: refused where Dynamo gave that
     symbol to another dimension too (duck shaping: dimensions of equal size at the first call share one)."""
-    batch = {inp.symbols[0]: inp for inp in inputs if inp.kind == "input" and inp.symbols and inp.symbols[0]}
+    if nmicros == 1:
+        return
+    batch = {inputs[i].symbols[0] for i in batch_size_inputs(inputs)}
+    firsts = {inp.symbols[0]: inp for inp in inputs if inp.kind == "input" and inp.symbols and inp.symbols[0]}
     for inp in inputs:
         for dim, symbol in enumerate(inp.symbols or ()):
             if symbol is None or (dim == 0 and inp.kind == "input") or inp.kind == "size":
                 continue
             shared = next((s for s in batch if re.search(rf"\b{s}\b", symbol)), None)
-            if shared is not None and nmicros > 1:
-                first = batch[shared]
+            if shared is not None:
+                first = firsts[shared]
                 raise SymbolicShapesError(
                     f"dynshard: Dynamo traced the batch of input {first.name} ({shared}, {first.shape[0]} rows) "
                     f"with the same symbol as dim {dim} of {inp.name} ({symbol}): at the first call they were the "

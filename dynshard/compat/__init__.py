@@ -19,6 +19,7 @@ from torch._ops import OpOverload
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
 from torch.utils import _pytree as pytree  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
+from torch.utils._python_dispatch import _disable_current_modes as outside_dispatch_modes  # noqa: F401
 
 # how each rank's program is compiled
 from .cpu_attention import register_cpu_attention

@@ -65,7 +65,9 @@ Exactness notes:
   whole batch's size and called it a "sum": a plain call under ``pp`` returned m times the loss).
 * Conservative: a value of the batch normalised by a count computed from the batch outside the losses
   above is refused even when the count is the same in every micro-batch (``x.sum() / (y > 0).sum()``),
-  and so is indexing the batch with ``torch.arange(B)``.
+  and so is indexing the batch with ``torch.arange(B)`` where B is a number (a static graph); a symbolic
+  graph's ``torch.arange`` over its batch's size input indexes each micro-batch's rows
+  (:mod:`.microbatch_positions`).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import compat
 from ..compat import TorchDispatchMode, pytree
+from .microbatch_positions import NOT_HERE, BatchPositions
 from .microbatch_weights import WeightedMean, mean_loss, weighted_mean
 from .propagate_sharding import source_line
 
@@ -114,16 +117,17 @@ def seed_scale(kind: str, nmicros: int) -> float:
 
 
 def microbatch_combine(gm: fx.GraphModule, example_inputs: Sequence[Any], batch_inputs: Sequence[int],
-                       nmicros: int) -> list[str]:
+                       nmicros: int, batch_sizes: Sequence[int] = ()) -> list[str]:
     """How each output of ``gm`` combines over ``nmicros`` micro-batches: "cat", "mean", "sum" or "same";
     a mean weighted by each micro-batch's count of counted targets is a :class:`WeightedMean` (equal to
     "mean"; its ``combine(pieces, graph_inputs)`` and ``scales(graph_inputs, nmicros)`` weigh them).
 
     ``gm`` is a Dynamo-captured graph (parameters are placeholders too), ``example_inputs`` its example
     inputs (real or fake tensors; only their metadata is read), ``batch_inputs`` the indices of the
-    placeholders split along dim 0. Raises :class:`MicrobatchError` for an output that no combination
-    of the micro-batch outputs gives exactly, or when a batch input does not split into ``nmicros``
-    equal parts.
+    placeholders split along dim 0, ``batch_sizes`` those of a symbolic graph's size inputs that are the
+    batch's size (divided with the batch: :mod:`.microbatch_positions`). Raises :class:`MicrobatchError`
+    for an output that no combination of the micro-batch outputs gives exactly, or when a batch input does
+    not split into ``nmicros`` equal parts.
     With one micro-batch every output is "same" (the micro-batch is the batch).
     """
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -171,7 +175,8 @@ def microbatch_combine(gm: fx.GraphModule, example_inputs: Sequence[Any], batch_
         args.append(DTensor.from_local(local, mesh, [Shard(0) if split else Replicate()], run_check=False,
                                        shape=value.shape, stride=tuple(value.stride())))
     mode = _MicrobatchMode(mesh, unsplit, inputs)
-    interpreter = _Interpreter(gm, mode)
+    positions = BatchPositions({placeholders[i] for i in batch_sizes}, mesh, mode.refuse_node)
+    interpreter = _Interpreter(gm, mode, positions)
     try:
         with torch.no_grad(), mode:
             result = interpreter.run(*args)
@@ -219,9 +224,10 @@ def _kind(index: int, node, value, nmicros: int) -> str:
 
 # -- propagation ------------------------------------------------------------------------------------------
 class _Interpreter(fx.Interpreter):
-    def __init__(self, gm: fx.GraphModule, mode: "_MicrobatchMode"):
+    def __init__(self, gm: fx.GraphModule, mode: "_MicrobatchMode", positions: BatchPositions):
         super().__init__(gm)
         self.mode = mode
+        self.positions = positions
         self.weighted: dict[fx.Node, WeightedMean] = {}   # nodes whose value is a weighted mean
         self._by_key: dict[tuple, WeightedMean] = {}      # one per total weight (target, weights, ignore_index)
 
@@ -233,8 +239,10 @@ class _Interpreter(fx.Interpreter):
         sources = {id(self.weighted[a]): self.weighted[a] for a in n.all_input_nodes if a in self.weighted}
         if sources:
             self._check_weighted_inputs(n, list(sources.values()))
-        out = self._weighted_loss(n)
-        if out is None:
+        out = self.positions.run(n, self.fetch_args_kwargs_from_env)
+        if out is NOT_HERE:
+            out = self._weighted_loss(n)
+        if out is None or out is NOT_HERE:
             out = super().run_node(n)
         if sources and n not in self.weighted and _has_avg(out):
             (self.weighted[n],) = sources.values()     # a weighted mean scaled, shifted or added to: still one

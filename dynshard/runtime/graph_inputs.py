@@ -79,3 +79,11 @@ def sizes_of(inputs, args=None) -> tuple:
             shape = args[inp.index].shape if args is not None else inp.shape
             sizes.append(tuple(int(shape[d]) for d, symbol in enumerate(inp.symbols) if symbol is not None))
     return tuple(sizes)
+
+
+def batch_size_inputs(inputs) -> list[int]:
+    """The indices of a symbolic graph's size inputs that are its batch's size: the symbol of dim 0 of a user
+    input (what a pipeline divides with the batch it splits into micro-batches)."""
+    batch = {inp.symbols[0] for inp in inputs
+             if inp.kind == "input" and len(inp.shape) > 0 and inp.symbols and inp.symbols[0] is not None}
+    return [inp.index for inp in inputs if inp.kind == "size" and inp.symbols[0] in batch]

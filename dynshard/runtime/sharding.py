@@ -180,9 +180,14 @@ def shard_in_place(tensor: torch.Tensor, fqn: str, layout: Layout,
         with torch.no_grad():
             tensor.data = stored_piece(tensor.data, tag).clone()
         _SHARDED.add(tensor)
-    _TAGGED.add(tensor)
-    setattr(tensor, TAG_ATTR, tag)
+    set_tag(tensor, tag)
     return tag
+
+
+def set_tag(tensor: torch.Tensor, tag: "ShardTag") -> None:
+    """Mark ``tensor`` as taken by a dynshard program (:func:`tagged_tensors` lists it)."""
+    setattr(tensor, TAG_ATTR, tag)
+    _TAGGED.add(tensor)
 
 
 def tagged_tensors() -> list[torch.Tensor]:

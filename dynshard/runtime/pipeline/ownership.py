@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from ..accumulation import ACCUMULATION
 from ..materialize import MetaInitError, materialize
-from ..sharding import _SHARDED, ALIKE_ATTR, TAG_ATTR, ShardTag, StageOwnership, get_tag, placements_for, stored_piece
+from ..sharding import (_SHARDED, ALIKE_ATTR, ShardTag, StageOwnership, get_tag, placements_for, set_tag,
+                        stored_piece)
 from ..zero import gather_rows, shard_rows, zero_groups, zero_spec
 from .groups import PipelineGroups
 
@@ -139,7 +140,7 @@ def take_ownership(args, plan) -> Ownership:
                 _SHARDED.add(tensor)
             if spec is not None:
                 zero.add(inp.index)
-            setattr(tensor, TAG_ATTR, tag)
+            set_tag(tensor, tag)
             tag.add_plan(plan)
     shared = []
     for owner_ranks, indices in sorted(tie_sets.items()):

@@ -34,6 +34,7 @@ from .executor import StepRun
 from .. import materialize
 from ..ddp import check_active_ddp
 from ..eager_guard import guard_modules
+from ..graph_inputs import batch_size_inputs
 from ..program import PREPARE_HOOKS, hook_frame_modules
 from .ownership import FreshGradients, Ownership, materialize_stages, reduce_gradients, take_ownership
 from .recorder import active_recorder, recording
@@ -137,7 +138,10 @@ class PipelinePlan:
         return total
 
     def _input_shapes(self, mb_args: list[list[Any]]) -> tuple:
-        return tuple(tuple(mb_args[0][i.index].shape) for i in self.inputs if i.kind == "input")
+        """The user inputs' shapes of micro-batches like ``mb_args[0]`` (and a symbolic graph's size inputs)."""
+        first = mb_args[0]
+        return (tuple(tuple(first[i.index].shape) for i in self.inputs if i.kind == "input")
+                + tuple(int(first[i.index]) for i in self.inputs if i.kind == "size"))
 
     def boundary_metas(self, mb_args: list[list[Any]]) -> dict[str, ValueMeta] | Exception:
         """The boundary metadata for micro-batches shaped like ``mb_args[0]``, found once per shape: or
@@ -320,7 +324,6 @@ class PipelineProgram:
         symbolic size that is the batch's (the symbol of a split input's dim 0) divided with it."""
         m = self.plan.nmicros
         mb_args = [list(args) for _ in range(m)]
-        batch_symbols = set()
         for inp in self.plan.inputs:
             value = args[inp.index]
             if inp.kind != "input" or value.dim() == 0:
@@ -330,12 +333,9 @@ class PipelineProgram:
                                  f"pipeline_nmicros={m} micro-batches along dim 0; use a batch divisible by {m}")
             for mb, piece in enumerate(value.chunk(m)):
                 mb_args[mb][inp.index] = piece
-            if inp.symbols is not None and inp.symbols[0] is not None:
-                batch_symbols.add(inp.symbols[0])
-        for inp in self.plan.inputs:
-            if inp.kind == "size" and inp.symbols[0] in batch_symbols:
-                for mb in range(m):
-                    mb_args[mb][inp.index] = int(args[inp.index]) // m
+        for index in batch_size_inputs(self.plan.inputs):
+            for mb in range(m):
+                mb_args[mb][index] = int(args[index]) // m
         return mb_args
 
     def run(self, schedule, mb_args, train: bool, seed_fn=None, actions=None) -> StepRun:
