@@ -331,8 +331,8 @@ class PipelineProgram:
             if value.shape[0] % m:
                 raise ValueError(f"dynshard: the pipeline splits input {inp.name} (batch {value.shape[0]}) into "
                                  f"pipeline_nmicros={m} micro-batches along dim 0; use a batch divisible by {m}")
-            for mb, piece in enumerate(value.chunk(m)):
-                mb_args[mb][inp.index] = piece
+            for mb, piece in enumerate(value.chunk(m)):     # (contiguous: what the stages are compiled for)
+                mb_args[mb][inp.index] = piece.contiguous()
         for index in batch_size_inputs(self.plan.inputs):
             for mb in range(m):
                 mb_args[mb][index] = int(args[index]) // m

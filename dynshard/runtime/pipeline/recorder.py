@@ -29,6 +29,9 @@ class Recorder:
 
     def record(self, program, args) -> list[Any]:
         plan = program.plan
+        # the stages are compiled for contiguous micro-batches (a sample may be a strided slice of a batch)
+        args = [a.contiguous() if inp.kind == "input" and isinstance(a, torch.Tensor) else a
+                for inp, a in zip(plan.inputs, args)]
         outputs = []
         for ref, meta in zip(plan.staged.outputs, plan.outputs_at([args], whole=False)):
             if ref[0] == "constant":
