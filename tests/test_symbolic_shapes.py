@@ -11,7 +11,8 @@ import pytest
 
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
-from workers_symbolic_shapes import (modes_and_ends, pipeline_duck_shaped, pipeline_lengths, saved_then_loaded, train_lengths,
+from workers_symbolic_shapes import (modes_and_ends, pipeline_duck_shaped, pipeline_lengths,
+                                     pipeline_then_eval_generate_and_save, saved_then_loaded, train_lengths,
                                      train_lengths_in_units, trainer_padding)
 
 STEPS = 12     # 24 distinct lengths over the two ranks
@@ -164,3 +165,12 @@ def test_a_pipeline_refuses_a_batch_symbol_dynamo_shares_with_the_length_on_ever
     for message in run_ranks(pipeline_duck_shaped, 2, PP):
         assert "SymbolicShapesError: dynshard:" in message, message
         assert "input idx (d0, 4 rows) with the same symbol as dim 1 of idx (d0)" in message, message
+
+
+def test_after_symbolic_pipeline_training_eval_generate_and_save_pretrained_match_one_process(tmp_path):
+    """eval at an unseen batch and length; generate inside summon_full_params (every rank takes part in each
+    stage's broadcast, holder or not); save_pretrained read back in one process."""
+    results = run_ranks(pipeline_then_eval_generate_and_save, 2, str(tmp_path))
+    for rank, result in enumerate(results):
+        assert result["eval"] < 1e-5 and result["generate_equal"], (rank, result)
+    assert results[0]["loaded"] < 1e-5, results[0]

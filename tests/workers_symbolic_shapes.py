@@ -307,3 +307,42 @@ def pipeline_duck_shaped(rank: int, world: int, options: dict) -> str:
     except Exception as error:     # noqa: BLE001  (the test reads the type and message)
         return f"{type(error).__name__}: {error}"
     return "no error"
+
+
+def pipeline_then_eval_generate_and_save(rank: int, world: int, out: str) -> dict:
+    """A transformers Llama under pp with ``dynamic=True``: three steps at three lengths with padded rows
+    (attention mask, labels -100), then eval under no_grad at an unseen batch and length, ``generate`` inside
+    ``summon_full_params``, and ``save_pretrained`` read back by ``from_pretrained`` in one process."""
+    import transformers
+    from workers_trainer import build_llama
+
+    model = build_llama()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="dynshard", dynamic=True, options=dynshard.Config(
+        policy="pp", plan_ngpus=2, use_end2end=True, compiler="aot_eager", pas_config={"pipeline_nmicros": 2}))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=LR)
+    for step, length in enumerate([9, 14, 11]):
+        generator = torch.Generator().manual_seed(step)
+        ids = torch.randint(2, 128, (4, length), generator=generator)
+        mask = torch.ones_like(ids)
+        mask[1, length - 3:] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        for m, o in ((compiled, opt), (reference, ref_opt)):
+            m(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            o.step()
+            o.zero_grad()
+    ids = torch.randint(2, 128, (6, 17), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        expected = reference(input_ids=ids).logits
+        result = {"eval": (compiled(input_ids=ids).logits - expected).abs().max().item()}
+    with dynshard.summon_full_params(model):
+        generated = model.generate(ids[:2, :5], max_new_tokens=4, do_sample=False)
+    result["generate_equal"] = torch.equal(generated, reference.generate(ids[:2, :5], max_new_tokens=4,
+                                                                         do_sample=False))
+    model.save_pretrained(out)
+    if rank == 0:
+        loaded = transformers.LlamaForCausalLM.from_pretrained(out)
+        with torch.no_grad():
+            result["loaded"] = (loaded(input_ids=ids).logits - expected).abs().max().item()
+    return result

@@ -133,7 +133,8 @@ def summon_full_params(model: nn.Module) -> Iterator[nn.Module]:
     seen, swapped = set(), []
     for tensor in itertools.chain(module.parameters(), module.buffers()):
         tag = get_tag(tensor)
-        if id(tensor) in seen or tag is None or not tag.is_split:
+        # (a pipeline's tensor is broadcast from its stage's ranks: every rank takes part, holder or not)
+        if id(tensor) in seen or tag is None or (not tag.is_split and tag.owner is None):
             continue
         seen.add(id(tensor))
         whole = full_tensor(tensor)
