@@ -6,6 +6,7 @@ one plan."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -13,7 +14,8 @@ from distributed import run_ranks
 from parity import assert_trains_like_one_process
 from workers_symbolic_shapes import (modes_and_ends, pipeline_duck_shaped, pipeline_lengths,
                                      pipeline_then_eval_generate_and_save, saved_then_loaded, train_lengths,
-                                     train_lengths_in_units, trainer_padding)
+                                     train_lengths_in_units, train_one_row_on_one_rank, trainer_padding,
+                                     BranchOnRows)
 
 STEPS = 12     # 24 distinct lengths over the two ranks
 
@@ -63,6 +65,34 @@ def test_eval_modes_compile_once_each_and_the_ragged_last_batch_compiles_nothing
     for seen in run_ranks(modes_and_ends, 2):
         assert seen == [("train", 1), ("no_grad", 2), ("inference_mode", 3), ("ragged last batch", 3),
                         ("one row", 4)], seen
+
+
+@pytest.mark.parametrize("options", [
+    {"compiler": "aot_eager"},
+    {"compiler": "aot_eager", "use_zero": 3},
+    pytest.param({"compiler": "inductor", "use_zero": 2}, marks=pytest.mark.slow),
+], ids=["dp", "zero3", "zero2-inductor"])
+def test_a_batch_of_one_row_on_one_rank_compiles_alone_and_trains_like_one_process(options):
+    """Dynamo keeps a size of 1 out of the symbolic family, so only that rank compiles: its program of the
+    agreed family is planned and compiled with no message (the others are inside their step)."""
+    results = run_ranks(train_one_row_on_one_rank, 2, options, 4, 2)
+    for rank, result in enumerate(results):
+        assert result["error"] is None, f"rank {rank}: {result['error']}"
+        assert_trains_like_one_process(result, f"rank {rank}")
+    assert [r["graphs"] for r in results] == [1, 2]
+    assert [r["programs"] for r in results] == [1, 2]
+
+
+def test_a_program_compiled_alone_that_would_communicate_otherwise_is_refused_before_its_collectives():
+    """A batch of one row that takes another code path (no gradient for a layer, so one all-reduce fewer):
+    the rank that compiled it alone raises at its backward's compile, within seconds, not at a timeout."""
+    start = time.perf_counter()
+    results = run_ranks(train_one_row_on_one_rank, 2, {"compiler": "aot_eager"}, 4, 2, "dynamic", BranchOnRows)
+    error = results[1]["error"]
+    assert error.startswith("AloneCompileError: dynshard: rank 1 compiled a new program of a graph alone"), error
+    assert "its backward issues 6 collectives, the family's first program 8" in error, error
+    assert "Connection closed by peer" in results[0]["error"], results[0]["error"]    # rank 1 exited
+    assert time.perf_counter() - start < 120
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(1, marks=pytest.mark.slow)], ids=["dp", "one-process"])

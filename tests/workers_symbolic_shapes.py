@@ -68,13 +68,38 @@ def train_lengths_in_units(rank: int, world: int, options: dict, steps: int, pla
                                "dynamic", accumulation, stop_at_error=True)
 
 
+def train_one_row_on_one_rank(rank: int, world: int, options: dict, steps: int, alone_step: int,
+                              mark: str = "dynamic", model_class: type | None = None) -> dict:
+    """Every rank 2 rows per step, but the last rank 1 row at ``alone_step`` (Dynamo keeps a size of 1 out of
+    a symbolic family: only that rank compiles). A step that raises ends the run: its error is returned."""
+    def rows(step: int, unit: int) -> int:
+        return 1 if (step, unit) == (alone_step, world - 1) else 2
+    return _train_over_lengths(rank, world, options, lengths(steps, world), 1, mark, 1, stop_at_error=True,
+                               rows=rows, model_class=model_class)
+
+
+class BranchOnRows(TokenMLP):
+    """A Python branch on the batch's size: a batch of one row computes no gradient for a layer (nor the
+    collective that would carry it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.extra = torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x, target):
+        extra = self.extra(x)
+        x = x + (extra if x.shape[0] > 1 else extra.detach())
+        return super().forward(x, target)
+
+
 def _train_over_lengths(rank: int, world: int, options: dict, per_step: list[list[int]], plan_ngpus: int,
-                        mark: str, accumulation: int, stop_at_error: bool = False) -> dict:
+                        mark: str, accumulation: int, stop_at_error: bool = False, rows=None,
+                        model_class: type | None = None) -> dict:
     """Each unit trains on its own length at every step; a one-process copy trains on every unit's batch,
     their mean losses averaged as dp averages gradients. ``stop_at_error``: a step that raises ends the run
-    and its error is returned (else it fails the rank)."""
+    and its error is returned (else it fails the rank). ``rows(step, unit)``: the rows of a unit's batch (2)."""
     torch.manual_seed(0)
-    model = TokenMLP()
+    model = (model_class or TokenMLP)()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(**options),
                              dynamic=True if mark == "dynamic" else None)
@@ -83,7 +108,7 @@ def _train_over_lengths(rank: int, world: int, options: dict, per_step: list[lis
     units, unit = world // plan_ngpus, rank // plan_ngpus
     losses, ref_losses, error = [], [], None
     for step, per_unit in enumerate(per_step):
-        batches = [_batch(step, u, length) for u, length in enumerate(per_unit)]
+        batches = [_batch(step, u, length, rows(step, u) if rows else 2) for u, length in enumerate(per_unit)]
         x, target = batches[unit]
         if mark == "mark_dynamic" and step == 0:
             torch._dynamo.mark_dynamic(x, 1)

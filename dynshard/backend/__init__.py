@@ -28,10 +28,11 @@ from ..runtime.ddp import watch as watch_ddp_wraps
 from ..runtime.eager_guard import refuse_recompile_limit
 from ..runtime.sharding import is_sharded, present_global_shapes, restore_local_shards
 from ..runtime.unit_inputs import InputCheck
-from .agreement import ensure_ranks_agree, ensure_ranks_agree_on_source
+from .agreement import agreed_compiles, ensure_ranks_agree, ensure_ranks_agree_on_source
 from .autodist import autodist_plan
 from .capture import describe_inputs, keep_floats_constant, raising_not_breaking
 from .compile import compile_program
+from .families import check_alone, family_key, recorded_for
 from .pipeline import plan_pipeline
 from .plan_and_compile import local_example, plan_and_compile
 from .plan_cache import PLANS, modes_token, plan_key
@@ -60,7 +61,10 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     ensure_process_group(device_type)
     inputs = describe_inputs(gm, example_inputs)
     made_for = fingerprint(gm.code, world_size(), modes_token())
-    ensure_ranks_agree_on_source(config)                    # rank 0 sends a file's plan or a search's
+    family = family_key(inputs, config) if world_size() > 1 else None
+    known = PLANS.family(family)         # (first program, compile #): this one is compiled alone, see .families
+    if known is None:
+        ensure_ranks_agree_on_source(config)                # rank 0 sends a file's plan or a search's
     given = PLAN_FILES.given(config, made_for, inputs)      # load_plan_path: the plan runs, no policy
     if given is None and config.policy == "autodist":       # chosen before the layout, then run as given
         given = autodist_plan(gm, inputs, config, world_size(), made_for, device_type)
@@ -79,7 +83,8 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     check_symbolic_shapes(inputs, layout)
 
     key = plan_key(gm.code, inputs, config, layout, None if given is None else given.digest())
-    ensure_ranks_agree(key, gm.code, inputs, config, layout)
+    if known is None:
+        ensure_ranks_agree(key, gm.code, inputs, config, layout)
     if outline.pipeline is not None:
         return _pipeline_program(gm, example_inputs, config, outline, layout, inputs, key, device_type, made_for, given)
     plan = PLANS.get(key)
@@ -104,7 +109,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
                             if per_size else None)
     else:
         compiled = plan_once(ctx, key, lambda before, after: _compile_planned(gm, ctx, device_type, before, after,
-                                                                              example_inputs))
+                                                                              example_inputs), alone=known is not None)
         plan = CompiledPlan(key, inputs, ctx.placements, ctx.zero, layout, compiled, ctx.propagation,
                             ctx.timings, config.inference_only,
                             build_no_sync=_no_sync_builder(gm, ctx, device_type, example_inputs) if layout.dp_group
@@ -114,6 +119,10 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
                             buffer_sync=BufferSync.for_inputs(inputs, layout.dp_group, config.broadcast_buffers),
                             build_sized=_sized_builder(gm, ctx, device_type) if per_size else None)
     plan.plan = ctx.plan
+    if known is not None:
+        check_alone(plan, *known)
+    elif family is not None and recorded_for(layout, outline):
+        PLANS.add_family(family, plan, agreed_compiles() - 1)
     PLAN_FILES.record(config, ctx.plan, layout.rank)
     _drop_guards_on_sharded(gm, plan)
     log.info("compiled plan %s in %.2fs (passes: %s)", key, plan.program.seconds,

@@ -274,6 +274,11 @@ class PlanChannel:
                 f"{_first_line(error)}): some rank exited or stopped waiting. {_FIX}") from error
 
 
+def agreed_compiles() -> int:
+    """How many compiles the ranks have agreed on so far (in this default process group)."""
+    return _AGREEMENT.compiles if _AGREEMENT.world is dist.group.WORLD else 0
+
+
 def plan_channel() -> PlanChannel | None:
     """The channel of the compile whose keys :func:`ensure_ranks_agree` just checked; None when this process
     plans alone (no process group, one process, or a group that never communicates)."""

@@ -6,7 +6,7 @@ import dataclasses
 import re
 import time
 from collections import Counter, defaultdict
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -105,6 +105,8 @@ class CompiledProgram:
     split_outputs: dict = dataclasses.field(default_factory=dict)  # output -> DTensor spec (gather_outputs=False)
     outlined: list = dataclasses.field(default_factory=list)       # repeated blocks compiled once: (class, calls)
     forward_storages: set = dataclasses.field(default_factory=set, repr=False)
+    # called with a phase once its collectives are recorded (a backward compiled at its first call: then)
+    on_collectives: Callable[[str], None] | None = dataclasses.field(default=None, repr=False)
 
 
 def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], compiler: str, layout: Layout,
@@ -129,6 +131,8 @@ def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], co
         elif phase == "backward":
             program.saved_bytes, program.saved_count = saved_activations(graph, program.forward_storages)
             program.forward_storages = set()
+        if program.on_collectives is not None:
+            program.on_collectives(phase)
 
     def keep() -> dict:
         return {"graphs": program.graphs, "collectives": program.collectives, "saved_bytes": program.saved_bytes,

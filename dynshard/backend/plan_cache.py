@@ -39,6 +39,7 @@ def modes_token() -> str:
 class PlanCache:
     def __init__(self) -> None:
         self._memory: dict[str, Any] = {}
+        self._families: dict[str, tuple[Any, int]] = {}    # family -> (its first program, its agreed compile)
 
     def get(self, key: str) -> Any:
         return self._memory.get(key)
@@ -48,6 +49,14 @@ class PlanCache:
 
     def clear(self) -> None:
         self._memory.clear()
+        self._families.clear()
+
+    def family(self, family: str | None) -> tuple[Any, int] | None:
+        """The first program of ``family`` every rank agreed on, and that compile's number (see .families)."""
+        return None if family is None else self._families.get(family)
+
+    def add_family(self, family: str, plan: Any, compile_index: int) -> None:
+        self._families.setdefault(family, (plan, compile_index))
 
     # -- placements on disk -----------------------------------------------------------------------
     @staticmethod

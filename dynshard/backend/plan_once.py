@@ -23,10 +23,11 @@ Step = Callable[[PassContext], Any]
 T = TypeVar("T")
 
 
-def plan_once(ctx: PassContext, key: str, run: Callable[[Step | None, Step | None], T]) -> T:
+def plan_once(ctx: PassContext, key: str, run: Callable[[Step | None, Step | None], T], alone: bool = False) -> T:
     """``run(before_planning, after_planning)`` runs the passes, calling each (when given) around the step
-    that plans (the policy, or the stage cut); that step records ``ctx.plan``. Returns what ``run`` returns."""
-    if ctx.given is not None:           # a plan file
+    that plans (the policy, or the stage cut); that step records ``ctx.plan``. Returns what ``run`` returns.
+    ``alone``: this rank plans by itself, with no message (a program of an agreed family, see .families)."""
+    if ctx.given is not None or alone:           # a plan file; a family's program
         result = run(None, None)
     else:
         channel = plan_channel()

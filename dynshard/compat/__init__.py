@@ -28,7 +28,7 @@ from .inductor import bucketing_patches, compile_per_rank, gather_buckets_copied
 from .mask_partial import is_mask_partial, mask_offsets_read_at_run_time  # noqa: F401
 from .ops import (ALL_GATHER, COLLECTIVE_KINDS, all_gather_rows, all_reduce, group_rank, invoke_subgraph,  # noqa: F401
                   reduce_scatter_rows)
-from .frames import compiling_frame  # noqa: F401
+from .frames import compiling_frame, dynamo_frame_id  # noqa: F401
 from .recompile_limit import RecompileLimit, on_recompile_limit  # noqa: F401
 from .symbolic import (dynamo_tracing_context, rename_symbols, size_hint, sizes_key,  # noqa: F401
                        specialize_floats, symbolic_dims, symbolic_examples, traced_in)

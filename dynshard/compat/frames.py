@@ -18,3 +18,12 @@ def compiling_frame() -> dict[str, Any] | None:
                                      and frame.f_code.co_filename == convert_frame.__file__):
         frame = frame.f_back
     return frame.f_locals if frame is not None else None
+
+
+def dynamo_frame_id() -> int | None:
+    """The number Dynamo gave the code object it compiles now (one per code object, in the order this
+    process first compiled them), or None outside a Dynamo compile."""
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    return None if compile_id is None else compile_id.frame_id

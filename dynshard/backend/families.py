@@ -1,0 +1,111 @@
+"""Programs of a family every rank has agreed on are compiled alone, with no message to the other ranks.
+
+Dynamo compiles a frame again on one rank only when only that rank's batch leaves the frame's guards: a
+batch of one row (Dynamo keeps sizes 0 and 1 out of a symbolic family), a length past a guard. A dynshard
+compile communicates (the plan key's agreement, rank 0's plan), so that rank would wait at it for ranks that
+are inside their step, waiting for its gradients.
+
+Where a plan unit is one rank (dp, ZeRO 1-3), what crosses ranks is the parameters' gradients and shards,
+which the batch's sizes do not change. Such a program's *family* is what decides its plan and collectives
+without the sizes: the frame Dynamo compiles, the config, the grad/autocast modes, the parameters and
+buffers, and the user inputs' names, kinds, dtypes and ranks (not their sizes, nor the size inputs a
+symbolic graph has).
+
+- The first program of a family is compiled as every program is: the ranks agree on its key and rank 0
+  sends the plan. Every rank then records the family at the same compile, so every rank sends the same
+  later compiles alone.
+- A later program of a recorded family is planned by the policy on its own rank and compiled, with no
+  message, and checked against the family's first program on that rank: the same placements of the
+  parameters and buffers, and the same collectives in the same order (phase, kind, group, bytes). The
+  backward's are checked when it is compiled, at its first call, before it runs. A difference raises
+  :class:`AloneCompileError` on that rank before any of its collectives runs (the others are then inside
+  their step, and see their collective fail when this rank exits).
+- A plan from a file, autodist's search or a planner comes from rank 0: those compiles always agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Sequence
+
+import torch
+
+from .. import compat
+from ..config import Config
+from ..runtime.graph_inputs import GraphInput
+from ..runtime.mesh import Layout
+from .agreement import PlanMismatchError
+from .plan_cache import modes_token
+
+
+class AloneCompileError(PlanMismatchError):
+    """A program compiled alone would not issue the collectives its family's first program issues."""
+
+
+def family_key(inputs: Sequence[GraphInput], config: Config) -> str | None:
+    """The family of a graph's programs, or None where its plan comes from rank 0 (a plan file, autodist,
+    a planner): what decides a unit of one rank's plan and collectives, without the batch's sizes."""
+    if config.load_plan_path or not isinstance(config.policy, str) or config.policy == "autodist":
+        return None
+    described = []       # (in no order: Dynamo puts a symbolic graph's parameters before its inputs)
+    for inp in inputs:
+        if inp.is_state or inp.is_split_value or inp.tag is not None:
+            described.append(inp.token())
+        elif inp.kind != "size":
+            described.append(f"{inp.kind}:{inp.name}:{inp.dtype}:{len(inp.shape)}:{inp.requires_grad}")
+    parts = [str(compat.dynamo_frame_id()), config.cache_token(), torch.__version__, modes_token(), *sorted(described)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:24]
+
+
+def recorded_for(layout: Layout, outline) -> bool:
+    """Whether a program of this layout can be compiled alone: a plan unit of one rank, no pipeline."""
+    return layout.world_size > 1 and layout.plan_ngpus == 1 and outline.pipeline is None
+
+
+def check_alone(compiled, family, family_index: int) -> None:
+    """``compiled`` (a CompiledPlan made alone) against ``family``'s first program on this rank: the state's
+    placements now, the collectives of each phase now and when a later phase (the backward) is compiled."""
+    state = {inp.name for inp in compiled.inputs if inp.is_state}
+    mine = {name: choice for name, choice in compiled.plan.tensors.items() if name in state}
+    theirs = {name: choice for name, choice in family.plan.tensors.items() if name in state}
+    if mine != theirs:
+        first = next((n for n in sorted(set(mine) | set(theirs)) if mine.get(n) != theirs.get(n)), "?")
+        _refuse(compiled, family_index, f"it places {first} as {mine.get(first)}, the family's first program as "
+                                        f"{theirs.get(first)}")
+    program = compiled.program
+
+    def check(phase: str) -> None:
+        got, want = _sequence(program.collectives, phase), _sequence(family.program.collectives, phase)
+        if phase == "backward" and "backward" not in family.program.graphs:
+            _refuse(compiled, family_index, "the family's first program has not run its backward, so its "
+                                            "collectives are not known")
+        if got != want:
+            at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+            _refuse(compiled, family_index, f"its {phase} issues {len(got)} collectives, the family's first "
+                                            f"program {len(want)}; the first difference is #{at}: "
+                                            f"{_describe(got, at)} against {_describe(want, at)}")
+
+    for phase in program.graphs:
+        check(phase)
+    program.on_collectives = check
+
+
+def _sequence(collectives, phase: str) -> list[tuple[str, str, int]]:
+    return [(c.kind, c.group, c.bytes) for c in collectives if c.phase == phase]
+
+
+def _describe(sequence: list[tuple[str, str, int]], at: int) -> str:
+    if at >= len(sequence):
+        return "none"
+    kind, group, nbytes = sequence[at]
+    return f"{kind} of {nbytes} bytes over {group!r}"
+
+
+def _refuse(compiled, family_index: int, what: str) -> None:
+    raise AloneCompileError(
+        f"dynshard: rank {compiled.layout.rank} compiled a new program of a graph alone (Dynamo compiled the frame again "
+        f"for this rank's batch only: a batch of one row, or a size outside its guards), from the family every "
+        f"rank agreed on at compile #{family_index}, and it would not communicate as that family does: {what}. "
+        "The other ranks' collectives would not match. Keep the model's code path the same for every batch size "
+        "(no Python branch on a size), or give every rank batches of the same sizes (drop_last=True for the "
+        "ragged last batch; a collator's pad_to_multiple_of)")
