@@ -26,6 +26,7 @@ symbolic graph has).
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import Sequence
 
 import torch
@@ -36,6 +37,9 @@ from ..runtime.graph_inputs import GraphInput
 from ..runtime.mesh import Layout
 from .agreement import PlanMismatchError
 from .plan_cache import modes_token
+
+
+log = logging.getLogger("dynshard")
 
 
 class AloneCompileError(PlanMismatchError):
@@ -77,8 +81,12 @@ def check_alone(compiled, family, family_index: int) -> None:
     def check(phase: str) -> None:
         got, want = _sequence(program.collectives, phase), _sequence(family.program.collectives, phase)
         if phase == "backward" and "backward" not in family.program.graphs:
-            _refuse(compiled, family_index, "the family's first program has not run its backward, so its "
-                                            "collectives are not known")
+            # (the first program has not run a backward: this one's backward is the family's from now on)
+            log.warning("dynshard: rank %d compiled a program alone whose backward cannot be checked: its family's "
+                        "first program has not run a backward", compiled.layout.rank)
+            family.program.graphs["backward"] = program.graphs["backward"]
+            family.program.collectives.extend(c for c in program.collectives if c.phase == "backward")
+            return
         if got != want:
             at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
             _refuse(compiled, family_index, f"its {phase} issues {len(got)} collectives, the family's first "
