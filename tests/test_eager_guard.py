@@ -50,12 +50,20 @@ def test_reaching_the_recompile_limit_raises_on_every_rank_naming_the_guard_and_
         assert_trains_like_one_process(result, f"rank {rank}")     # every step before the limit, exact
 
 
-def test_new_sequence_lengths_up_to_the_recompile_limit_name_the_shape_and_padding_on_every_rank():
-    # transformers' Llama (its forward is a decorator's wrapper, args=(self, ...)) fed a new length per step
-    for rank, result in enumerate(run_ranks(recompile_limit_under, 2, {"policy": "tp", "plan_ngpus": 2}, "llama")):
+@pytest.mark.parametrize("dynamic", [False, None], ids=["static", "automatic-dynamic"])
+def test_new_sequence_lengths_go_symbolic_or_at_the_recompile_limit_name_the_shape_and_padding(dynamic):
+    # transformers' Llama (its forward is a decorator's wrapper, args=(self, ...)) fed a new length per step:
+    # with torch.compile's automatic dynamic shapes the second length compiles the symbolic graph, which
+    # serves every later one; with dynamic=False every length is a graph, up to the limit
+    for rank, result in enumerate(run_ranks(recompile_limit_under, 2, {"policy": "tp", "plan_ngpus": 2}, "llama",
+                                            dynamic)):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        if dynamic is None:
+            assert result["error"] is None and len(result["losses"]) == RECOMPILE_LIMIT + 2, result["error"]
+            assert result["graphs"] == 2, result["graphs"]
+            continue
         assert result["error_type"] == "RecompileLimitError", (rank, result["error"])
         assert "size mismatch" in result["error"] and "pad_to_multiple_of" in result["error"], result["error"]
-        assert_trains_like_one_process(result, f"rank {rank}")
 
 
 def test_an_eager_call_with_gradients_under_dp_is_refused_and_exact_under_no_grad():

@@ -1,7 +1,7 @@
-"""Graphs with symbolic sizes (``dynamic=True``, ``mark_dynamic``): one plan and one Dynamo graph for every
-length, each unit holding its own lengths, training like one process (gloo). Units of one rank (dp, ZeRO)
-compile one program; units of several ranks (tp), recompute and pipeline stages a program per size, from the
-one plan."""
+"""Graphs with symbolic sizes (``dynamic=True``, ``mark_dynamic``, automatic dynamic shapes): one plan and one
+Dynamo graph for every length, each unit holding its own lengths, training like one process (gloo). Units of
+one rank (dp, ZeRO) compile one program; units of several ranks (tp), recompute and pipeline stages a program
+per size, from the one plan."""
 
 from __future__ import annotations
 
@@ -31,6 +31,55 @@ def test_every_length_on_every_rank_trains_like_one_process_from_one_program(opt
         assert_trains_like_one_process(result, f"rank {rank}")
         assert result["graphs"] == 1, f"rank {rank}: {result['graphs']} graphs for {STEPS} lengths"
         assert result["programs"] == 1
+
+
+@pytest.mark.parametrize("options", [
+    {"compiler": "aot_eager"},
+    pytest.param({"compiler": "aot_eager", "use_zero": 3}, marks=pytest.mark.slow),
+], ids=["dp", "zero3"])
+def test_automatic_dynamic_shapes_compile_each_ranks_first_length_then_one_symbolic_program(options):
+    """Neither dynamic=True nor mark_dynamic: step 0 compiles static at each rank's own length (the ranks agree
+    on the family and compare their collectives), step 1 the symbolic program every later length runs."""
+    for rank, result in enumerate(run_ranks(train_lengths, 2, options, STEPS, "automatic")):
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert result["graphs"] == 2, f"rank {rank}: {result['graphs']} graphs for {STEPS} lengths"
+        assert result["programs"] == 2
+        (static, symbolic) = result["plans"]
+        assert static["tensors"]["x"]["shape"] == [2, 3 + rank, 8], static["tensors"]["x"]
+        assert symbolic["tensors"]["x"]["shape"] == [2, "d0", 8], symbolic["tensors"]["x"]
+
+
+def test_first_programs_that_would_communicate_otherwise_are_refused_on_every_rank_before_their_collectives():
+    """Automatic dynamic shapes, one row on rank 1 at step 0 and a Python branch on the rows (no gradient for a
+    layer): each rank planned its first program at its own sizes, and at the backward's compile the ranks
+    compare its collectives: PlanMismatchError on every rank, naming the rank that differs."""
+    results = run_ranks(train_one_row_on_one_rank, 2, {"compiler": "aot_eager"}, 2, 0, "automatic", BranchOnRows)
+    for rank, result in enumerate(results):
+        error = result["error"] or ""
+        assert error.startswith("PlanMismatchError: dynshard: the ranks planned their own programs"), error
+        assert "rank 1 would not communicate as rank 0 does: the backward's collectives differ" in error, error
+        assert result["losses"] == []
+
+
+def test_several_units_of_several_ranks_or_a_pipeline_compile_each_new_size_static_unless_asked():
+    """dp x tp: the units' lengths change at different steps, and a symbolic graph is agreed by every rank;
+    pp: a stage graph holding its batch size is traced again per micro-batch. Automatic dynamic shapes are
+    turned off (dynamic=True or mark_dynamic give one symbolic graph)."""
+    import torch
+    from dynshard import compat
+    from dynshard.backend.shapes import limit_automatic_dynamic
+    from dynshard.runtime.mesh import Layout
+
+    config = torch._dynamo.config
+    with config.patch(automatic_dynamic_shapes=True, automatic_dynamic_local_pgo=False):
+        limit_automatic_dynamic(Layout(world_size=2, rank=0, plan_ngpus=2, device_type="cpu", mesh=None))
+        limit_automatic_dynamic(Layout(world_size=2, rank=0, plan_ngpus=1, device_type="cpu", mesh=None))
+        assert compat.automatic_dynamic_shapes()        # one unit, or units of one rank: on
+        limit_automatic_dynamic(Layout(world_size=4, rank=0, plan_ngpus=2, device_type="cpu", mesh=None))
+        assert not compat.automatic_dynamic_shapes()
+    with config.patch(automatic_dynamic_shapes=True, automatic_dynamic_local_pgo=False):
+        limit_automatic_dynamic(Layout(world_size=2, rank=0, plan_ngpus=2, device_type="cpu", mesh=None, pp_size=2))
+        assert not compat.automatic_dynamic_shapes()
 
 
 def test_mark_dynamic_on_the_length_compiles_one_program():
@@ -85,11 +134,12 @@ def test_a_batch_of_one_row_on_one_rank_compiles_alone_and_trains_like_one_proce
 
 def test_a_program_compiled_alone_that_would_communicate_otherwise_is_refused_before_its_collectives():
     """A batch of one row that takes another code path (no gradient for a layer, so one all-reduce fewer):
-    the rank that compiled it alone raises at its backward's compile, within seconds, not at a timeout."""
+    the rank that compiled it alone raises at its backward's compile (AOTAutograd compiles it with the
+    forward when the backward saves sizes: Dynamo then wraps the error), within seconds, not at a timeout."""
     start = time.perf_counter()
     results = run_ranks(train_one_row_on_one_rank, 2, {"compiler": "aot_eager"}, 4, 2, "dynamic", BranchOnRows)
     error = results[1]["error"]
-    assert error.startswith("AloneCompileError: dynshard: rank 1 compiled a new program of a graph alone"), error
+    assert "AloneCompileError: dynshard: rank 1 compiled a new program of a graph alone" in error, error
     assert "its backward issues 6 collectives, the family's first program 8" in error, error
     assert "Connection closed by peer" in results[0]["error"], results[0]["error"]    # rank 1 exited
     assert time.perf_counter() - start < 120
@@ -107,10 +157,15 @@ def test_recompute_over_lengths_trains_like_one_process_from_one_graph_and_a_pro
         assert result["saved"] == [0], result["saved"]      # ROOT: every activation recomputed
 
 
-@pytest.mark.parametrize("options", [{"compiler": "aot_eager"}, {"compiler": "aot_eager", "use_zero": 3}],
-                         ids=["dp", "zero3"])
-def test_trainer_with_a_padding_collator_trains_like_one_process(options):
-    results = run_ranks(trainer_padding, 2, options, 6)
+@pytest.mark.parametrize("options, dynamic", [
+    ({"compiler": "aot_eager"}, True),
+    ({"compiler": "aot_eager"}, None),
+    ({"compiler": "aot_eager", "use_zero": 3}, True),
+], ids=["dp", "dp-automatic", "zero3"])
+def test_trainer_with_a_padding_collator_trains_like_one_process(options, dynamic):
+    """dynamic=True, or torch.compile's default (automatic dynamic shapes: the first lengths static, each
+    rank's own)."""
+    results = run_ranks(trainer_padding, 2, options, 6, 1, dynamic)
     for rank, result in enumerate(results):
         assert_trains_like_one_process(result, f"rank {rank}")
         assert result["graphs"] <= 3, result["graphs"]

@@ -111,15 +111,18 @@ class TemperatureMLP(torch.nn.Module):
 RECOMPILE_LIMIT = 2      # (Dynamo's default is 8: the same path, reached sooner)
 
 
-def recompile_limit_under(rank: int, world: int, options: dict, model_name: str = "mlp") -> dict:
+def recompile_limit_under(rank: int, world: int, options: dict, model_name: str = "mlp",
+                          dynamic: bool | None = None) -> dict:
     """Train until Dynamo's recompile limit, a new temperature (or sequence length) each step, beside one
-    process; report the error each rank raised, at which step, and both models as they were then."""
+    process; report the error each rank raised, at which step, and both models as they were then.
+    ``dynamic``: torch.compile's (None: a size that changed once compiles symbolic)."""
     torch._dynamo.config.recompile_limit = RECOMPILE_LIMIT
     torch.manual_seed(0)
     model = TemperatureMLP() if model_name == "mlp" else build_transformers("llama")
     reference = copy.deepcopy(model)
     plan_ngpus = options.get("plan_ngpus", 1)
-    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(compiler="aot_eager", **options))
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(compiler="aot_eager", **options),
+                             dynamic=dynamic)
     opt, ref_opt = _sgd(model.parameters()), _sgd(reference.parameters())
     dp_rank, dp_size = dynshard.data_parallel_rank(plan_ngpus)
     result = {"losses": [], "ref_losses": [], "error": None}
@@ -148,6 +151,8 @@ def recompile_limit_under(rank: int, world: int, options: dict, model_name: str 
         result["losses"].append(mean.item() / world)
         result["ref_losses"].append(ref_loss.item())
         _step(opt, ref_opt)
+    from torch._dynamo.utils import counters
+    result["graphs"] = counters["stats"]["unique_graphs"]
     return _with_params(result, compiled, reference)
 
 

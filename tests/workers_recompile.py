@@ -39,15 +39,18 @@ def _build(name: str):
     return LayerStack(cfg, GPT2StyleBlock), make_batch
 
 
-def _pair(name: str, options: dynshard.Config = OPTIONS):
+def _pair(name: str, options: dynshard.Config = OPTIONS, dynamic: bool | None = False):
     """(compiled model, its optimizer, module, reference, its optimizer, batch maker).
+
+    Static shapes by default (``dynamic=False``): every new size is a recompile, which is what these
+    scenarios exercise; ``dynamic=None`` leaves torch.compile's automatic dynamic shapes on.
 
     ``torch._dynamo.reset()`` first: scenarios do not share compiled frames (and dynshard must
     register its compile hooks again after a reset)."""
     torch._dynamo.reset()
     model, make_batch = _build(name)
     reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="dynshard", options=options)
+    compiled = torch.compile(model, backend="dynshard", options=options, dynamic=dynamic)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=LR, momentum=MOMENTUM)
     return compiled, opt, model, reference, ref_opt, make_batch
@@ -66,14 +69,15 @@ def _finish(out: dict, compiled, reference) -> dict:
     return out
 
 
-def training_loop(options: dynshard.Config = OPTIONS) -> dict:
+def training_loop(options: dynshard.Config = OPTIONS, dynamic: bool | None = False) -> dict:
     """Every recompile a training loop meets while gradients exist, on GPT-2-style layers.
 
     Step 0: micro-batches of 4 then 2 (accumulation: the shorter one compiles while .grad is set),
     step, then eval under no_grad and under inference_mode before zero_grad(set_to_none=False).
-    Step 1: a new micro-batch size (3) compiles with zeroed .grad tensors. Step 2 compiles nothing.
+    Step 1: a new micro-batch size (3) compiles with zeroed .grad tensors (under automatic dynamic
+    shapes it runs on the symbolic program step 0's second size compiled). Step 2 compiles nothing.
     """
-    compiled, opt, model, reference, ref_opt, make_batch = _pair("gpt2_layers", options)
+    compiled, opt, model, reference, ref_opt, make_batch = _pair("gpt2_layers", options, dynamic)
     out: dict = {"losses": [], "ref_losses": [], "eval_errors": [], "graphs": []}
     for step, sizes in enumerate(((4, 2), (4, 3), (4, 3))):
         for net, optimizer, losses in ((compiled, opt, out["losses"]), (reference, ref_opt, out["ref_losses"])):
@@ -119,7 +123,7 @@ def compiled_optimizer_step(backend: str) -> dict:
 SCENARIOS = {
     "training_loop": training_loop,
     "training_loop_zero3": lambda: training_loop(ZERO3),
-    "training_loop_autodist": lambda: training_loop(AUTODIST),
+    "training_loop_autodist": lambda: training_loop(AUTODIST, dynamic=None),
     "compiled_opt_step_aot_eager": lambda: compiled_optimizer_step("aot_eager"),
     "compiled_opt_step_inductor": lambda: compiled_optimizer_step("inductor"),
 }

@@ -53,8 +53,8 @@ def _graphs() -> int:
 
 def train_lengths(rank: int, world: int, options: dict, steps: int, mark: str = "dynamic",
                   accumulation: int = 1, first_step: int = 0) -> dict:
-    """``mark``: "dynamic" (``torch.compile(dynamic=True)``) or "mark_dynamic" (the length dimension of the
-    first batch). ``accumulation``: micro-steps per optimizer step, the first ones under ``no_sync``."""
+    """``mark``: "dynamic" (``torch.compile(dynamic=True)``), "mark_dynamic" (the length dimension of the
+    first batch) or "automatic" (neither: torch.compile's automatic dynamic shapes). ``accumulation``: micro-steps per optimizer step, the first ones under ``no_sync``."""
     return _train_over_lengths(rank, world, options, lengths(first_step + steps, world)[first_step:], 1, mark,
                                accumulation)
 
@@ -194,10 +194,11 @@ def _tokenizer(vocab: int):
                                                 unk_token="[UNK]")
 
 
-def trainer_padding(rank: int, world: int, options: dict, steps: int, plan_ngpus: int = 1) -> dict:
+def trainer_padding(rank: int, world: int, options: dict, steps: int, plan_ngpus: int = 1,
+                    dynamic: bool | None = True) -> dict:
     """transformers' Trainer, ``DataCollatorForLanguageModeling(mlm=False)``: each rank's rows padded to its
     own longest (labels -100 at the padding), a new length nearly every step; the compiled Llama with
-    ``dynamic=True``. The reference replays every unit's batch in one process with the token count Trainer
+    ``dynamic=True`` (``dynamic``: None for torch.compile's automatic dynamic shapes). The reference replays every unit's batch in one process with the token count Trainer
     passed (``num_items_in_batch``, over all ranks: each unit's tokens ``plan_ngpus`` times), so its gradient
     is the mean over every unit's tokens."""
     import transformers
@@ -206,7 +207,7 @@ def trainer_padding(rank: int, world: int, options: dict, steps: int, plan_ngpus
     model = build_llama()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(plan_ngpus=plan_ngpus, **options),
-                             dynamic=True)
+                             dynamic=dynamic)
     generator = torch.Generator().manual_seed(3)
     rows = [{"input_ids": torch.randint(2, 128, (int(n),), generator=generator).tolist()}
             for n in torch.randint(4, 30, (64,), generator=generator)]

@@ -32,13 +32,13 @@ from .agreement import agreed_compiles, ensure_ranks_agree, ensure_ranks_agree_o
 from .autodist import autodist_plan
 from .capture import describe_inputs, keep_floats_constant, raising_not_breaking
 from .compile import compile_program
-from .families import check_alone, family_key, recorded_for
+from .families import check_alone, check_together, family_key, recorded_for
 from .pipeline import plan_pipeline
 from .plan_and_compile import local_example, plan_and_compile
 from .plan_cache import PLANS, modes_token, plan_key
 from .plan_files import PLAN_FILES
 from .plan_once import plan_once
-from .shapes import at_sizes, check_symbolic_shapes, compiles_per_size
+from .shapes import at_sizes, check_symbolic_shapes, compiles_per_size, limit_automatic_dynamic
 from .planner import planner_plan
 
 log = logging.getLogger("dynshard")
@@ -51,7 +51,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     if kwargs:
         raise TypeError(f"dynshard: unexpected backend arguments {sorted(kwargs)}; pass settings in options=")
     compat.register_logger("dynshard")
-    compat.keep_shapes_static()
+    compat.keep_dynamism_local()
     keep_floats_constant()
     compat.on_recompile_limit(refuse_recompile_limit)   # a dynshard frame never runs eagerly
     compat.around_dynamo_compiles(present_global_shapes, restore_local_shards)
@@ -81,10 +81,13 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         log.info("%s", config.describe())
     layout = layout_for(outline.mesh.plan_ngpus, device_type, outline.mesh.pp)
     check_symbolic_shapes(inputs, layout)
+    limit_automatic_dynamic(layout)
 
     key = plan_key(gm.code, inputs, config, layout, None if given is None else given.digest())
+    alone = known is not None       # planned on this rank, with no message
     if known is None:
-        ensure_ranks_agree(key, gm.code, inputs, config, layout)
+        alone = not ensure_ranks_agree(key, gm.code, inputs, config, layout,
+                                       family if recorded_for(layout, outline) else None)
     if outline.pipeline is not None:
         return _pipeline_program(gm, example_inputs, config, outline, layout, inputs, key, device_type, made_for, given)
     plan = PLANS.get(key)
@@ -109,7 +112,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
                             if per_size else None)
     else:
         compiled = plan_once(ctx, key, lambda before, after: _compile_planned(gm, ctx, device_type, before, after,
-                                                                              example_inputs), alone=known is not None)
+                                                                              example_inputs), alone=alone)
         plan = CompiledPlan(key, inputs, ctx.placements, ctx.zero, layout, compiled, ctx.propagation,
                             ctx.timings, config.inference_only,
                             build_no_sync=_no_sync_builder(gm, ctx, device_type, example_inputs) if layout.dp_group
@@ -121,7 +124,9 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     plan.plan = ctx.plan
     if known is not None:
         check_alone(plan, *known)
-    elif family is not None and recorded_for(layout, outline):
+    elif alone:       # the first programs, at each rank's own sizes
+        check_together(plan)
+    if known is None and family is not None and recorded_for(layout, outline):
         PLANS.add_family(family, plan, agreed_compiles() - 1)
     PLAN_FILES.record(config, ctx.plan, layout.rank)
     _drop_guards_on_sharded(gm, plan)

@@ -63,15 +63,22 @@ class _Agreement:
         self.compiles = 0
         self.generation = itertools.count()
 
-    def check(self, key: str, describe: Callable[[], dict]) -> None:
+    def check(self, key: str, describe: Callable[[], dict], family: str | None = None) -> bool:
+        """Whether every rank compiles ``key``; where they do not, but every rank's ``family`` is the same,
+        False (each rank plans its own program, see .families); else raises."""
         self.ensure_group()
-        keys = self.all_gather(key.encode(), _KEY_BYTES)
-        if len(set(keys)) > 1:
+        gathered = self.all_gather(key.encode().ljust(_KEY_BYTES, b"\0") + (family or "").encode(), 2 * _KEY_BYTES)
+        keys, families = {g[:_KEY_BYTES] for g in gathered}, {g[_KEY_BYTES:] for g in gathered}
+        if len(keys) > 1 and family is not None and len(families) == 1:
+            self.compiles += 1
+            return False
+        if len(keys) > 1:
             descriptions = self.all_gather_object(describe())
             raise PlanMismatchError(
                 f"dynshard: the ranks compiled different plans at compile #{self.compiles}, so their "
                 f"collectives would not match: {explain_mismatch(descriptions)}. {_FIX}")
         self.compiles += 1
+        return True
 
     def ensure_group(self) -> None:
         """The group of this default process group, made at its first use; notes how far this rank got."""
@@ -149,14 +156,34 @@ def _release_group() -> None:
 
 
 def ensure_ranks_agree(key: str, code: str, inputs: Sequence[GraphInput], config: Config,
-                       layout: Layout) -> None:
-    """Raise PlanMismatchError on every rank unless all ranks compile the plan ``key``.
+                       layout: Layout, family: str | None = None) -> bool:
+    """Raise PlanMismatchError on every rank unless all ranks compile the plan ``key``, or, given a
+    ``family`` (units of one rank, see .families), all ranks' programs are of that family: then returns
+    False where the keys differ (ranks holding batches of their own sizes plan their own programs).
 
     One all-gather of the key on a dynshard gloo group; nothing when this process is the whole job.
     """
     if not _checks_agreement():
+        return True
+    return _AGREEMENT.check(key, lambda: describe_plan(key, code, inputs, config, layout), family)
+
+
+def ensure_ranks_communicate_alike(what: str, describe: Callable[[], str]) -> None:
+    """Raise PlanMismatchError on every rank unless every rank's ``describe()`` (what a program's
+    collectives carry) is the same: programs the ranks planned on their own, at their own sizes."""
+    if not _checks_agreement():
         return
-    _AGREEMENT.check(key, lambda: describe_plan(key, code, inputs, config, layout))
+    _AGREEMENT.ensure_group()
+    mine = describe()
+    digest = hashlib.sha256(mine.encode()).hexdigest()[:_KEY_BYTES].encode()
+    digests = _AGREEMENT.all_gather(digest, _KEY_BYTES)
+    if len(set(digests)) > 1:
+        others = [r for r, d in enumerate(digests) if d != digests[0]]
+        raise PlanMismatchError(
+            f"dynshard: the ranks planned their own programs for batches of their own sizes, and {_ranks(others)} "
+            f"would not communicate as rank 0 does: {what} differ (rank {dist.get_rank()}: {mine[:300]}). "
+            "Keep the model's code path the same for every batch size (no Python branch on a size), or give "
+            "every rank batches of the same sizes (a collator's pad_to_multiple_of, drop_last=True)")
 
 
 def ensure_ranks_agree_on_source(config: Config) -> None:

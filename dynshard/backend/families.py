@@ -21,6 +21,11 @@ symbolic graph has).
   :class:`AloneCompileError` on that rank before any of its collectives runs (the others are then inside
   their step, and see their collective fail when this rank exits).
 - A plan from a file, autodist's search or a planner comes from rank 0: those compiles always agree.
+- The family's first programs may differ in size across ranks too (each rank pads its own rows and Dynamo
+  compiles the first call static at its sizes): the ranks agree on the family, each plans its own program
+  with no message, and the ranks compare what their collectives carry (the state's placements and the
+  forward's collectives at the compile, the backward's when it is compiled, all at the same step) with one
+  all-gather of a digest each: :func:`check_together`.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from .. import compat
 from ..config import Config
 from ..runtime.graph_inputs import GraphInput
 from ..runtime.mesh import Layout
-from .agreement import PlanMismatchError
+from .agreement import PlanMismatchError, ensure_ranks_communicate_alike
 from .plan_cache import modes_token
 
 
@@ -93,6 +98,23 @@ def check_alone(compiled, family, family_index: int) -> None:
                                             f"program {len(want)}; the first difference is #{at}: "
                                             f"{_describe(got, at)} against {_describe(want, at)}")
 
+    for phase in program.graphs:
+        check(phase)
+    program.on_collectives = check
+
+
+def check_together(compiled) -> None:
+    """The first programs of a family the ranks planned on their own, at their own sizes, against each other:
+    the state's placements and each phase's collectives, compared across ranks when the phase is compiled."""
+    state = {inp.name for inp in compiled.inputs if inp.is_state}
+    placements = sorted((name, str(choice)) for name, choice in compiled.plan.tensors.items() if name in state)
+    program = compiled.program
+
+    def check(phase: str) -> None:
+        ensure_ranks_communicate_alike(f"the {phase}'s collectives",
+                                       lambda: repr(_sequence(program.collectives, phase)))
+
+    ensure_ranks_communicate_alike("the parameters' and buffers' placements", lambda: repr(placements))
     for phase in program.graphs:
         check(phase)
     program.on_collectives = check

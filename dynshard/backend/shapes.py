@@ -22,6 +22,14 @@ only what the collectives carry (the parameters' gradients and shards) must agre
   per micro-batch shape, as they always have: a call's batch is split along dim 0, and the size inputs that
   are the batch's symbol are divided with it, so the stage graphs run on micro-batches with no re-trace.
   :func:`check_micro_batch_split` refuses a batch symbol Dynamo also gave another dimension.
+- **Automatic dynamic shapes** (a size that changed once compiles symbolic) stay on, as torch.compile has them,
+  wherever the ranks that compile a frame again at the same step are the ranks that must agree on it: units
+  of one rank (each rank compiles alone, :mod:`.families`) and a job that is one unit of tp ranks (its ranks
+  read one batch). They are turned off at the first compile (:func:`limit_automatic_dynamic`) in a job of
+  several units of several ranks (dp x tp: one unit's lengths would change at another step than another's,
+  and a symbolic graph's first compile is agreed by every rank) and under a pipeline (a stage graph that holds
+  its batch size is traced again per micro-batch, which must stay at the traced plan's inputs).
+  ``dynamic=True`` or ``mark_dynamic`` gives those jobs their symbolic graph at the first compile.
 - **A split value** (a DTensor another program returned) with symbolic sizes, under a unit of several ranks,
   is refused with :class:`SymbolicShapesError` (:func:`check_symbolic_shapes`).
 """
@@ -29,15 +37,19 @@ only what the collectives carry (the parameters' gradients and shards) must agre
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from typing import Any, Sequence
 
 import torch
 
+from .. import compat
 from ..config.errors import SymbolicShapesError
 from ..passes.lower_to_aten import lowers
 from ..runtime.graph_inputs import GraphInput, batch_size_inputs
 from ..runtime.mesh import Layout
+
+log = logging.getLogger("dynshard")
 
 __all__ = ["SymbolicShapesError", "at_sizes", "check_micro_batch_split", "check_symbolic_shapes", "compiles_per_size"]
 
@@ -105,3 +117,20 @@ def at_sizes(inputs: Sequence[GraphInput], args: Sequence[Any]) -> list[GraphInp
             inp = dataclasses.replace(inp, shape=torch.Size(value.shape), stride=tuple(value.stride()))
         sized.append(inp)
     return sized
+
+
+def limit_automatic_dynamic(layout: Layout) -> None:
+    """Automatic dynamic shapes off for a job of several units of several ranks, or a pipeline (see the
+    module's notes)."""
+    if not compat.automatic_dynamic_shapes():
+        return
+    if layout.pp_size > 1:
+        why = f"a pipeline of {layout.pp_size} stages traces a graph again per micro-batch, at its plan's inputs"
+    elif layout.plan_ngpus > 1 and layout.world_size > layout.plan_ngpus:
+        why = (f"this job's {layout.dp_size} units of {layout.plan_ngpus} ranks meet new lengths at different "
+               "steps, and a symbolic graph is agreed by every rank")
+    else:
+        return
+    log.info("dynshard: automatic dynamic shapes are off: %s; a frame compiles again at each new size (compile "
+             "with dynamic=True or mark_dynamic for one symbolic graph)", why)
+    compat.keep_shapes_static()

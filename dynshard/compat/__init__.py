@@ -272,13 +272,21 @@ def graph_break_exceptions() -> tuple[type[Exception], ...]:
     return tuple(exceptions_allowed_to_be_fallback)
 
 
-def keep_shapes_static() -> None:
-    """A size goes symbolic only where the user asks (``dynamic=True``, ``mark_dynamic``): a new batch size
-    recompiles rather than going symbolic on its own, and no frame's dynamism comes from what an earlier
-    process recorded on this host (Dynamo's local PGO), which ranks could read differently and then trace
-    different graphs."""
-    torch._dynamo.config.automatic_dynamic_shapes = False
+def keep_dynamism_local() -> None:
+    """No frame's dynamism comes from what an earlier process recorded on this host (Dynamo's local PGO),
+    which ranks could read differently and then trace different graphs at the same step."""
     torch._dynamo.config.automatic_dynamic_local_pgo = False
+
+
+def automatic_dynamic_shapes() -> bool:
+    return bool(torch._dynamo.config.automatic_dynamic_shapes)
+
+
+def keep_shapes_static() -> None:
+    """A size goes symbolic only where the user asks (``dynamic=True``, ``mark_dynamic``): a frame compiled
+    at one size compiles again at another rather than going symbolic on its own (automatic dynamic shapes)."""
+    torch._dynamo.config.automatic_dynamic_shapes = False
+    keep_dynamism_local()
 
 
 def dtensor_redistributions(op, args: tuple, kwargs: dict):

@@ -106,10 +106,10 @@ def refuse_recompile_limit(limit: compat.RecompileLimit) -> None:
         return
     reason = limit.reason or "unknown (TORCH_LOGS=recompiles lists each reason)"
     if "size mismatch" in reason or "stride mismatch" in reason:
-        cause = ("the inputs' shapes change from call to call, and dynshard compiles a program per shape: under "
-                 "dp and ZeRO, compile with dynamic=True (one program for every length); under any policy, pad "
-                 "each batch to one of a few lengths (a collator's pad_to_multiple_of=64, or "
-                 "padding='max_length')")
+        cause = ("the inputs' shapes change from call to call, and the frame compiles a graph per shape "
+                 "(dynamic=False, or a job of several units of several ranks, where automatic dynamic shapes are "
+                 "off): compile with dynamic=True or mark_dynamic (one graph for every length), or pad each "
+                 "batch to one of a few lengths (a collator's pad_to_multiple_of=64, or padding='max_length')")
     else:
         cause = ("a value the frame reads changes from call to call, and Dynamo compiles a program per value (a "
                  "Python number passed to forward): pass it as a tensor (torch.tensor(value)) or keep it "
