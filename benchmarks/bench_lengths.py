@@ -7,7 +7,9 @@ every step (as padding to each rank's longest row gives), on bench_gpt.py's GPT:
 system               what runs
 ddp                  DistributedDataParallel + torch.compile (Dynamo's automatic dynamic shapes)
 dynshard-dynamic     torch.compile(model, backend="dynshard", dynamic=True): one symbolic program
-dynshard-static      torch.compile(model, backend="dynshard"): a plan and a program per length (the recompile
+dynshard-automatic   torch.compile(model, backend="dynshard"): automatic dynamic shapes, each rank's first
+                     length static (its own plan), then one symbolic program
+dynshard-static      torch.compile(..., dynamic=False): a plan and a program per length (the recompile
                      limit raised so that it runs them all); every rank at rank 0's lengths, which static plans
                      need (different lengths on the ranks are refused: PlanMismatchError)
 dynshard-dynamic-0   dynshard-dynamic at dynshard-static's lengths, for the ratio of their steps
@@ -41,8 +43,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 TP = {"policy": "tp", "plan_ngpus": 2}
 PP = {"policy": "pp", "plan_ngpus": 2, "use_end2end": True, "pas_config": {"pipeline_nmicros": 2}}
-SYSTEMS = {     # dynshard's: (options, dynamic=True)
-    "dynshard-dynamic": ({}, True), "dynshard-static": ({}, False), "dynshard-dynamic-0": ({}, True),
+SYSTEMS = {     # dynshard's: (options, torch.compile's dynamic=)
+    "dynshard-dynamic": ({}, True), "dynshard-automatic": ({}, None), "dynshard-static": ({}, False),
+    "dynshard-dynamic-0": ({}, True),
     "tp-static": (TP, False), "tp-dynamic": (TP, True), "pp-static": (PP, False), "pp-dynamic": (PP, True)}
 STATIC_OF = {"dynshard-dynamic-0": "dynshard-static", "tp-dynamic": "tp-static", "pp-dynamic": "pp-static"}
 
@@ -67,7 +70,7 @@ def _rank(rank: int, world: int, port: int, system: str, args, outdir: str) -> N
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab=args.vocab, seq=args.seq, d_model=args.d_model, heads=args.heads, layers=args.layers))
     # rank 0's lengths on every rank (the ranks of a tp or pp unit read one batch)
-    shared = system not in ("ddp", "dynshard-dynamic")
+    shared = system not in ("ddp", "dynshard-dynamic", "dynshard-automatic")
     lengths = lengths_of(0 if shared else rank, args.lengths, args.min_length, args.seq)
     lengths = lengths[:args.static_lengths] if shared else lengths
     if system == "ddp":
@@ -75,10 +78,9 @@ def _rank(rank: int, world: int, port: int, system: str, args, outdir: str) -> N
         compiled = torch.compile(torch.nn.parallel.DistributedDataParallel(model))
     else:
         options, dynamic = SYSTEMS[system]
-        if not dynamic:
+        if dynamic is False:
             torch._dynamo.config.recompile_limit = len(lengths) + 8
-        compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(**options),
-                                 dynamic=True if dynamic else None)
+        compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(**options), dynamic=dynamic)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step(length: int, seed: int) -> float:
@@ -123,7 +125,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=4, help="rows per rank")
-    parser.add_argument("--systems", default="ddp,dynshard-dynamic,dynshard-static,dynshard-dynamic-0")
+    parser.add_argument("--systems", default="ddp,dynshard-dynamic,dynshard-automatic,dynshard-static,dynshard-dynamic-0")
     args = parser.parse_args()
     results = {system: run(system, args) for system in args.systems.split(",")}
 
@@ -142,7 +144,7 @@ def main() -> None:
     for system, ranks in results.items():
         rows.append((system, str(len(per_step[system])), str(ranks[0]["graphs"]),
                      f"{max(r['compile_s'] for r in ranks):.1f}", f"{1000 * statistics.median(per_step[system]):.1f}",
-                     ratio(system, "ddp", ("dynshard-dynamic",)),
+                     ratio(system, "ddp", ("dynshard-dynamic", "dynshard-automatic")),
                      ratio(system, STATIC_OF.get(system, ""), tuple(STATIC_OF))))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for row in rows:

@@ -209,14 +209,19 @@ def test_a_sequence_parallel_split_of_a_length_it_does_not_divide_is_refused_on_
         assert "does not divide by 2" in error and "pad_to_multiple_of=2" in error, error
 
 
-@pytest.mark.parametrize("options", [{"policy": "tp"}, {"policy": "pp", "use_end2end": True,
-                                                     "pas_config": {"pipeline_nmicros": 2}}], ids=["tp", "pp"])
-def test_trainer_with_a_padding_collator_in_one_unit_of_two_ranks_trains_like_one_process(options):
-    """pp: the padding mask transformers reads by the batch's positions splits into micro-batches, and
-    Trainer's clipping (accelerate's get_total_norm) sees the global norm."""
-    (result, _) = run_ranks(trainer_padding, 2, {"compiler": "aot_eager", **options}, 6, 2)
+@pytest.mark.parametrize("options, dynamic", [
+    ({"policy": "tp"}, True),
+    ({"policy": "tp"}, None),
+    ({"policy": "pp", "use_end2end": True, "pas_config": {"pipeline_nmicros": 2}}, True),
+], ids=["tp", "tp-automatic", "pp"])
+def test_trainer_with_a_padding_collator_in_one_unit_of_two_ranks_trains_like_one_process(options, dynamic):
+    """tp-automatic: torch.compile's default, the first length static and the second symbolic (the unit's
+    ranks read one batch, so they compile at the same step). pp: the padding mask transformers reads by the
+    batch's positions splits into micro-batches, and Trainer's clipping (accelerate's get_total_norm) sees the
+    global norm."""
+    (result, _) = run_ranks(trainer_padding, 2, {"compiler": "aot_eager", **options}, 6, 2, dynamic)
     assert_trains_like_one_process(result)
-    assert result["graphs"] == 1 and len(set(result["lengths"])) == 6, result["lengths"]
+    assert result["graphs"] == (1 if dynamic else 2) and len(set(result["lengths"])) == 6, result["lengths"]
 
 
 PP = {"policy": "pp", "plan_ngpus": 2, "compiler": "aot_eager", "use_end2end": True,
