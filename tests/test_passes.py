@@ -467,3 +467,29 @@ def test_tp_splits_query_heads_of_multi_query_attention_and_keeps_key_value_whol
     assert shapes[("forward", "all_reduce", (2, 16, 32))] == 2 * layers, str(report)
     assert shapes[("backward", "all_reduce", (2, 16, 32))] == 2 * layers and kv == 2 * layers, str(report)
     assert sum(shapes.values()) == 6 * layers, str(report)
+
+
+def test_the_passes_run_in_four_phases_and_the_graph_after_each_is_logged_when_asked(fake_world):
+    """``TORCH_LOGS=+dynshard.passes`` switches the ``dynshard.passes`` logger to DEBUG: each pass's graph."""
+    import logging
+
+    from dynshard import passes
+
+    assert list(passes.PHASES) == ["lower", "place", "propagate", "rewrite"]
+    assert passes.PLACE == [passes.assign_placements] and passes.PROPAGATE == [passes.propagate_sharding]
+    records: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("dynshard.passes")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        plan_for(MLP(), mlp_batch(4, 0), policy="tp", plan_ngpus=2)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    ran = [message.split(":")[0].removeprefix("graph after ") for message in records]
+    assert ran == [p.__name__ for phase in passes.PHASES.values() for p in phase], ran
+    rewritten = records[ran.index("insert_collectives")]
+    assert "insert_collectives_to_boundary" in rewritten and "to_boundary" not in records[0], rewritten

@@ -40,13 +40,13 @@ def failures(rank: int, world: int) -> dict[str, dict]:
     """Compile-only scenarios, one after the other in one job: what each raised on this rank and when."""
     results = {"policy_raises": _compile(failing_policy, hidden=32)}
     # rank 1 fails before it gets to the policy pass: it still takes rank 0's plan, so the ranks stay in step
-    at = passes.PASSES.index(passes.lower_to_aten)
+    at = passes.LOWER.index(passes.lower_to_aten)
     if rank == 1:
-        passes.PASSES[at] = _broken_lowering
+        passes.LOWER[at] = _broken_lowering
     try:
         results["lowering_fails_on_rank_1"] = _compile("tp", hidden=48)
     finally:
-        passes.PASSES[at] = passes.lower_to_aten
+        passes.LOWER[at] = passes.lower_to_aten
     results["after"] = _compile("tp", hidden=64)
     # sequence parallelism: the activations the policy placed travel with the plan
     results["sequence_parallel"] = _compile("tp", model="gpt", pas_config={"sequence_parallel": True})

@@ -111,8 +111,9 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
                             build_sized=(lambda args, sync: _single_process_at(gm, ctx, at_sizes(inputs, args)))
                             if per_size else None)
     else:
-        compiled = plan_once(ctx, key, lambda before, after: _compile_planned(gm, ctx, device_type, before, after,
-                                                                              example_inputs), alone=alone)
+        with plan_once(ctx, key, alone=alone) as agreement:
+            compiled = plan_and_compile(gm, ctx, device_type, agreement, example_inputs=example_inputs)
+            ctx.plan = with_forward_collectives(ctx.plan, ctx.propagation, ctx.node_keys)   # (as saved)
         plan = CompiledPlan(key, inputs, ctx.placements, ctx.zero, layout, compiled, ctx.propagation,
                             ctx.timings, config.inference_only,
                             build_no_sync=_no_sync_builder(gm, ctx, device_type, example_inputs) if layout.dp_group
@@ -151,12 +152,6 @@ def _pipeline_program(gm, example_inputs, config, outline, layout, inputs, key, 
         if inp.is_state:
             compat.drop_guards_on(placeholders[inp.index])
     return PipelineProgram(plan)
-
-
-def _compile_planned(gm, ctx: PassContext, device_type: str, before_policy, after_policy, example_inputs):
-    program = plan_and_compile(gm, ctx, device_type, before_policy, after_policy, example_inputs=example_inputs)
-    ctx.plan = with_forward_collectives(ctx.plan, ctx.propagation, ctx.node_keys)
-    return program
 
 
 def _no_sync_builder(gm: fx.GraphModule, planned: PassContext, device_type: str, example_inputs):

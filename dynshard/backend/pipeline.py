@@ -39,8 +39,11 @@ from .stage_plans import merge_stage_plans, plan_stages, stage_context, stage_pl
 
 log = logging.getLogger("dynshard")
 
-PIPELINE_PASSES = [
+# a pipeline's phases: lower (what the whole graph needs before it is cut) and cut (-> a graph per stage)
+PIPELINE_LOWER = [
     cast_to_compute_dtype,  # mixed precision: parameters (and inputs) enter in param_dtype
+]
+PIPELINE_CUT = [
     assign_stages,          # every op gets a stage: pipe_split(), pivots, or the model's layers by FLOPs
     split_stages,           # one graph per stage, with the values each boundary carries
 ]
@@ -127,18 +130,12 @@ def _cut_once(gm: fx.GraphModule, ctx: PassContext, key: str, schedule) -> None:
     """The pipeline passes, with the pipeline planned once per job (:func:`.plan_once.plan_once`): rank 0
     measures and cuts (and, under hybrid, places each stage's tensors), the other ranks install its plan
     and measure nothing."""
-    planned = PIPELINE_PASSES.index(assign_stages)
-
-    def run(before, after):
-        graph = run_passes(gm, ctx, PIPELINE_PASSES[:planned])
-        if before is not None:
-            before(ctx)
-        run_passes(graph, ctx, PIPELINE_PASSES[planned:])
+    with plan_once(ctx, key) as agreement:
+        graph = run_passes(gm, ctx, PIPELINE_LOWER)
+        agreement.receive()        # the other ranks: rank 0's cut (and hybrid stages' placements)
+        run_passes(graph, ctx, PIPELINE_CUT)
         ctx.plan = pipeline_plan(ctx, schedule)
-        if after is not None:
-            after(ctx)
-
-    plan_once(ctx, key, run)
+        agreement.send()
 
 
 def pipeline_plan(ctx: PassContext, schedule, place_stages: bool = True) -> Plan:

@@ -8,7 +8,7 @@ import torch.fx as fx
 
 from .. import compat
 from ..config import Config
-from ..passes import PASSES, PassContext, assign_placements, propagate_sharding, run_passes
+from ..passes import LOWER, PLACE, PROPAGATE, PassContext, run_passes
 from ..passes.assign_placements import record_plan
 from ..planning import Plan
 from ..planning.costs import with_forward_collectives
@@ -16,7 +16,7 @@ from ..planning.outline import outline_of
 from ..policies import place
 from ..runtime.mesh import Layout
 from ..runtime.pipeline.schedules import build_schedule
-from .pipeline import PIPELINE_PASSES, pipeline_plan
+from .pipeline import PIPELINE_CUT, PIPELINE_LOWER, pipeline_plan
 from .plan_and_compile import copy_graph
 
 
@@ -34,7 +34,7 @@ def plan_graph(gm: fx.GraphModule, inputs, config: Config, layout: Layout, made_
         pipeline = outline.pipeline
         schedule = build_schedule(pipeline.schedule, pipeline.nsegments, pipeline.nmicros, layout.pp_size,
                                   pipeline.all_device_first)
-        graph = run_passes(graph, ctx, PIPELINE_PASSES)
+        graph = run_passes(run_passes(graph, ctx, PIPELINE_LOWER), ctx, PIPELINE_CUT)
         return pipeline_plan(ctx, schedule, place_stages), ctx, graph
     if not layout.dim_names:        # a single process: nothing to place
         ctx.placements = {i.index: () for i in inputs}
@@ -47,7 +47,7 @@ def lower_graph(gm: fx.GraphModule, inputs, config: Config, layout: Layout, made
     policy, so one lowered graph serves every policy planned on ``layout``."""
     ctx = PassContext(config=config, outline=outline_of(config, layout.world_size, made_for), layout=layout,
                       inputs=inputs, fake_mode=compat.new_fake_mode(), made_for=made_for, policy=place)
-    return run_passes(copy_graph(gm), ctx, PASSES[:PASSES.index(assign_placements)]), ctx
+    return run_passes(copy_graph(gm), ctx, LOWER), ctx
 
 
 def place_graph(lowered: fx.GraphModule, lowered_ctx: PassContext, config: Config,
@@ -59,5 +59,5 @@ def place_graph(lowered: fx.GraphModule, lowered_ctx: PassContext, config: Confi
                       layout=lowered_ctx.layout, inputs=lowered_ctx.inputs, fake_mode=lowered_ctx.fake_mode,
                       made_for=lowered_ctx.made_for, policy=place, given=given, blocked=dict(lowered_ctx.blocked),
                       op_memo=lowered_ctx.op_memo)
-    graph = run_passes(lowered, ctx, PASSES[PASSES.index(assign_placements):PASSES.index(propagate_sharding) + 1])
+    graph = run_passes(run_passes(lowered, ctx, PLACE), ctx, PROPAGATE)
     return with_forward_collectives(ctx.plan, ctx.propagation, ctx.node_keys), ctx, graph

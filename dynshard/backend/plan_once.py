@@ -2,56 +2,77 @@
 the other ranks install it as a given plan and run no policy. A plan from ``load_plan_path`` is on every
 rank already, and nothing is sent. Whole graphs and pipelines (their stage cut) share this.
 
-The others do the work before the planning step (lowering) while rank 0 plans, and wait for the plan just
-before it. A rank whose planning raises still takes part in the one message of the compile (rank 0 sends
-its error instead of the plan; another rank waits for rank 0's message), so every rank raises and the
-ranks stay in step for the next compile (see :class:`.agreement.PlanChannel`). A process that plans alone
-(one rank, a fake group) plans as before.
+The compile path reads top to bottom around it (:func:`.plan_and_compile.plan_and_compile`)::
+
+    with plan_once(ctx, key) as agreement:
+        lowered = run_passes(graph, ctx, LOWER)
+        agreement.receive()             # the other ranks: rank 0's plan, the given plan from here on
+        placed = run_passes(lowered, ctx, PLACE)
+        agreement.send()                # rank 0: ctx.plan, to the others
+        ...                             # propagation, rewriting and the compile, on every rank at once
+
+so the others lower the graph while rank 0 plans, and wait for the plan just before they place it. A rank
+whose passes raise still takes part in the one message of the compile (rank 0 sends its error instead of
+the plan; another rank waits for rank 0's message), so every rank raises and the ranks stay in step for the
+next compile (see :class:`.agreement.PlanChannel`). A process that plans alone (one rank, a fake group)
+plans as before.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, TypeVar
 
 from ..passes import PassContext
 from ..planning import Plan
 from .agreement import PlanChannel, plan_channel
 from .plan_cache import PLANS
 
-Step = Callable[[PassContext], Any]
-T = TypeVar("T")
+
+class PlanAgreement:
+    """This rank's part in planning one compile once per job: :meth:`receive` before the planning step,
+    :meth:`send` after it (each nothing where this rank neither waits nor sends)."""
+
+    def __init__(self, ctx: PassContext, key: str, channel: PlanChannel | None, plans: bool) -> None:
+        self.ctx, self.key, self.channel = ctx, key, channel
+        self.plans = plans          # this rank plans (or reads the plan cache_dir keeps); else it is given
+
+    @property
+    def receives(self) -> bool:
+        return self.channel is not None and not self.channel.planner
+
+    def receive(self) -> None:
+        """The other ranks: rank 0's plan becomes the given plan (mostly waiting for rank 0)."""
+        if not self.receives:
+            return
+        start = time.perf_counter()
+        self.ctx.given = Plan.from_json(self.channel.receive(), "the plan rank 0 sent")
+        self.ctx.timings.append(("receive_plan", time.perf_counter() - start))
+
+    def send(self) -> None:
+        """Rank 0: the plan its planning step recorded, to the others (a plan read from cache_dir went out
+        before the passes)."""
+        if self.channel is not None and self.channel.planner and not self.channel.finished:
+            self.channel.send(self.ctx.plan.to_json())
+
+    def __enter__(self) -> PlanAgreement:
+        if self.plans and not self.receives:
+            self.ctx.given = PLANS.load_plan(self.ctx.config, self.key)
+            if self.ctx.given is not None and self.channel is not None:   # at once: the others need not wait
+                self.channel.send(self.ctx.given.to_json())
+        return self
+
+    def __exit__(self, kind, error, traceback) -> None:
+        if error is not None:
+            if self.channel is not None:
+                self.channel.abandon(error)
+            return
+        if not self.receives:
+            PLANS.save_plan(self.ctx.config, self.key, self.ctx.plan, self.ctx.layout)
 
 
-def plan_once(ctx: PassContext, key: str, run: Callable[[Step | None, Step | None], T], alone: bool = False) -> T:
-    """``run(before_planning, after_planning)`` runs the passes, calling each (when given) around the step
-    that plans (the policy, or the stage cut); that step records ``ctx.plan``. Returns what ``run`` returns.
-    ``alone``: this rank plans by itself, with no message (a program of an agreed family, see .families)."""
-    if ctx.given is not None or alone:           # a plan file; a family's program
-        result = run(None, None)
-    else:
-        channel = plan_channel()
-        try:
-            if channel is not None and not channel.planner:
-                return run(lambda ctx: _receive(ctx, channel), None)
-            ctx.given = PLANS.load_plan(ctx.config, key)
-            if ctx.given is not None and channel is not None:   # at once: the others need not wait for the passes
-                channel.send(ctx.given.to_json())
-            result = run(None, None if channel is None else lambda ctx: _send(ctx, channel))
-        except BaseException as error:
-            if channel is not None:
-                channel.abandon(error)
-            raise
-    PLANS.save_plan(ctx.config, key, ctx.plan, ctx.layout)
-    return result
-
-
-def _send(ctx: PassContext, channel: PlanChannel) -> None:
-    if not channel.finished:      # (a plan read from cache_dir went out before the passes)
-        channel.send(ctx.plan.to_json())
-
-
-def _receive(ctx: PassContext, channel: PlanChannel) -> None:
-    start = time.perf_counter()
-    ctx.given = Plan.from_json(channel.receive(), "the plan rank 0 sent")
-    ctx.timings.append(("receive_plan", time.perf_counter() - start))     # mostly waiting for rank 0
+def plan_once(ctx: PassContext, key: str, alone: bool = False) -> PlanAgreement:
+    """This rank's agreement on the plan of the compile ``key`` (a context manager). ``alone``: this rank
+    plans by itself, with no message (a program of an agreed family, see .families); so does a compile
+    whose plan is given (a plan file: on every rank already)."""
+    plans = ctx.given is None and not alone
+    return PlanAgreement(ctx, key, plan_channel() if plans else None, plans)

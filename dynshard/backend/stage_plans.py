@@ -16,7 +16,7 @@ import dataclasses
 import torch
 
 from .. import compat
-from ..passes import PASSES, PassContext, propagate_sharding, run_passes
+from ..passes import LOWER, PLACE, PROPAGATE, PassContext, run_passes
 from ..planning import STAGE_SEPARATOR, ActivationChoice, Plan, TensorChoice
 from ..planning.costs import with_forward_collectives
 from ..planning.outline import stage_outline
@@ -41,7 +41,9 @@ def plan_stages(ctx: PassContext, stages, planned: set[int]) -> dict[int, Plan]:
         if stage.index not in planned:
             continue
         stage_ctx = stage_context(ctx, stage_inputs(stage, ctx.inputs), fake_mode, op_memo=memo)
-        run_passes(copy_graph(stage.module), stage_ctx, PASSES[:PASSES.index(propagate_sharding) + 1])
+        graph = copy_graph(stage.module)          # (the lowering edits the graph)
+        for phase in (LOWER, PLACE, PROPAGATE):
+            graph = run_passes(graph, stage_ctx, phase)
         memo = stage_ctx.op_memo
         ctx.timings.extend((f"stage{stage.index}.{name}", t) for name, t in stage_ctx.timings)
         plans[stage.index] = with_forward_collectives(stage_ctx.plan, stage_ctx.propagation, stage_ctx.node_keys)

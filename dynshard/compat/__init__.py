@@ -43,6 +43,14 @@ def register_logger(name: str) -> None:
         register_log(name, name)
 
 
+def trace_artifact(name: str, payload: Callable[[], str]) -> None:
+    """A text artifact in torch's structured trace (``TORCH_TRACE=dir``, which tlparse reads); ``payload`` is
+    called only while a trace is written."""
+    from torch._logging import trace_structured
+
+    trace_structured("artifact", metadata_fn=lambda: {"name": name, "encoding": "string"}, payload_fn=payload)
+
+
 def grapharg_source_name(node: fx.Node) -> str | None:
     """Dynamo's source for a placeholder, e.g. ``L['self']._modules['fc']._parameters['weight']``."""
     grapharg = node.meta.get("grapharg")
