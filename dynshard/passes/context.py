@@ -4,17 +4,20 @@ plan so far."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
+import torch.fx as fx
 from torch.distributed.tensor import Placement
 
 from ..config import Config
 from ..planning import Plan
 from ..planning.outline import mixed_precision_of
+from ..planning.plan import MadeFor
 from ..runtime.graph_inputs import GraphInput, mesh_identity
 from ..runtime.mesh import Layout
 from ..runtime.sharding import placements_for
 from ..runtime.zero import ZeroSpec
+from .op_memo import OpMemo
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,30 +34,31 @@ class PassContext:
     config: Config
     layout: Layout
     inputs: list[GraphInput]
-    fake_mode: Any
+    fake_mode: Any                   # torch's FakeTensorMode (compat.new_fake_mode)
     outline: Plan                    # what the program is built from: the given plan, or the config's outline
     placements: dict[int, tuple[Placement, ...]] = dataclasses.field(default_factory=dict)
     over_dp: set[int] = dataclasses.field(default_factory=set)   # from a given plan: inputs ZeRO splits
     zero: dict[int, ZeroSpec] = dataclasses.field(default_factory=dict)   # inputs whose rows ZeRO splits
     stage_program: bool = False      # a pipeline stage's: its outputs are what the next stage reads
     sync_grads: bool = True          # False: the no-sync variant (whole replicas in, local gradients out)
-    propagation: Any = None          # passes.propagate_sharding.Propagation
+    propagation: Any = None          # propagate_sharding.Propagation (which imports this module)
     blocked: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # input -> (blocks, dim)
     # activations the policy placed: node name -> placements its value is redistributed to where produced
     constraints: dict[str, ActivationPlacement] = dataclasses.field(default_factory=dict)
     split_outputs: dict[int, tuple] = dataclasses.field(default_factory=dict)  # output -> DTensor spec
     timings: list[tuple[str, float]] = dataclasses.field(default_factory=list)
     stage_info: dict[str, Any] = dataclasses.field(default_factory=dict)   # pipeline: how stages were cut
-    staged: Any = None               # pipeline: passes.cut_stages.StagedGraph
+    staged: Any = None               # pipeline: cut_stages.StagedGraph (which imports this module)
     outlined: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # blocks compiled once: (class, calls)
-    made_for: Any = None             # planning.plan.MadeFor: the graph, world and modes the plan is for
-    given: Any = None                # a Plan to execute instead of running the policy (loaded, received, stored)
-    policy: Any = None               # (gm, ctx) -> None: places the inputs when no plan is given (policies.place)
+    made_for: MadeFor | None = None  # the graph, world and modes the plan is for
+    given: Plan | None = None        # a Plan to execute instead of running the policy (loaded, received, stored)
+    # places the inputs when no plan is given (policies.place: the policies come after the passes)
+    policy: Callable[[fx.GraphModule, PassContext], None] | None = None
     recompute: tuple[str, ...] | None = None   # modules the policy recomputes (None: the outline's)
-    plan: Any = None                 # the Plan of this program, once placements are assigned
+    plan: Plan | None = None         # the Plan of this program, once placements are assigned
     node_keys: dict[str, str] = dataclasses.field(default_factory=dict)  # node name -> planning.node_keys key
     draws_random: bool = False       # the lowered graph has a random op (dropout): ranks holding it must draw alike
-    op_memo: Any = None              # passes.op_memo.OpMemo: DTensor's answers, shared by this mode's propagations
+    op_memo: OpMemo | None = None    # DTensor's answers, shared by this mode's propagations
 
     @property
     def mixed_precision(self):
