@@ -155,3 +155,19 @@ def assert_trains_like_one_process(result: dict, label: str = "", *, loss_rtol: 
     for key in tensor_keys:
         problems += tensor_problems(result[key], result[f"ref_{key}"], f"{label} {key}".strip(), rtol=rtol, atol=atol)
     _raise(problems)
+
+
+def assert_ranks_train_like_one_process(results: list[dict], **tolerances) -> None:
+    """:func:`assert_trains_like_one_process` on each rank's result, labelled with its rank."""
+    for rank, result in enumerate(results):
+        assert_trains_like_one_process(result, f"rank {rank}", **tolerances)
+
+
+def assert_parity_job_trains_like_one_process(results: list[dict]) -> None:
+    """Each rank's ``workers.train_parity`` result: its state dict relocated onto its shards is its shards, and
+    AdamW's parameters held element by element, rtol 1e-5 (tighter than SGD's standard) and atol 1e-5: AdamW's
+    first steps move each element by ~lr whatever the gradient's size, so a gradient that is zero up to
+    rounding may move either way; 1e-5 is 1% of one step."""
+    for rank, result in enumerate(results):
+        assert result["relocated_equals_local"], f"rank {rank}: relocate_state_dict(collect_state_dict(m)) != shards"
+    assert_ranks_train_like_one_process(results, rtol=1e-5, atol=1e-5)

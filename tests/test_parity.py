@@ -6,7 +6,7 @@ import pytest
 
 from distributed import run_ranks
 from models import GPTConfig
-from parity import assert_trains_like_one_process as one_process
+from parity import assert_parity_job_trains_like_one_process
 from workers import train_parity
 
 CASES = [  # model, policy, plan_ngpus, world size
@@ -19,21 +19,12 @@ CASES = [  # model, policy, plan_ngpus, world size
 SLOW = {("mlp", "tp", 2, 4)}
 
 
-def assert_trains_like_one_process(results: list[dict]) -> None:
-    for rank, result in enumerate(results):
-        assert result["relocated_equals_local"], f"rank {rank}: relocate_state_dict(collect_state_dict(m)) != shards"
-        # AdamW, held element by element: rtol 1e-5 (tighter than SGD's standard) and atol 1e-5, as AdamW's
-        # first steps move each element by ~lr whatever the gradient's size, so a gradient that is zero up
-        # to rounding may move either way; 1e-5 is 1% of one step.
-        one_process(result, f"rank {rank}", rtol=1e-5, atol=1e-5)
-
-
 @pytest.mark.parametrize("model,policy,plan_ngpus,world", [
     pytest.param(*case, id="{}-{}-plan{}-world{}".format(*case), marks=[pytest.mark.slow] if case in SLOW else [])
     for case in CASES])
 def test_parallel_training_matches_single_process(model, policy, plan_ngpus, world):
     results = run_ranks(train_parity, world, model, policy, plan_ngpus, "aot_eager")
-    assert_trains_like_one_process(results)
+    assert_parity_job_trains_like_one_process(results)
     kinds = {kind for _, kind, _ in results[0]["collectives"]}
     if policy == "dp":
         assert {(p, k, g) for p, k, g in results[0]["collectives"]} == {("backward", "all_reduce", "dp")}
@@ -56,7 +47,7 @@ def test_parallel_training_matches_single_process(model, policy, plan_ngpus, wor
 @pytest.mark.parametrize("scope", ["program", "blocks"])
 def test_tensor_parallel_gpt_with_inductor_matches_single_process(scope):
     results = run_ranks(train_parity, 2, "gpt", "tp", 2, "inductor", 5, 4, {"compile_scope": scope})
-    assert_trains_like_one_process(results)
+    assert_parity_job_trains_like_one_process(results)
 
 
 def test_tensor_parallel_halves_every_transformer_layer_parameter_but_norms_and_row_biases():

@@ -14,23 +14,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import dynshard
-from dynshard.backend import dynshard_backend
 from dynshard.backend.capture import fqn_from_source
 from dynshard.explain import format_plan
 from models import GPT, MLP, GPT2StyleBlock, GPTConfig, LayerStack, gpt_batch, mlp_batch
-
-
-def plan_for(model, inputs, **options):
-    """The plan dynshard's backend makes for ``model(*inputs)``, without running the program."""
-    options.setdefault("compiler", "aot_eager")
-    plans = []
-
-    def backend(gm, example_inputs):
-        plans.append(dynshard_backend(gm, example_inputs, options=options).plan)
-        return gm.forward
-
-    torch.compile(model, backend=backend, fullgraph=True)(*inputs)
-    return plans[0]
+from plans import plan_for
 
 
 class TestPlans(expecttest.TestCase):

@@ -16,7 +16,7 @@ from dynshard.config import ConfigError
 from dynshard.policies import PlanError
 from models import GPT, GPTConfig, gpt_batch
 from parity import assert_trains_like_one_process
-from test_passes import plan_for
+from plans import plan_for
 from workers import train_parity
 from workers_autodist import offline_autodist, why_not_pinned
 

@@ -9,14 +9,10 @@ import os
 import pytest
 
 from distributed import run_ranks
-from parity import assert_losses_close, assert_tensors_close, assert_tensors_equal, assert_trains_like_one_process
+from parity import (assert_losses_close, assert_ranks_train_like_one_process, assert_tensors_close,
+                    assert_tensors_equal, assert_trains_like_one_process)
 from workers_pipeline import (deferred_weight_gradients, meta_pipeline, pipeline_checkpoint, pipeline_explain,
                               pipeline_parity)
-
-
-def _assert_parity(results):
-    for rank, result in enumerate(results):
-        assert_trains_like_one_process(result, f"rank {rank}")
 
 
 def _layer_fraction(result) -> float:
@@ -26,7 +22,7 @@ def _layer_fraction(result) -> float:
 
 def test_1f1b_on_two_ranks_trains_the_tied_gpt_like_gradient_accumulation():
     results = run_ranks(pipeline_parity, 2, "gpt", 2, {"pipeline_nmicros": 4}, "train_step", 2)
-    _assert_parity(results)
+    assert_ranks_train_like_one_process(results)
     assert [_layer_fraction(r) for r in results] == [0.5, 0.5]
     assert results[0]["held"]["wte.weight"] == results[1]["held"]["wte.weight"] > 0    # tied: on both ends
     assert results[0]["modules"][0] == [("wte", "wpe", "blocks.0", "blocks.1"), ("blocks.2", "blocks.3", "ln_f",
@@ -38,14 +34,15 @@ def test_1f1b_on_two_ranks_trains_the_tied_gpt_like_gradient_accumulation():
 def test_interleaved_1f1b_runs_two_stages_per_rank():
     results = run_ranks(pipeline_parity, 2, "gpt", 2, {"pipeline_nmicros": 4, "pipeline_scheduler": "1f1b_interleaved",
                                                        "pipeline_nchunks": 2}, "train_step", 2)
-    _assert_parity(results)
+    assert_ranks_train_like_one_process(results)
     assert results[0]["modules"][0][0] == ("wte", "wpe", "blocks.0")
     assert [_layer_fraction(r) for r in results] == [0.5, 0.5]
 
 
 def test_gpipe_relays_a_skip_connection_over_every_stage():
-    _assert_parity(run_ranks(pipeline_parity, 2, "skip", 2, {"pipeline_nmicros": 4, "pipeline_scheduler": "gpipe"},
-                             "train_step", 2))
+    results = run_ranks(pipeline_parity, 2, "skip", 2, {"pipeline_nmicros": 4, "pipeline_scheduler": "gpipe"},
+                        "train_step", 2)
+    assert_ranks_train_like_one_process(results)
 
 
 def test_pipeline_times_data_parallel_units_with_zero3_holds_a_quarter_of_the_model_per_rank():
@@ -53,7 +50,7 @@ def test_pipeline_times_data_parallel_units_with_zero3_holds_a_quarter_of_the_mo
     whole replicas are gathered once per step and gradients reduce-scattered once per step."""
     results = run_ranks(pipeline_parity, 4, "mlp_split", 2, {"pipeline_nmicros": 2}, "train_step", 2, 8, "pp",
                         {"use_zero": 3})
-    _assert_parity(results)
+    assert_ranks_train_like_one_process(results)
     for result in results:
         assert sum(result["held"].values()) <= 0.27 * sum(result["total"].values())
 
@@ -83,8 +80,9 @@ def test_dummy_micro_batches_scale_fn_infer_step_explain_and_trace(tmp_path):
 
 @pytest.mark.slow
 def test_interleaved_with_two_chunks_on_four_ranks():
-    _assert_parity(run_ranks(pipeline_parity, 4, "gpt", 4, {"pipeline_nmicros": 4, "pipeline_scheduler": "1f1b_interleaved",
-                                                            "pipeline_nchunks": 2}, "train_step", 2))
+    results = run_ranks(pipeline_parity, 4, "gpt", 4, {"pipeline_nmicros": 4, "pipeline_scheduler": "1f1b_interleaved",
+                                                       "pipeline_nchunks": 2}, "train_step", 2)
+    assert_ranks_train_like_one_process(results)
 
 
 @pytest.mark.slow       # (8 ranks on 2 cores: about 40 s)
@@ -92,7 +90,8 @@ def test_chimera_direct_over_two_data_parallel_units_trains_like_one_process():
     """Two units of 4 (autodist prices chimera_direct over units too, at ZeRO 0): each stage's two copies sum
     their gradients within the unit, then the units average theirs."""
     pas_config = {"pipeline_nmicros": 4, "pipeline_scheduler": "chimera_direct"}
-    _assert_parity(run_ranks(pipeline_parity, 8, "gpt", 4, pas_config, "train_step", 2, timeout=900))
+    results = run_ranks(pipeline_parity, 8, "gpt", 4, pas_config, "train_step", 2, timeout=900)
+    assert_ranks_train_like_one_process(results)
 
 
 def test_chimera_direct_runs_each_stage_on_two_ranks_in_two_directions():
@@ -100,7 +99,7 @@ def test_chimera_direct_runs_each_stage_on_two_ranks_in_two_directions():
     stage's two copies sum their gradients once per step. Plain calls (odd steps) run GPipe on the down lane."""
     results = run_ranks(pipeline_parity, 4, "gpt", 4, {"pipeline_nmicros": 4, "pipeline_scheduler": "chimera_direct"},
                         "alternate", 2)
-    _assert_parity(results)
+    assert_ranks_train_like_one_process(results)
     assert [_layer_fraction(r) for r in results] == [0.5] * 4          # stages r and 3 - r
     # each micro-batch crosses the 3 boundaries of its lane once forward and once backward
     assert sum(r["sent_bytes"][0] for r in results) == results[0]["p2p_bytes"][0] == 4 * 3 * 2 * (2 * 16 * 32 * 4)
@@ -111,7 +110,7 @@ def test_1f1b_plus_runs_the_embedding_on_every_rank_and_pipelines_the_layers():
     ranks (vocab parallel), run for each micro-batch just before stage 1; the layers are two 1F1B stages."""
     results = run_ranks(pipeline_parity, 2, "untied_gpt", 2, {"pipeline_nmicros": 4, "pipeline_scheduler": "1f1b_plus"},
                         "alternate", 2)
-    _assert_parity(results)
+    assert_ranks_train_like_one_process(results)
     for result in results:
         assert result["held"]["wte.weight"] == 64 * 32 // 2         # vocab parallel over both ranks
         assert result["modules"][0][0] == ("wte", "wpe")
@@ -127,14 +126,14 @@ def test_1f1b_plus_under_hybrid_splits_the_embedding_over_the_whole_unit():
     results = run_ranks(pipeline_parity, 4, "untied_gpt", 4, {"pipeline_nmicros": 2, "pipeline_nstages": 2,
                                                               "pipeline_scheduler": "1f1b_plus"}, "train_step", 2, 8,
                         "hybrid")
-    _assert_parity(results)
+    assert_ranks_train_like_one_process(results)
     assert [r["held"]["wte.weight"] for r in results] == [64 * 32 // 4] * 4
     assert [r["held"]["blocks.0.fc1.weight"] for r in results] == [128 * 32 // 2] * 2 + [0, 0]
 
 
 def test_a_meta_built_model_initialises_like_one_process_and_each_rank_keeps_its_stages():
     results = run_ranks(meta_pipeline, 2)
-    _assert_parity(results)
+    assert_ranks_train_like_one_process(results)
     for result in results:
         held = result["held_during_init"]
         # at any time: what this rank keeps, plus one module whole, plus the tied embedding until the LM head
@@ -153,14 +152,15 @@ def test_a_pipeline_checkpoint_loads_under_data_parallelism_and_under_the_pipeli
 
 def test_plain_forward_and_backward_run_gpipe_over_the_micro_batches_of_the_batch():
     """``loss = model(batch); loss.backward()``: the whole batch's loss and gradients (pp x dp x ZeRO-1, 4 ranks)."""
-    _assert_parity(run_ranks(pipeline_parity, 4, "mlp_split", 2, {"pipeline_nmicros": 4}, "plain", 2, 8, "pp",
-                             {"use_zero": 1}))
+    results = run_ranks(pipeline_parity, 4, "mlp_split", 2, {"pipeline_nmicros": 4}, "plain", 2, 8, "pp",
+                        {"use_zero": 1})
+    assert_ranks_train_like_one_process(results)
 
 
 def test_hybrid_runs_two_tensor_parallel_stages_on_four_ranks_with_recompute():
     results = run_ranks(pipeline_parity, 4, "gpt", 4, {"pipeline_nmicros": 2, "pipeline_nstages": 2}, "train_step",
                         2, 8, "hybrid", {"recompute_modules": "Block"})
-    _assert_parity(results)
+    assert_ranks_train_like_one_process(results)
     # bytes stage 0 keeps for its backward per micro-batch on rank 0: 182400 without recompute (measured)
     assert 0 < results[0]["saved"][0][0] <= 0.25 * 182400, results[0]["saved"]
     for rank, result in enumerate(results):
@@ -173,8 +173,9 @@ def test_hybrid_runs_two_tensor_parallel_stages_on_four_ranks_with_recompute():
 def test_a_plain_call_under_hybrid_cuts_the_stages_tensors_before_autograd_records_them():
     """``loss = model(batch)`` under hybrid: the first call's stage programs cut their tp shards before the
     pipeline's autograd node records the parameters (a gradient accumulator keeps the shape it first saw)."""
-    _assert_parity(run_ranks(pipeline_parity, 4, "gpt", 4, {"pipeline_nmicros": 2, "pipeline_nstages": 2}, "plain",
-                             2, 8, "hybrid"))
+    results = run_ranks(pipeline_parity, 4, "gpt", 4, {"pipeline_nmicros": 2, "pipeline_nstages": 2}, "plain",
+                        2, 8, "hybrid")
+    assert_ranks_train_like_one_process(results)
 
 
 def test_a_tensor_given_twice_reaches_both_arguments_when_the_model_is_traced_at_the_micro_batch_shape():
@@ -186,8 +187,9 @@ def test_a_tensor_given_twice_reaches_both_arguments_when_the_model_is_traced_at
 
 def test_zero_bubble_splits_each_backward_and_trains_like_one_process():
     """zb1p: input gradients first (the previous stage waits for them), weight gradients in the bubbles."""
-    _assert_parity(run_ranks(pipeline_parity, 2, "gpt", 2, {"pipeline_nmicros": 4, "pipeline_scheduler": "zb1p"},
-                             "train_step", 2))
+    results = run_ranks(pipeline_parity, 2, "gpt", 2, {"pipeline_nmicros": 4, "pipeline_scheduler": "zb1p"},
+                        "train_step", 2)
+    assert_ranks_train_like_one_process(results)
 
 
 def test_hybrid_with_zero3_stores_rows_of_the_tensor_parallel_shards():
@@ -195,7 +197,7 @@ def test_hybrid_with_zero3_stores_rows_of_the_tensor_parallel_shards():
     gathered once per step; trains like one process."""
     results = run_ranks(pipeline_parity, 4, "gpt", 2, {"pipeline_nmicros": 2, "pipeline_nstages": 1}, "train_step",
                         2, 8, "hybrid", {"use_zero": 3})
-    _assert_parity(results)
+    assert_ranks_train_like_one_process(results)
     assert [r["held"]["blocks.0.fc1.weight"] for r in results] == [128 * 32 // 4] * 4
     assert [r["held"]["wte.weight"] for r in results] == [64 * 32 // 4] * 4
 
@@ -204,7 +206,7 @@ def test_hybrid_with_zero3_stores_rows_of_the_tensor_parallel_shards():
 def test_hybrid_two_stages_times_tp_2_times_dp_2_with_zero1_on_eight_ranks():
     results = run_ranks(pipeline_parity, 8, "gpt", 4, {"pipeline_nmicros": 2, "pipeline_nstages": 2}, "train_step",
                         2, 8, "hybrid", {"use_zero": 1})
-    _assert_parity(results)
+    assert_ranks_train_like_one_process(results)
     assert [r["held"]["blocks.0.fc1.weight"] for r in results] == [1024, 1024, 0, 0] * 2
     assert [r["held"]["wte.weight"] for r in results] == [512] * 8      # tied: on both stages, rows of tp shards
 
@@ -215,12 +217,13 @@ def test_zero_bubble_under_hybrid_defers_the_weight_gradients_of_tensor_parallel
     results = run_ranks(deferred_weight_gradients, 4, "gpt", 4, {"pipeline_nmicros": 4, "pipeline_nstages": 2,
                                                                 "pipeline_scheduler": "zb1p"}, "train_step", 2, 8,
                         "hybrid")
-    _assert_parity(results)
+    assert_ranks_train_like_one_process(results)
     assert all(len(r["deferred"]) == 2 * 4 and min(r["deferred"]) >= 32 for r in results), [r["deferred"] for r in results]
 
 
 def test_plain_calls_of_a_graph_holding_its_batch_size_trace_it_again_per_micro_batch():
     """The test GPT's attention views (B, T, heads, -1) with B a traced number: the whole batch's graph
     cannot run a micro-batch, so Dynamo traces the model again at the micro-batch shape (tied head)."""
-    _assert_parity(run_ranks(pipeline_parity, 2, "gpt", 2, {"pipeline_nmicros": 4, "pipeline_scheduler": "gpipe"},
-                             "plain", 2))
+    results = run_ranks(pipeline_parity, 2, "gpt", 2, {"pipeline_nmicros": 4, "pipeline_scheduler": "gpipe"},
+                        "plain", 2)
+    assert_ranks_train_like_one_process(results)

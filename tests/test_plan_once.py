@@ -5,8 +5,7 @@ error instead, so every rank raises at once."""
 from __future__ import annotations
 
 from distributed import run_ranks
-from test_parity import assert_trains_like_one_process
-from test_pipeline import _assert_parity
+from parity import assert_ranks_train_like_one_process, assert_parity_job_trains_like_one_process
 from workers_plan_once import failures, pipeline_job, tp_job
 
 
@@ -14,14 +13,14 @@ def test_rank_0_plans_alone_the_others_train_on_its_plan_and_a_new_job_reads_it_
     env = {"DYNSHARD_CACHE_DIR": str(tmp_path)}
     first = run_ranks(tp_job, 2, 3, env=env, timeout=240)
     assert [r["policy_calls"] for r in first] == [1, 0]
-    assert_trains_like_one_process(first)
+    assert_parity_job_trains_like_one_process(first)
     assert [name for name, _ in first[1]["pass_timings"][0]].count("receive_plan") == 1
     assert "receive_plan" not in dict(first[0]["pass_timings"][0])
     assert len(list(tmp_path.glob("plan-*.json"))) == 1
 
     again = run_ranks(tp_job, 2, 2, env=env, timeout=240)     # a restart: the plan is in cache_dir
     assert [r["policy_calls"] for r in again] == [0, 0]
-    assert_trains_like_one_process(again)
+    assert_parity_job_trains_like_one_process(again)
     assert again[0]["parallel_dims"] == first[0]["parallel_dims"]
 
 
@@ -58,11 +57,11 @@ def test_rank_0_cuts_the_pipeline_stages_the_others_install_its_cut_and_a_new_jo
     first = run_ranks(pipeline_job, 2, env=env, timeout=240)
     assert [r["cuts_made"] for r in first] == [1, 0]          # FLOPs measured on rank 0 only
     assert "receive_plan" in first[1]["pass_timings"][0] and "receive_plan" not in first[0]["pass_timings"][0]
-    _assert_parity(first)
+    assert_ranks_train_like_one_process(first)
     assert first[0]["modules"] == first[1]["modules"]
     assert len(list(tmp_path.glob("plan-*.json"))) == 1
 
     again = run_ranks(pipeline_job, 2, env=env, timeout=240)
     assert [r["cuts_made"] for r in again] == [0, 0]
-    _assert_parity(again)
+    assert_ranks_train_like_one_process(again)
     assert again[0]["modules"] == first[0]["modules"]

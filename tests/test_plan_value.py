@@ -14,7 +14,7 @@ from dynshard.planning import Plan, PlanFileError
 from dynshard.planning.costs import memory_at_rest, step_collectives
 from dynshard.policies import tp
 from models import GPT, MLP, GPTConfig, gpt_batch, mlp_batch
-from test_passes import plan_for
+from plans import plan_for
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ from torch.distributed.tensor import Shard
 
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
-from test_passes import plan_for
+from plans import plan_for
 from workers_random_ops import all_device_dropout, dropout_parity, hybrid_seeded, seeded_per_rank
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from dynshard.policies.repeated_layers import TiedDecisions, layer_pattern
 from models import GPT, GPTConfig, gpt_batch
-from test_passes import plan_for
+from plans import plan_for
 
 
 @pytest.fixture(autouse=True)

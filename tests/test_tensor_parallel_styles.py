@@ -18,7 +18,7 @@ from distributed import run_ranks
 from dynshard.explain import format_plan
 from models import GPT, MLP, GPTConfig, gpt_batch, mlp_batch
 from parity import assert_trains_like_one_process
-from test_passes import plan_for
+from plans import plan_for
 from workers_styles import megatron_plan, sequence_parallel_plan, train_with_styles
 
 
