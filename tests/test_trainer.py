@@ -4,7 +4,7 @@ Trainer (through accelerate) wraps the model it is given in DistributedDataParal
 that DDP at its first compile (no reducer: its forward only calls the model; DDP's no_sync becomes
 dynshard's), so each gradient is reduced once, by dynshard, and tp no longer fails with "CompiledFunction-
 Backward returned an invalid gradient". Each job trains a small Llama with SGD + momentum, Trainer's default
-clipping (max_grad_norm=1.0, torch's clip_grad_norm_ routed to dynshard's global norm) and the README's
+clipping (max_grad_norm=1.0, torch's clip_grad_norm_ routed to dynshard's global norm) and docs/transformers.md's
 recipe for the dataloader (split over data-parallel units), and compares with one eager process trained on
 the same global batches. The gloo collectives of one step are profiled: exactly the program's own (as
 ``dynshard.explain`` lists them) plus scalars (the clipping norm), where Trainer's DDP used to add a

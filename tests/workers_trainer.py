@@ -43,7 +43,7 @@ def dataset(samples: int) -> list[dict[str, torch.Tensor]]:
 
 
 def unit_trainer_class():
-    """The README's recipe: Trainer's dataloader split over the data-parallel units, not over the world."""
+    """docs/transformers.md's recipe: Trainer's dataloader split over the data-parallel units, not over the world."""
     import transformers
 
     class UnitTrainer(transformers.Trainer):
