@@ -13,8 +13,8 @@ import pytest
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
 from workers_symbolic_shapes import (modes_and_ends, pipeline_duck_shaped, pipeline_lengths,
-                                     pipeline_then_eval_generate_and_save, saved_then_loaded, train_lengths,
-                                     train_lengths_in_units, train_one_row_on_one_rank, trainer_padding,
+                                     pipeline_then_eval_generate_and_save, saved_then_loaded, split_logits_over_lengths,
+                                     train_lengths, train_lengths_in_units, train_one_row_on_one_rank, trainer_padding,
                                      BranchOnRows)
 
 STEPS = 12     # 24 distinct lengths over the two ranks
@@ -61,25 +61,28 @@ def test_first_programs_that_would_communicate_otherwise_are_refused_on_every_ra
         assert result["losses"] == []
 
 
-def test_several_units_of_several_ranks_or_a_pipeline_compile_each_new_size_static_unless_asked():
-    """dp x tp: the units' lengths change at different steps, and a symbolic graph is agreed by every rank;
-    pp: a stage graph holding its batch size is traced again per micro-batch. Automatic dynamic shapes are
-    turned off (dynamic=True or mark_dynamic give one symbolic graph)."""
+@pytest.mark.parametrize("world, plan_ngpus, pp, options, stays_on", [
+    (2, 1, 1, {}, True),                            # units of one rank: each compiles alone
+    (2, 2, 1, {}, True),                            # one tp unit: its ranks read one batch
+    (4, 2, 1, {}, False),                           # dp x tp: the units meet new lengths at different steps
+    (2, 2, 2, {}, False),                           # pp: a stage graph is traced again per micro-batch
+    (2, 2, 1, {"gather_outputs": False}, False),    # a graph receiving a split value compiles static only
+], ids=["dp", "tp", "dp-x-tp", "pp", "tp-split-outputs"])
+def test_automatic_dynamic_shapes_stay_on_where_the_ranks_that_compile_again_are_the_ranks_that_agree(
+        world, plan_ngpus, pp, options, stays_on):
+    """Elsewhere they are turned off at the first compile (dynamic=True or mark_dynamic give one symbolic
+    graph)."""
     import torch
+
+    import dynshard
     from dynshard import compat
     from dynshard.backend.shapes import limit_automatic_dynamic
     from dynshard.runtime.mesh import Layout
 
-    config = torch._dynamo.config
-    with config.patch(automatic_dynamic_shapes=True, automatic_dynamic_local_pgo=False):
-        limit_automatic_dynamic(Layout(world_size=2, rank=0, plan_ngpus=2, device_type="cpu", mesh=None))
-        limit_automatic_dynamic(Layout(world_size=2, rank=0, plan_ngpus=1, device_type="cpu", mesh=None))
-        assert compat.automatic_dynamic_shapes()        # one unit, or units of one rank: on
-        limit_automatic_dynamic(Layout(world_size=4, rank=0, plan_ngpus=2, device_type="cpu", mesh=None))
-        assert not compat.automatic_dynamic_shapes()
-    with config.patch(automatic_dynamic_shapes=True, automatic_dynamic_local_pgo=False):
-        limit_automatic_dynamic(Layout(world_size=2, rank=0, plan_ngpus=2, device_type="cpu", mesh=None, pp_size=2))
-        assert not compat.automatic_dynamic_shapes()
+    layout = Layout(world_size=world, rank=0, plan_ngpus=plan_ngpus, device_type="cpu", mesh=None, pp_size=pp)
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=True, automatic_dynamic_local_pgo=False):
+        limit_automatic_dynamic(layout, dynshard.Config(**options))
+        assert compat.automatic_dynamic_shapes() == stays_on
 
 
 def test_mark_dynamic_on_the_length_compiles_one_program():
@@ -196,6 +199,20 @@ def test_tp_trains_every_length_like_one_process_from_one_graph_and_one_plan(wor
         assert len(set(sizes)) == 4 and len(sizes) == 4 + (accumulation > 1), sizes   # (+ a no_sync variant)
         # tp split the parameters; data splits the batch's rows, and each rank holds the parameters whole
         assert (result["local"]["up.weight"][0] < 32) == (options.get("policy") != "data"), result["local"]
+
+
+def test_a_split_value_with_symbolic_sizes_is_refused_on_every_rank_and_automatic_shapes_keep_it_static():
+    """A graph that receives another program's split output (a DTensor) compiles static shapes only: with
+    dynamic=True every rank raises SymbolicShapesError at its first compile; with torch.compile's default the
+    job keeps automatic dynamic shapes off, and each length compiles its own graphs."""
+    for result in run_ranks(split_logits_over_lengths, 2, True):
+        error = result["error"] or ""
+        assert "SymbolicShapesError: dynshard: input" in error and "receives" in error, error
+        assert "split (a DTensor)" in error and "compile without dynamic=True" in error, error
+        assert result["steps"] == 0
+    for result in run_ranks(split_logits_over_lengths, 2, None):
+        assert result["error"] is None and result["steps"] == 3, result["error"]
+        assert result["graphs"] == 6, result["graphs"]      # two graphs (the break) per length
 
 
 def test_a_sequence_parallel_split_of_a_length_it_does_not_divide_is_refused_on_every_rank():

@@ -372,3 +372,26 @@ def pipeline_then_eval_generate_and_save(rank: int, world: int, out: str) -> dic
         with torch.no_grad():
             result["loaded"] = (loaded(input_ids=ids).logits - expected).abs().max().item()
     return result
+
+
+def split_logits_over_lengths(rank: int, world: int, dynamic: bool | None) -> dict:
+    """tp over both ranks with ``gather_outputs=False``: the logits cross a graph break split along the
+    vocabulary (workers_graph_break.BrokenLM); three steps at three lengths. What each step raised, if any."""
+    from workers_graph_break import BrokenLM
+
+    torch.manual_seed(0)
+    model = BrokenLM()
+    compiled = torch.compile(model, backend="dynshard", dynamic=dynamic, options=dynshard.Config(
+        policy="tp", plan_ngpus=2, compiler="aot_eager", gather_outputs=False))
+    out = {"error": None, "steps": 0}
+    for step, length in enumerate((4, 6, 8)):
+        idx = torch.randint(0, 64, (2, length), generator=torch.Generator().manual_seed(step))
+        try:
+            loss, _ = compiled(idx, torch.roll(idx, -1, dims=1))
+            loss.backward()
+        except Exception as error:     # noqa: BLE001  (the test reads the type and message)
+            out["error"] = f"{type(error).__name__}: {error}"
+            break
+        out["steps"] += 1
+    out["graphs"] = _graphs()
+    return out

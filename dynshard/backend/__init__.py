@@ -81,7 +81,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         log.info("%s", config.describe())
     layout = layout_for(outline.mesh.plan_ngpus, device_type, outline.mesh.pp)
     check_symbolic_shapes(inputs, layout)
-    limit_automatic_dynamic(layout)
+    limit_automatic_dynamic(layout, config)
 
     key = plan_key(gm.code, inputs, config, layout, None if given is None else given.digest())
     alone = known is not None       # planned on this rank, with no message

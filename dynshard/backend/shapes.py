@@ -28,7 +28,9 @@ only what the collectives carry (the parameters' gradients and shards) must agre
   read one batch). They are turned off at the first compile (:func:`limit_automatic_dynamic`) in a job of
   several units of several ranks (dp x tp: one unit's lengths would change at another step than another's,
   and a symbolic graph's first compile is agreed by every rank) and under a pipeline (a stage graph that holds
-  its batch size is traced again per micro-batch, which must stay at the traced plan's inputs).
+  its batch size is traced again per micro-batch, which must stay at the traced plan's inputs), and under a
+  unit of several ranks whose outputs stay split (``gather_outputs=False``: the graph that receives a split
+  value compiles static shapes only, below).
   ``dynamic=True`` or ``mark_dynamic`` gives those jobs their symbolic graph at the first compile.
 - **A split value** (a DTensor another program returned) with symbolic sizes, under a unit of several ranks,
   is refused with :class:`SymbolicShapesError` (:func:`check_symbolic_shapes`).
@@ -44,6 +46,7 @@ from typing import Any, Sequence
 import torch
 
 from .. import compat
+from ..config import Config
 from ..config.errors import SymbolicShapesError
 from ..passes.lower_to_aten import lowers
 from ..runtime.graph_inputs import GraphInput, batch_size_inputs
@@ -119,9 +122,9 @@ def at_sizes(inputs: Sequence[GraphInput], args: Sequence[Any]) -> list[GraphInp
     return sized
 
 
-def limit_automatic_dynamic(layout: Layout) -> None:
-    """Automatic dynamic shapes off for a job of several units of several ranks, or a pipeline (see the
-    module's notes)."""
+def limit_automatic_dynamic(layout: Layout, config: Config) -> None:
+    """Automatic dynamic shapes off for a job of several units of several ranks, a pipeline, or split outputs
+    under a unit of several ranks (see the module's notes)."""
     if not compat.automatic_dynamic_shapes():
         return
     if layout.pp_size > 1:
@@ -129,6 +132,8 @@ def limit_automatic_dynamic(layout: Layout) -> None:
     elif layout.plan_ngpus > 1 and layout.world_size > layout.plan_ngpus:
         why = (f"this job's {layout.dp_size} units of {layout.plan_ngpus} ranks meet new lengths at different "
                "steps, and a symbolic graph is agreed by every rank")
+    elif layout.plan_ngpus > 1 and not config.gather_outputs:
+        why = "a graph that receives a split output (gather_outputs=False) compiles static shapes only"
     else:
         return
     log.info("dynshard: automatic dynamic shapes are off: %s; a frame compiles again at each new size (compile "
