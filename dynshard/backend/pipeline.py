@@ -4,7 +4,6 @@ stages each rank compiles (its own only) on first use, per micro-batch shape."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 
 import torch
@@ -18,24 +17,20 @@ from ..passes.cut_stages import assign_stages, split_stages
 from ..passes.lower_to_aten import draws_random
 from ..planning import Plan, PlanFileError, TensorChoice
 from ..planning.plan import mesh_of
-from ..passes.tag_recompute import tag_single_process
-from ..runtime.mesh import Layout, layout_for
+from ..runtime.mesh import Layout
 from ..runtime.pipeline.groups import PipelineGroups
 from ..runtime.pipeline.program import PipelinePlan, ValueMeta
-from ..runtime.pipeline.retrace import FrameCall
 from ..runtime.buffer_sync import BufferSync
 from ..runtime.graph_inputs import batch_size_inputs
 from ..runtime.pipeline.schedules import build_schedule
-from ..runtime.program import CompiledPlan, ShardedProgram
 from ..runtime.unit_inputs import InputCheck
 from ..runtime.materialize import default_device
-from .capture import describe_inputs
-from .compile import compile_program
-from .plan_and_compile import copy_graph, plan_and_compile
+from .plan_and_compile import copy_graph
 from .plan_once import plan_once
+from .retrace import FrameCall, MicroBatchRetrace
 from .shapes import check_micro_batch_split
-from .split_backward import compiled_backward
-from .stage_plans import merge_stage_plans, plan_stages, stage_context, stage_plan
+from .stage_compile import StageCompiler
+from .stage_plans import merge_stage_plans, plan_stages
 
 log = logging.getLogger("dynshard")
 
@@ -70,27 +65,6 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, outline: P
     log.info("pipeline: %s\n%s", ctx.staged.describe(), schedule.format())
     device = default_device(device_type)
 
-    def compile_stage(stage, args, stored):
-        backward = None
-        if schedule.splits_backward:    # zero bubble: weight gradients deferred to the W actions
-            weights = {j for j, i in enumerate(stage.graph_inputs) if inputs[i].kind == "parameter"}
-            backward = functools.partial(compiled_backward, weight_outputs=weights)
-        tensors = [s if s is not None else a for a, s in zip(args, stored)]
-        if schedule.on_every_rank(stage.index):     # 1f1b_plus: tensor parallel over the whole unit
-            unit = layout_for(layout.plan_ngpus, device_type)
-            return _tensor_parallel_stage(stage, tensors, ctx, unit, key, device_type, all_device=True)
-        if layout.tp_size > 1:
-            return _tensor_parallel_stage(stage, tensors, ctx, layout, key, device_type, backward)
-        # (what it compiled, what the executor calls)
-        examples = [torch.empty(a.shape, dtype=a.dtype, device=a.device).requires_grad_(a.requires_grad)
-                    if isinstance(a, torch.Tensor) else a for a in args]
-        stage_ctx = PassContext(config=config, outline=ctx.plan, layout=layout, inputs=inputs,
-                                fake_mode=compat.new_fake_mode(), stage_program=True)
-        module = tag_single_process(stage.module, examples, stage_ctx)    # recompute_modules, when asked for
-        program = compile_program(module, examples, config.compiler, layout, config.inference_only, backward=backward,
-                                  share_traces=config.share_traces)
-        return program, program.run
-
     def combine():
         from ..passes.microbatch_outputs import microbatch_combine
 
@@ -102,14 +76,15 @@ def plan_pipeline(gm: fx.GraphModule, example_inputs, config: Config, outline: P
         return microbatch_combine(gm, examples, batch_inputs, m, batch_size_inputs(inputs))
 
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    frame_call = FrameCall.capture(compat.compiling_frame(), {
+    frame = FrameCall.capture(compat.compiling_frame(), {
         i.index: compat.grapharg_source_name(placeholders[i.index]) for i in inputs if i.kind == "input"})
+    retrace = None if frame is None else MicroBatchRetrace(frame, dataclasses.replace(
+        config, policy=replaying(ctx.plan), pas_config={}, load_plan_path=None))
     return PipelinePlan(
-        key=key, frame_call=frame_call, config=config, inputs=inputs, staged=ctx.staged, schedule=schedule, gpipe=gpipe,
+        key=key, retrace=retrace, config=config, inputs=inputs, staged=ctx.staged, schedule=schedule, gpipe=gpipe,
         forward_only=forward_only, groups=PipelineGroups(layout), layout=layout, device=device,
-        output_metas=[_meta(o) for o in outputs], compile_stage=compile_stage, combine_fn=combine,
-        pass_timings=ctx.timings, plan=ctx.plan, retrace_config=dataclasses.replace(
-            config, policy=replaying(ctx.plan), pas_config={}, load_plan_path=None),
+        output_metas=[_meta(o) for o in outputs], combine_fn=combine,
+        compile_stage=StageCompiler(ctx, schedule, layout, key, device_type), pass_timings=ctx.timings, plan=ctx.plan,
         input_check=InputCheck.for_program(inputs, layout, config.verify_inputs_every,
                                            layout.tp_size > 1 and draws_random(gm, ctx)),
         buffer_sync=BufferSync.for_inputs(inputs, layout.dp_group, config.broadcast_buffers))
@@ -178,24 +153,6 @@ def pipeline_plan(ctx: PassContext, schedule, place_stages: bool = True) -> Plan
         return plan
     placed = {s.index for s in ctx.staged.stages if not schedule.on_every_rank(s.index)}
     return merge_stage_plans(plan, plan_stages(ctx, ctx.staged.stages, placed))
-
-
-def _tensor_parallel_stage(stage, args, pipeline: PassContext, layout: Layout, key: str, device_type: str,
-                           backward=None, all_device: bool = False):
-    """A hybrid plan's stage: planned by the tp policy over the stage's tp ranks, as a whole graph would be,
-    without data-parallel communication (the pipeline reduces gradients once per step). Its tensors are cut
-    into tp shards in place here, before the first micro-batch. ``pipeline``: the pipeline's passes, whose
-    Plan's placements of the stage are installed (:mod:`.stage_plans`); ``backward``: zb1p's split backward."""
-    inputs = describe_inputs(stage.module, args)
-    given = None if all_device else stage_plan(pipeline.plan, stage.index, inputs)
-    ctx = stage_context(pipeline, inputs, layout=layout, given=given)
-    compiled = plan_and_compile(stage.module, ctx, device_type, backward=backward)
-    plan = CompiledPlan(f"{key}/stage{stage.index}", inputs, ctx.placements, ctx.zero, layout, compiled,
-                        ctx.propagation, ctx.timings, pipeline.config.inference_only)
-    program = ShardedProgram(plan)
-    program.prepare(args)
-    # the compiled program itself: ShardedProgram's call would flush the pipeline's ZeRO accumulation
-    return plan.program, plan.program.run
 
 
 def _meta(node) -> ValueMeta | None:

@@ -62,8 +62,10 @@ class PipelinePlan:
     layout: Any
     device: torch.device
     output_metas: list              # the captured graph's outputs (ValueMeta, or None for non-tensors)
-    compile_stage: Callable         # (stage, example inputs) -> (CompiledProgram, the callable that runs it)
-    frame_call: Any                 # runtime.pipeline.retrace.FrameCall: the frame, to trace it per micro-batch
+    compile_stage: Callable         # backend.stage_compile.StageCompiler: (stage, args, stored) -> (program, its run)
+    # backend.retrace.MicroBatchRetrace: a micro-batch's graph inputs -> the frame called on them (Dynamo traces
+    # it at the micro-batch shape); None where the frame cannot be called again
+    retrace: Callable | None
     combine_fn: Callable            # () -> per output "cat" / "mean" / "sum" / "same"
     pass_timings: list
     seconds: float = 0.0
@@ -72,7 +74,6 @@ class PipelinePlan:
     input_check: Any = None          # runtime.unit_inputs.InputCheck: the unit's ranks were fed the same batch
     buffer_sync: Any = None          # runtime.buffer_sync.BufferSync: written buffers equal over the units
     plan: Any = None                 # planning.Plan: the decisions this pipeline executes
-    retrace_config: Any = None       # what a re-trace at the micro-batch shape compiles with: this plan again
     steps: int = 0                  # steps run (a plain call with autograd is one step: forward + backward)
     last_step: dict = dataclasses.field(default_factory=dict)   # sent bytes, idle fraction of the latest step
     all_device_generator: Any = None  # shared_generator.SharedGenerator: what 1f1b_plus's all-device stage draws
@@ -297,16 +298,15 @@ class PipelineProgram:
     def micro_batches(self, args) -> tuple["PipelineProgram", list[list[Any]]]:
         """The program that runs a plain call's micro-batches, and their graph inputs: this program on the
         batch split along dim 0 when its graph runs on micro-batches; else the program of the graph Dynamo
-        traces again at the micro-batch shape (:mod:`.retrace`)."""
+        traces again at the micro-batch shape (the backend's re-trace, ``PipelinePlan.retrace``)."""
         mb_args = self.split(args)
         if self.plan.runs_micro_batches(mb_args):
             return self, mb_args
-        frame = self.plan.frame_call
-        if frame is None:
+        if self.plan.retrace is None:
             self.plan.programs_for(mb_args)      # raises: the graph holds the whole batch's sizes
         with recording() as recorder:
             for mb in mb_args:
-                frame.call(self.plan.retrace_config, {i: mb[i] for i in frame.inputs})
+                self.plan.retrace(mb)
         plans = {id(call.program.plan) for call in recorder.calls}
         if len(recorder.calls) != len(mb_args) or len(plans) != 1:
             raise RuntimeError(f"dynshard: traced at the micro-batch shape, the model gave {len(recorder.calls)} "

@@ -1,11 +1,13 @@
-"""Call the compiled frame again, once per micro-batch, so that Dynamo traces it at the micro-batch shape.
+"""The backend's re-trace of a pipelined graph at the micro-batch shape: the compiled frame called again, once per
+micro-batch, so that Dynamo traces it there.
 
 A plain call ``model(batch)`` under a pipeline policy hands dynshard a graph traced with the whole batch.
 When that graph holds sizes taken from the batch (``x.view(B, T, ...)`` with B a number), its stages
 cannot run on micro-batches. The frame Dynamo compiled is then called again with each micro-batch in
 place of the batch (the batch's tensors found by their Dynamo sources, ``L['batch']['x']``), under the
 same backend and options: Dynamo traces the user's code at the micro-batch shape, exactly as
-``dynshard.train_step`` does, and the pipeline plan of that graph runs the micro-batches.
+``dynshard.train_step`` does, and the pipeline plan of that graph runs the micro-batches. The runtime calls
+a :class:`MicroBatchRetrace` the backend put in the pipeline's plan (it never compiles anything itself).
 """
 
 from __future__ import annotations
@@ -131,3 +133,16 @@ class FrameCall:
         args = [local[n] for n in self.argnames] + (list(local[self.varargs]) if self.varargs else [])
         kwargs = dict(local[self.varkw]) if self.varkw else {}
         return self._compiled(*args, **kwargs)
+
+
+@dataclasses.dataclass
+class MicroBatchRetrace:
+    """What a pipeline plan calls with each micro-batch's graph inputs (a list by graph input index) when its
+    graph holds the whole batch's sizes: the frame, compiled with ``options`` (the traced plan replayed)."""
+
+    frame: FrameCall
+    options: Any
+
+    def __call__(self, graph_inputs: list[Any]) -> Any:
+        return self.frame.call(self.options, {i: graph_inputs[i] for i in self.frame.inputs})
+
