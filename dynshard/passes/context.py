@@ -18,6 +18,8 @@ from ..runtime.mesh import Layout
 from ..runtime.sharding import placements_for
 from ..runtime.zero import ZeroSpec
 from .op_memo import OpMemo
+from .propagation import Propagation
+from .stages import StagedGraph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,14 +43,14 @@ class PassContext:
     zero: dict[int, ZeroSpec] = dataclasses.field(default_factory=dict)   # inputs whose rows ZeRO splits
     stage_program: bool = False      # a pipeline stage's: its outputs are what the next stage reads
     sync_grads: bool = True          # False: the no-sync variant (whole replicas in, local gradients out)
-    propagation: Any = None          # propagate_sharding.Propagation (which imports this module)
+    propagation: Propagation | None = None   # every node's placement, what the plan communicates
     blocked: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # input -> (blocks, dim)
     # activations the policy placed: node name -> placements its value is redistributed to where produced
     constraints: dict[str, ActivationPlacement] = dataclasses.field(default_factory=dict)
     split_outputs: dict[int, tuple] = dataclasses.field(default_factory=dict)  # output -> DTensor spec
     timings: list[tuple[str, float]] = dataclasses.field(default_factory=list)
     stage_info: dict[str, Any] = dataclasses.field(default_factory=dict)   # pipeline: how stages were cut
-    staged: Any = None               # pipeline: cut_stages.StagedGraph (which imports this module)
+    staged: StagedGraph | None = None        # pipeline: the graph cut into stages
     outlined: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # blocks compiled once: (class, calls)
     made_for: MadeFor | None = None  # the graph, world and modes the plan is for
     given: Plan | None = None        # a Plan to execute instead of running the policy (loaded, received, stored)

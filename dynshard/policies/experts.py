@@ -31,7 +31,7 @@ import torch.fx as fx
 from torch.distributed.tensor import Replicate
 
 from ..passes.op_sets import CASTS, TRANSPOSE_OPS, aten
-from ..passes.propagate_sharding import Propagation
+from ..passes.propagation import Propagation
 from ..passes.split_fused_experts import expert_matmuls
 from ..passes.split_fused_projections import param_block
 from ..runtime.sharding import SHARDS

@@ -54,7 +54,7 @@ from ..config import Config, ConfigError
 from ..config.errors import check_option_names
 from ..passes.insert_collectives import matmul_input_roots
 from ..passes.op_sets import CASTS, MATMUL_OPERANDS, SLICE_COMMUTING, TRANSPOSE_OPS, VIEW_OPS, aten, view_root
-from ..passes.propagate_sharding import Propagation
+from ..passes.propagation import Propagation
 from ..passes.split_fused_projections import param_block
 from ..runtime.sharding import SHARDS
 from .experts import split_experts

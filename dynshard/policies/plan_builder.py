@@ -33,7 +33,8 @@ from ..config.pins import pin_of, split_dim
 from ..passes.assign_placements import zero_specs
 from ..passes.context import ActivationPlacement, PassContext
 from ..passes.lower_to_aten import lowers
-from ..passes.propagate_sharding import Propagation, propagate
+from ..passes.propagate_sharding import propagate
+from ..passes.propagation import Propagation
 from ..runtime.sharding import check_divisible, placements_for
 from ..runtime.zero import ZeroSpec
 

@@ -98,7 +98,7 @@ from torch.distributed.tensor import Placement, Replicate, Shard
 
 from ..config import Config
 from ..passes.op_sets import TRANSPOSE_OPS, VIEW_OPS, aten
-from ..passes.propagate_sharding import Propagation
+from ..passes.propagation import Propagation
 from ..passes.split_fused_projections import param_block
 from ..passes.tag_recompute import module_path
 from ..runtime.sharding import placements_for

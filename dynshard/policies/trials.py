@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import collections
 
-from ..passes.propagate_sharding import Propagation
+from ..passes.propagation import Propagation
 from .plan_builder import PlanBuilder
 
 

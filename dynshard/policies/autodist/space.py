@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from ...config import Config
 from ...config.pins import pin_of
-from ...passes.propagate_sharding import Propagation
+from ...passes.propagation import Propagation
 from ...planning import ActivationChoice, Plan, encode_placement
 from ...planning.plan import ZeroChoice
 from ..megatron import sequence_parallel_activations
