@@ -17,6 +17,7 @@ from ..passes.assign_placements import record_plan
 from ..passes.tag_recompute import tag_single_process
 from ..planning.costs import with_forward_collectives
 from ..planning.outline import check_runs, outline_of
+from ..planning import Plan
 from ..planning.plan import fingerprint
 from ..policies import place
 from ..runtime.mesh import ensure_process_group, layout_for, world_size
@@ -50,12 +51,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     """Dynamo backend entry point (``torch.compile(model, backend="dynshard", options=...)``)."""
     if kwargs:
         raise TypeError(f"dynshard: unexpected backend arguments {sorted(kwargs)}; pass settings in options=")
-    compat.register_logger("dynshard")
-    compat.keep_dynamism_local()
-    keep_floats_constant()
-    compat.on_recompile_limit(refuse_recompile_limit)   # a dynshard frame never runs eagerly
-    compat.around_dynamo_compiles(present_global_shapes, restore_local_shards)
-    watch_ddp_wraps()       # (again after a torch._dynamo.reset(), which drops Dynamo's callbacks)
+    _hook_into_dynamo()
     config = Config.from_options(options)
     device_type = _device_type(example_inputs)
     ensure_process_group(device_type)
@@ -65,11 +61,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     known = PLANS.family(family)         # (first program, compile #): this one is compiled alone, see .families
     if known is None:
         ensure_ranks_agree_on_source(config)                # rank 0 sends a file's plan or a search's
-    given = PLAN_FILES.given(config, made_for, inputs)      # load_plan_path: the plan runs, no policy
-    if given is None and config.policy == "autodist":       # chosen before the layout, then run as given
-        given = autodist_plan(gm, inputs, config, world_size(), made_for, device_type)
-    if given is None and isinstance(config.policy, Planner):     # the user's own search: the same way
-        given = planner_plan(gm, inputs, config, world_size(), made_for, device_type)
+    given = _given_plan(gm, inputs, config, made_for, device_type)
     config = config.resolve(world_size(), plan_fields=given is None)
     if given is not None:
         check_runs(given, config)
@@ -135,6 +127,28 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
              ", ".join(f"{name} {t:.2f}s" for name, t in plan.pass_timings))
     PLANS.put(key, plan)
     return ShardedProgram(plan)
+
+
+def _hook_into_dynamo() -> None:
+    """What dynshard changes in Dynamo for its frames, at every compile (again after a torch._dynamo.reset(),
+    which drops Dynamo's callbacks)."""
+    compat.register_logger("dynshard")
+    compat.keep_dynamism_local()
+    keep_floats_constant()
+    compat.on_recompile_limit(refuse_recompile_limit)   # a dynshard frame never runs eagerly
+    compat.around_dynamo_compiles(present_global_shapes, restore_local_shards)
+    watch_ddp_wraps()
+
+
+def _given_plan(gm: fx.GraphModule, inputs, config: Config, made_for, device_type: str) -> Plan | None:
+    """The plan that runs without a policy: a plan file's (load_plan_path), or the one autodist or the user's
+    planner chooses before the layout (rank 0 searches, the others receive it); None: the policy places."""
+    given = PLAN_FILES.given(config, made_for, inputs)
+    if given is None and config.policy == "autodist":
+        given = autodist_plan(gm, inputs, config, world_size(), made_for, device_type)
+    if given is None and isinstance(config.policy, Planner):
+        given = planner_plan(gm, inputs, config, world_size(), made_for, device_type)
+    return given
 
 
 def _pipeline_program(gm, example_inputs, config, outline, layout, inputs, key, device_type, made_for,
