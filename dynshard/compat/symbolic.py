@@ -3,8 +3,9 @@ are symbolic, and the sizes they were traced at. Re-exported by :mod:`dynshard.c
 
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -97,3 +98,43 @@ def specialize_floats(specialize: bool) -> bool:
     previous = torch._dynamo.config.specialize_float
     torch._dynamo.config.specialize_float = specialize
     return previous
+
+
+@contextlib.contextmanager
+def dtensor_symbolic_tracing() -> Iterator[None]:
+    """torch 2.13's proxy tracer (aot_autograd's) on programs with DTensors of symbolic sizes, with two of its
+    bugs mended while inside (both met tracing a Megatron block at a symbolic sequence length, see
+    docs/probes/tp-symbolic/):
+
+    - a size expression ``s**2`` (a DTensor's stride from its sharding propagation's untraced fake run) has no
+      proxy rebuild: ``_sympy_handlers`` maps ``sympy.Pow`` to ``pow_by_natural``, no operator attribute
+      ("s21**2 ... is not tracked with proxy");
+    - a sym op whose result simplifies to a bare input symbol (``torch.sym_max(s, 1)`` -> ``s``, a stride in the
+      backward) registers a thunk that reads its argument, and overwrites the tracer's entry for ``s`` with
+      it: the argument then resolves through that entry to the thunk itself (``RecursionError`` in
+      ``_compute_proxy``). Such a result is not registered: the tracer finds ``s`` as it knew it.
+    """
+    import operator
+
+    import sympy
+    import torch.fx.experimental.proxy_tensor as proxy_tensor
+
+    handlers = proxy_tensor._sympy_handlers()       # (functools.cache: one dict, shared)
+    added_pow = sympy.Pow not in handlers
+    if added_pow:
+        handlers[sympy.Pow] = operator.pow
+    register = proxy_tensor._sym_register
+
+    def _sym_register(tracer, func, args, out):
+        if isinstance(out, torch.SymInt) and isinstance(out.node.expr, sympy.Symbol) \
+                and out.node.expr in getattr(tracer, "sympy_expr_tracker", {}):
+            return None
+        return register(tracer, func, args, out)
+
+    proxy_tensor._sym_register = _sym_register
+    try:
+        yield
+    finally:
+        proxy_tensor._sym_register = register
+        if added_pow:
+            handlers.pop(sympy.Pow, None)
