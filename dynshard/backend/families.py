@@ -74,9 +74,7 @@ def recorded_for(layout: Layout, outline) -> bool:
 def check_alone(compiled, family, family_index: int) -> None:
     """``compiled`` (a CompiledPlan made alone) against ``family``'s first program on this rank: the state's
     placements now, the collectives of each phase now and when a later phase (the backward) is compiled."""
-    state = {inp.name for inp in compiled.inputs if inp.is_state}
-    mine = {name: choice for name, choice in compiled.plan.tensors.items() if name in state}
-    theirs = {name: choice for name, choice in family.plan.tensors.items() if name in state}
+    mine, theirs = _state_choices(compiled, compiled.plan), _state_choices(compiled, family.plan)
     if mine != theirs:
         first = next((n for n in sorted(set(mine) | set(theirs)) if mine.get(n) != theirs.get(n)), "?")
         _refuse(compiled, family_index, f"it places {first} as {mine.get(first)}, the family's first program as "
@@ -106,8 +104,7 @@ def check_alone(compiled, family, family_index: int) -> None:
 def check_together(compiled) -> None:
     """The first programs of a family the ranks planned on their own, at their own sizes, against each other:
     the state's placements and each phase's collectives, compared across ranks when the phase is compiled."""
-    state = {inp.name for inp in compiled.inputs if inp.is_state}
-    placements = sorted((name, str(choice)) for name, choice in compiled.plan.tensors.items() if name in state)
+    placements = sorted((name, str(choice)) for name, choice in _state_choices(compiled, compiled.plan).items())
     program = compiled.program
 
     def check(phase: str) -> None:
@@ -118,6 +115,12 @@ def check_together(compiled) -> None:
     for phase in program.graphs:
         check(phase)
     program.on_collectives = check
+
+
+def _state_choices(compiled, plan) -> dict:
+    """``plan``'s choices for the parameters and buffers of ``compiled``'s graph, by name."""
+    state = {inp.name for inp in compiled.inputs if inp.is_state}
+    return {name: choice for name, choice in plan.tensors.items() if name in state}
 
 
 def _sequence(collectives, phase: str) -> list[tuple[str, str, int]]:

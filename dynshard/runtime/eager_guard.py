@@ -107,8 +107,8 @@ def refuse_recompile_limit(limit: compat.RecompileLimit) -> None:
     reason = limit.reason or "unknown (TORCH_LOGS=recompiles lists each reason)"
     if "size mismatch" in reason or "stride mismatch" in reason:
         cause = ("the inputs' shapes change from call to call, and the frame compiles a graph per shape "
-                 "(dynamic=False, or a job of several units of several ranks, where automatic dynamic shapes are "
-                 "off): compile with dynamic=True or mark_dynamic (one graph for every length), or pad each "
+                 "(dynamic=False, or a job where dynshard turns automatic dynamic shapes off and logs why: several "
+                 "units of several ranks, a pipeline, split outputs): compile with dynamic=True or mark_dynamic (one graph for every length), or pad each "
                  "batch to one of a few lengths (a collator's pad_to_multiple_of=64, or padding='max_length')")
     else:
         cause = ("a value the frame reads changes from call to call, and Dynamo compiles a program per value (a "
