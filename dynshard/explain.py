@@ -40,6 +40,7 @@ class ProgramReport:
     # a symbolic graph under a unit of several ranks: the sizes of its symbolic dimensions that each of its
     # programs was compiled for (the traced sizes first); () for one program serving every size
     compiled_sizes: tuple[tuple, ...] = ()
+    symbolic: bool = False    # one program compiled on symbolic sizes, for every size of its shape family
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,6 +164,8 @@ class Explanation:
                          f"cache hits {program.cache_hits})")
             lines.append(f"  saved for backward: {program.saved_bytes} bytes in {program.saved_count} tensors "
                          "(activations, per rank)")
+            if program.symbolic:
+                lines.append("  one program for every size of its symbolic dimensions (compiled on symbols)")
             if program.compiled_sizes:
                 lines.append(f"  compiled at {len(program.compiled_sizes)} sizes of its symbolic dimensions (a "
                              "program per size under a unit of several ranks): " + ", ".join(
@@ -421,7 +424,8 @@ def explain(model: torch.nn.Module | Plan | Sequence[Plan]) -> Explanation | Pla
         fallbacks=tuple(plan.propagation.fallbacks.values()) if plan.propagation else (),
         compile_seconds=plan.compile_seconds, cache_hits=plan.hits, saved_bytes=plan.program.saved_bytes,
         saved_count=plan.program.saved_count, compiled_once=tuple(plan.program.outlined),
-        seconds_between_calls=plan.seconds_between_calls(), plan=plan.plan, compiled_sizes=plan.compiled_sizes)
+        seconds_between_calls=plan.seconds_between_calls(), plan=plan.plan, compiled_sizes=plan.compiled_sizes,
+        symbolic=plan.program.symbolic)
         for plan in plans)
     return Explanation(tuple(parameters), programs, pipelines, values)
 

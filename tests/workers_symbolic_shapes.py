@@ -137,7 +137,8 @@ def _train_over_lengths(rank: int, world: int, options: dict, per_step: list[lis
             "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
             "error": error, "graphs": _graphs(), "programs": len(report.programs),
             "plans": [json.loads(plan.to_json()) for plan in report.plans],
-            "sizes": [p.compiled_sizes for p in report.programs], "saved": [p.saved_bytes for p in report.programs],
+            "sizes": [p.compiled_sizes for p in report.programs], "symbolic": [p.symbolic for p in report.programs],
+            "saved": [p.saved_bytes for p in report.programs],
             "local": {k: tuple(v.shape) for k, v in model.state_dict().items()}}
 
 

@@ -113,7 +113,8 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
                             input_check=InputCheck.for_program(inputs, layout, config.verify_inputs_every,
                                                                 ctx.draws_random),
                             buffer_sync=BufferSync.for_inputs(inputs, layout.dp_group, config.broadcast_buffers),
-                            build_sized=_sized_builder(gm, ctx, device_type) if per_size else None)
+                            build_sized=_sized_builder(gm, ctx, device_type) if per_size and not compiled.symbolic
+                            else None)
     plan.plan = ctx.plan
     if known is not None:
         check_alone(plan, *known)

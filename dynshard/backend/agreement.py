@@ -186,6 +186,15 @@ def ensure_ranks_communicate_alike(what: str, describe: Callable[[], str]) -> No
             "every rank batches of the same sizes (a collator's pad_to_multiple_of, drop_last=True)")
 
 
+def all_ranks_succeeded(succeeded: bool) -> bool:
+    """Whether every rank succeeded at a step they all take (a symbolic program's compile), so that every rank
+    goes on the same way."""
+    if not _checks_agreement():
+        return succeeded
+    _AGREEMENT.ensure_group()
+    return all(flag == b"\x01" for flag in _AGREEMENT.all_gather(b"\x01" if succeeded else b"\x00", 1))
+
+
 def ensure_ranks_agree_on_source(config: Config) -> None:
     """Raise PlanMismatchError on every rank unless all ranks take their plan from the same source: a plan
     file (``load_plan_path``), autodist's search, or the policy. The first two are sent by rank 0 before the

@@ -107,6 +107,7 @@ class CompiledProgram:
     forward_storages: set = dataclasses.field(default_factory=set, repr=False)
     # called with a phase once its collectives are recorded (a backward compiled at its first call: then)
     on_collectives: Callable[[str], None] | None = dataclasses.field(default=None, repr=False)
+    symbolic: bool = False        # compiled on symbolic sizes: one program for every size of its family
 
 
 def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], compiler: str, layout: Layout,
@@ -119,7 +120,7 @@ def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], co
     the backward graph instead (:mod:`.split_backward`); ``blocks_only``: Inductor compiles the outlined
     blocks, the program around them runs as traced (``Config.compile_scope="blocks"``); ``share_traces``:
     ``Config.share_traces``; ``symbolic``: ``local_inputs`` hold symbolic sizes (see compat.compile_per_rank)."""
-    program = CompiledProgram(run=None, collectives=[], graphs={}, seconds=0.0)
+    program = CompiledProgram(run=None, collectives=[], graphs={}, seconds=0.0, symbolic=symbolic)
 
     def on_graph(graph: fx.GraphModule, phase: str) -> None:
         unalias_subgraph_outputs(graph)

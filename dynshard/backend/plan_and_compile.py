@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+import dataclasses
+import logging
+
 import torch
 import torch.fx as fx
 
@@ -14,14 +17,17 @@ from .. import compat
 from ..config import Config
 from ..passes import LOWER, PLACE, PROPAGATE, REWRITE, PassContext, run_passes
 from ..passes.lower_to_aten import lowers
+from ..runtime.graph_inputs import GraphInput
 from ..runtime.materialize import default_device
 from ..runtime.sharding import stored_shape
 from ..runtime.zero import zero_groups
+from .agreement import all_ranks_succeeded
 from .compile import compile_program
 from .plan_once import PlanAgreement
 from .reshard import reshard_pass
 
 ASYNC_BUCKET_CAP_MB = 25
+log = logging.getLogger("dynshard")
 
 
 def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str, agreement: PlanAgreement | None = None,
@@ -30,18 +36,80 @@ def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str, agr
     agreed across ranks (:func:`.plan_once.plan_once`; None where the plan is known: a variant, a stage);
     ``backward``: compiles the backward graph, see compile_program; ``example_inputs``: Dynamo's, which a
     graph of symbolic sizes compiles on."""
-    config, layout = ctx.config, ctx.layout
+    layout = ctx.layout
     lowered = run_passes(copy_graph(gm), ctx, LOWER)   # passes may edit the graph; the variant reuses gm
     if agreement is not None:
         agreement.receive()       # the other ranks: rank 0's plan, given from here on
     placed = run_passes(lowered, ctx, PLACE)
     if agreement is not None:
         agreement.send()          # rank 0: the plan it made, while every rank propagates it
-    rewritten = run_passes(run_passes(placed, ctx, PROPAGATE), ctx, REWRITE)
+    propagated = run_passes(placed, ctx, PROPAGATE)
     local_inputs = [local_example(inp, ctx.placements[inp.index], ctx.zero_of(inp), layout) for inp in ctx.inputs]
-    # one program for every size of the family, compiled on Dynamo's symbols, where the passes do not lower
-    # the graph; else the program is compiled at the inputs' sizes (see .shapes)
-    symbolic = not lowers(layout, ctx.outline) and any(inp.is_symbolic for inp in ctx.inputs)
+    if on_symbols(ctx):
+        program = _program_on_symbols(gm, ctx, device_type, backward, example_inputs, local_inputs)
+        if program is not None:
+            return program
+    return _compile(run_passes(propagated, ctx, REWRITE), ctx, device_type, backward,
+                    # one program for every size of the family, compiled on Dynamo's symbols, where the passes
+                    # did not lower the graph; else the program is compiled at the inputs' sizes (see .shapes)
+                    not lowers(layout, ctx.outline) and any(inp.is_symbolic for inp in ctx.inputs),
+                    example_inputs, local_inputs)
+
+
+def on_symbols(ctx: PassContext) -> bool:
+    """Whether the program of a symbolic graph whose passes lower it (a unit of several ranks) is made on
+    Dynamo's symbols: once, for every size of the family. A pipeline's stages compile per micro-batch shape, and
+    a program whose outputs stay split (``gather_outputs=False``) per size: its outputs' specs are static."""
+    return (ctx.layout.tp_mesh is not None and not ctx.stage_program and ctx.config.gather_outputs
+            and any(inp.is_symbolic for inp in ctx.inputs) and compat.dynamo_tracing_context() is not None)
+
+
+def _program_on_symbols(gm: fx.GraphModule, planned: PassContext, device_type: str, backward, example_inputs,
+                        local_inputs):
+    """The passes again, on Dynamo's symbols and in its fake mode, with the plan made at the hints given (the
+    policy and the agreement saw concrete sizes; DTensor's propagation and the rewrite run on symbols), then
+    the compile on Dynamo's examples: one program for every size the frame's guards admit. Where that fails
+    (an op DTensor cannot place on symbolic sizes), None, logged: the program is compiled per size. Every
+    rank of the job learns whether every rank succeeded, so that all take the same path."""
+    tracing = compat.dynamo_tracing_context()
+    ctx = PassContext(config=planned.config, layout=planned.layout, inputs=symbolic_inputs(gm, planned.inputs),
+                      fake_mode=tracing.fake_mode, outline=planned.plan, made_for=planned.made_for,
+                      given=planned.plan, sync_grads=planned.sync_grads)
+    failure = None
+    try:
+        with compat.dtensor_symbolic_tracing():
+            rewritten = copy_graph(gm)
+            for phase in (LOWER, PLACE, PROPAGATE, REWRITE):
+                rewritten = run_passes(rewritten, ctx, phase)
+            program = _compile(rewritten, ctx, device_type, backward, True, example_inputs, local_inputs)
+    except Exception as error:       # noqa: BLE001 (logged, and the program is compiled per size instead)
+        failure, program = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", None
+        log.debug("dynshard: the program on symbolic sizes failed", exc_info=True)
+    if not all_ranks_succeeded(failure is None):
+        log.warning("dynshard: plan %s compiles a program per size: its program on symbolic sizes failed (%s)",
+                    planned.made_for, failure or "on another rank")
+        return None
+    planned.timings.extend((f"{name} (on symbols)", t) for name, t in ctx.timings)
+    return program
+
+
+def symbolic_inputs(gm: fx.GraphModule, inputs: Sequence[GraphInput]) -> list[GraphInput]:
+    """``inputs`` with Dynamo's symbolic sizes (its placeholders' example values) instead of their hints."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    found = []
+    for inp, node in zip(inputs, placeholders):
+        value = node.meta.get("example_value")
+        if inp.is_symbolic and inp.kind == "size":
+            inp = dataclasses.replace(inp, value=value)
+        elif inp.is_symbolic:
+            inp = dataclasses.replace(inp, shape=value.shape, stride=tuple(value.stride()))
+        found.append(inp)
+    return found
+
+
+def _compile(rewritten: fx.GraphModule, ctx: PassContext, device_type: str, backward, symbolic: bool,
+             example_inputs, local_inputs):
+    config, layout = ctx.config, ctx.layout
     if symbolic:
         local_inputs = compat.symbolic_examples(example_inputs, local_inputs)
     program = compile_program(rewritten, local_inputs, config.compiler, layout, config.inference_only,

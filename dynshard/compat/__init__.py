@@ -32,7 +32,7 @@ from .frames import compiling_frame, dynamo_frame_id  # noqa: F401
 from .recompile_limit import RecompileLimit, on_recompile_limit  # noqa: F401
 from .symbolic import (dtensor_symbolic_tracing, dynamo_tracing_context, rename_symbols,  # noqa: F401
                        size_hint, sizes_key, specialize_floats, symbolic_dims, symbolic_examples, traced_in)
-from .tracing import fake_tensor_log_quiet, isolated_tracing, new_fake_mode, trace_to_aten  # noqa: F401
+from .tracing import fake_tensor_log_quiet, isolated_tracing, new_fake_mode, on_symbols, trace_to_aten  # noqa: F401
 
 
 def register_logger(name: str) -> None:
@@ -308,11 +308,19 @@ def dtensor_redistributions(op, args: tuple, kwargs: dict):
     dispatcher = DTensor._op_dispatcher
     info = dispatcher.unwrap_to_op_info(op, args, kwargs)
     # the cached entry point: planning runs under FakeTensorMode, where DTensor itself would bypass
-    # its cache ("tracing"); static shapes make every schema hashable
-    sharding = dispatcher.sharding_propagator.propagate_op_sharding(info.schema)
+    # its cache ("tracing"); static shapes make every schema hashable, a symbolic one is not
+    propagator = dispatcher.sharding_propagator
+    sharding = (propagator.propagate_op_sharding_non_cached if _holds_symbols(info.schema)
+                else propagator.propagate_op_sharding)(info.schema)
     if not sharding.needs_redistribute or sharding.redistribute_schema is None:
         return []
     return list(zip(info.schema.args_spec, sharding.redistribute_schema.args_spec))
+
+
+def _holds_symbols(schema) -> bool:
+    specs = schema.args_spec
+    return any(isinstance(size, torch.SymInt) for spec in specs for size in spec.shape) or any(
+        isinstance(leaf, torch.SymInt) for leaf in pytree.tree_leaves((schema.args_schema, schema.kwargs_schema)))
 
 
 def dtensor_spec(value: Any):

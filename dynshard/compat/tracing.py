@@ -76,10 +76,55 @@ def trace_to_aten(gm: fx.GraphModule, fake_inputs: Sequence[Any], fake_mode,
 
     # functionalized: an in-place update of a buffer (BatchNorm's running stats) becomes a value and a
     # final copy_ into the buffer, which DTensor can place; an in-place op on a re-sharded copy of a
-    # buffer would be lost
-    functional = torch.func.functionalize(run, remove="mutations")
-    with isolated_tracing(fake_mode), fake_mode, fx_traceback.preserve_node_meta():
+    # buffer would be lost. torch.func's (C++) functionalization reads a symbolic size as its hint (a
+    # guard Eq(s, hint) that makes the program static); Python's keeps the symbols.
+    symbolic = any(_has_symbols(value) for value in fake_inputs)
+    functional = _python_functionalized(run) if symbolic else torch.func.functionalize(run, remove="mutations")
+    with isolated_tracing(fake_mode), fake_mode, fx_traceback.preserve_node_meta(), on_symbols(symbolic):
         return make_fx(functional, decomposition_table=decompositions or {}, tracing_mode="real")(*fake_inputs)
+
+
+def on_symbols(symbolic: bool):
+    """Within, ops on tensors of symbolic sizes run as aot_autograd runs them: a composite op decomposes by its
+    Python kernel, which keeps the symbols, where its C++ kernel reads a size as a number (a guard that makes
+    the program static: ``F.pad`` on a symbolic length). Nothing changes where ``symbolic`` is False."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    return enable_python_dispatcher() if symbolic else contextlib.nullcontext()
+
+
+def _has_symbols(value) -> bool:
+    if isinstance(value, torch.SymInt):
+        return True
+    return isinstance(value, torch.Tensor) and any(isinstance(size, torch.SymInt) for size in value.shape)
+
+
+def _python_functionalized(run):
+    """``run`` functionalized by torch's Python functionalization (``FunctionalTensorMode``, as aot_autograd
+    does), with ``torch.func.functionalize(remove="mutations")``'s ending: an input ``run`` mutated is
+    written back by one ``copy_`` after the graph's work."""
+    from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
+    from torch.utils import _pytree as pytree
+
+    def unwrap(value):
+        torch._sync(value)
+        return torch._from_functional_tensor(value.elem)
+
+    def functional(*args):
+        updates = []
+        with torch._C._ExcludeDispatchKeyGuard(torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)):
+            with FunctionalTensorMode():
+                wrapped = [FunctionalTensor.to_functional(a) if isinstance(a, torch.Tensor) else a for a in args]
+                outputs = pytree.tree_map_only(FunctionalTensor, unwrap, run(*wrapped))
+                for arg, value in zip(args, wrapped):
+                    if isinstance(value, FunctionalTensor):
+                        torch._sync(value)
+                        if torch._functionalize_has_data_mutation(value.elem):
+                            updates.append((arg, torch._from_functional_tensor(value.elem)))
+            for arg, update in updates:
+                arg.copy_(update)
+        return outputs
+    return functional
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+import torch
 import torch.fx as fx
 from torch.distributed.tensor import Placement
 
@@ -61,6 +62,13 @@ class PassContext:
     node_keys: dict[str, str] = dataclasses.field(default_factory=dict)  # node name -> planning.node_keys key
     draws_random: bool = False       # the lowered graph has a random op (dropout): ranks holding it must draw alike
     op_memo: OpMemo | None = None    # DTensor's answers, shared by this mode's propagations
+
+    @property
+    def on_symbols(self) -> bool:
+        """Whether the passes run on Dynamo's symbolic sizes (one program for every size of the family), not
+        on the sizes of one call (see ``backend.symbolic_program``)."""
+        return any(isinstance(inp.value, torch.SymInt) or any(isinstance(s, torch.SymInt) for s in inp.shape)
+                   for inp in self.inputs if inp.is_symbolic)
 
     @property
     def mixed_precision(self):

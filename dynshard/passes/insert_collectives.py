@@ -128,7 +128,8 @@ def wrap_input_fn(layout: Layout, arrival, planned, shape, stride, sync: GradSyn
             local = sync_over_dp(local, sync)
         if mesh is None:
             return local
-        tensor = compat.dtensor_from_local(local, mesh, arrival, shape, stride)
+        tensor = compat.dtensor_from_local(local, mesh, arrival, *((local.shape, local.stride()) if shape is None
+                                                                   else (shape, stride)))
         return tensor if tuple(arrival) == tuple(planned) else tensor.redistribute(mesh, planned)
     return wrap_input
 
@@ -210,7 +211,10 @@ def insert_collectives(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
             sync = grad_sync_for(inp, ctx)
             if (layout.tp_mesh is None and sync is None) or inp.kind == "size":   # (a size stays a number)
                 continue
-            fn = wrap_input_fn(layout, ctx.arrival(inp), ctx.placements[inp.index], inp.shape, inp.stride, sync)
+            # a symbolic input's sizes are Dynamo's symbols, which the program's tracer never saw: its global
+            # shape is read from the local tensor (a user input arrives whole)
+            shape, stride = (None, None) if ctx.on_symbols and inp.is_symbolic else (inp.shape, inp.stride)
+            fn = wrap_input_fn(layout, ctx.arrival(inp), ctx.placements[inp.index], shape, stride, sync)
             wrapper = graph.call_function(_named(fn, f"wrap_{inp.kind}"), (node,))
             wrapper.meta["wraps"] = inp.kind       # (outline_repeated_blocks moves a block's own into it)
             wrapped.append((node, wrapper))

@@ -10,7 +10,8 @@ An entry keeps the fake output of the first node that asked. Reusing that object
 sound for propagation, which reads placements and metadata only; ops that mutate an argument are not
 kept (their output is the argument itself), nor are ops given plain tensors (their values are not
 described by a spec), nor outputs whose placement holds state of its own (a vocabulary-parallel
-embedding's ``MaskPartial`` keeps its mask until the reduction uses it up).
+embedding's ``MaskPartial`` keeps its mask until the reduction uses it up), nor values of symbolic sizes
+(a SymInt does not hash; a symbolic program's propagation runs once, on a plan already made).
 """
 
 from __future__ import annotations
@@ -42,13 +43,16 @@ class OpMemo:
         """A graph input of ``meta`` (shape, stride, dtype, device, requires_grad) at ``placements``: one
         value per distinct input (a transformer's layers have the same parameters many times)."""
         key = ("input", mesh, tuple(meta), placements)
+        if _symbolic(meta[0]):      # (a SymInt does not hash: every symbolic input is its own)
+            return make(meta, placements)
         if key not in self.answers:
             self.answers[key] = make(meta, placements)
         return self.answers[key]
 
     def redistribute(self, value: DTensor, mesh, placements) -> DTensor:
         """``value.redistribute(mesh, placements)``, once per spec."""
-        key = ("redistribute", _key(value), tuple(placements)) if stateless(value) else None
+        spec = value_key(value) if stateless(value) else None
+        key = None if spec is None else ("redistribute", spec, tuple(placements))
         if key in self.answers:
             return self.answers[key]
         out = value.redistribute(mesh, placements)
@@ -90,8 +94,15 @@ class _Unkeyable(Exception):
     pass
 
 
+def _symbolic(shape) -> bool:
+    return any(isinstance(size, torch.SymInt) for size in shape)
+
+
 def _key(value):
     if isinstance(value, DTensor):
+        spec = compat.dtensor_spec(value)
+        if _symbolic(spec.shape) or _symbolic(spec.stride):
+            raise _Unkeyable      # (a program on symbolic sizes asks DTensor for every node)
         return compat.dtensor_spec(value), compat.local_layout(value)
     if isinstance(value, (tuple, list)):
         return type(value), tuple(_key(v) for v in value)

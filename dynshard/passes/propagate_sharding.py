@@ -70,6 +70,7 @@ def redistribution_collectives(node: str, layout: Layout, shape: Sequence[int], 
     for dim, s, d in zip(layout.placement_dims, src, dst):
         kind = transition_kind(s, d)
         if kind is not None:
+            shape = [compat.size_hint(size) for size in shape]     # (a symbolic size: at its hint)
             numel = max(math.prod(local_shape(torch.Size(shape), layout, src)),
                         math.prod(local_shape(torch.Size(shape), layout, dst)))
             found.append(Collective(node, kind, dim, numel * itemsize, mirrored=len(shape) > 0))
@@ -94,7 +95,8 @@ class ShardingInterpreter(fx.Interpreter):
     """Runs the ATen graph on fake DTensors and records placements and implied communication."""
 
     def __init__(self, gm: fx.GraphModule, layout: Layout, input_placements: Sequence[tuple[Placement, ...]],
-                 input_meta: Sequence[Any], warn: bool, constraints: dict, memo: OpMemo, layers: dict | None = None):
+                 input_meta: Sequence[Any], warn: bool, constraints: dict, memo: OpMemo, layers: dict | None = None,
+                 symbolic_sizes: dict[int, torch.SymInt] | None = None):
         # every value is kept: a later trial of the policy reuses those before its first change
         super().__init__(gm, garbage_collect_values=False)
         self.layout = layout
@@ -104,6 +106,7 @@ class ShardingInterpreter(fx.Interpreter):
         self.placed: dict[fx.Node, DTensor] = {}     # values placed for some of their readers only
         self.input_placements = list(input_placements)
         self.input_meta = list(input_meta)
+        self.symbolic_sizes = symbolic_sizes or {}    # size inputs of a program on symbolic sizes, by index
         self.warn = warn
         self.result = Propagation({}, [], [], {}, set(), set(), tuple(input_placements))
         self._placeholder_index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
@@ -122,6 +125,8 @@ class ShardingInterpreter(fx.Interpreter):
     # -- node kinds ---------------------------------------------------------------------------------
     def placeholder(self, target, args, kwargs):
         index = self._placeholder_index[self._current]
+        if index in self.symbolic_sizes:        # (the ops that compute sizes read it as a number)
+            return self.symbolic_sizes[index]
         return self.memo.input(self.layout.tp_mesh, self.input_meta[index], tuple(self.input_placements[index]),
                                self.make_input)
 
@@ -402,10 +407,12 @@ def propagate(gm: fx.GraphModule, ctx: PassContext, input_placements: Sequence[t
     meta = [(inp.shape, inp.stride, inp.dtype, inp.device if ctx.config.trace_strategy == "fake"
              else torch.device("meta"), inp.requires_grad) for inp in ctx.inputs]
     initial_env, known = reusable_prefix(gm, tuple(input_placements), ctx.constraints, reuse)
-    with compat.isolated_tracing(ctx.fake_mode), ctx.fake_mode:
+    with compat.isolated_tracing(ctx.fake_mode), ctx.fake_mode, compat.on_symbols(ctx.on_symbols):
         ctx.op_memo = ctx.op_memo.for_mode(ctx.fake_mode) if ctx.op_memo is not None else OpMemo(ctx.fake_mode)
         interpreter = ShardingInterpreter(gm, ctx.layout, input_placements, meta, warn, dict(ctx.constraints),
-                                          ctx.op_memo, repeated_layers(gm) if replay_layers else None)
+                                          ctx.op_memo, repeated_layers(gm) if replay_layers else None,
+                                          {inp.index: inp.value for inp in ctx.inputs
+                                           if inp.kind == "size" and isinstance(inp.value, torch.SymInt)})
         if known is not None:
             interpreter.result = dataclasses.replace(known, input_placements=tuple(input_placements))
             interpreter.placed = {n: v for n, v in reuse.placed.items() if n in initial_env}
@@ -424,8 +431,8 @@ def propagate_sharding(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     planning (``backend.plan_graph.place_graph``) places one lowered graph for every candidate."""
     placements = [ctx.placements[inp.index] for inp in ctx.inputs]
     ctx.propagation = propagate(gm, ctx, placements, warn=True)
-    if any(inp.is_symbolic for inp in ctx.inputs):      # a new size of a symbolic graph meets an old plan
-        check_even_splits(ctx.propagation, ctx)
+    if any(inp.is_symbolic for inp in ctx.inputs) and not ctx.on_symbols:   # a new size meets an old plan
+        check_even_splits(ctx.propagation, ctx)       # (a program on the symbols: checked at their hints)
     # (the plan outlives the compile; the fake value of every node need not)
     ctx.propagation.env, ctx.propagation.placed = {}, {}
     return gm

@@ -18,6 +18,7 @@ import warnings
 import torch
 import torch.fx as fx
 
+from .. import compat
 from ..runtime.sharding import SHARDS
 from .context import PassContext
 from .propagate_sharding import source_line
@@ -38,7 +39,7 @@ def warn_gathered_outputs(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModul
         value = node.meta.get("val")
         if not any(isinstance(p, SHARDS) for p in placements) or not isinstance(value, torch.Tensor):
             continue
-        size = math.prod(value.shape) * value.dtype.itemsize
+        size = math.prod(compat.size_hint(s) for s in value.shape) * value.dtype.itemsize   # (symbolic: as traced)
         gathered.append((size, f"output {position}: {str(value.dtype).replace('torch.', '')}{list(value.shape)}, "
                                f"{_bytes(size)}, from {_where(node)}"))
     if gathered:
