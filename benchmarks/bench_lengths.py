@@ -14,8 +14,10 @@ dynshard-static      torch.compile(..., dynamic=False): a plan and a program per
                      need (different lengths on the ranks are refused: PlanMismatchError)
 dynshard-dynamic-0   dynshard-dynamic at dynshard-static's lengths, for the ratio of their steps
 tp-static            policy="tp" over both ranks (one unit): a plan and a program per length, rank 0's lengths
-tp-dynamic           the same with dynamic=True: one plan and one Dynamo graph, a program per length compiled
-                     from the plan (no planning, nothing communicated)
+tp-dynamic           the same with dynamic=True: one plan and one Dynamo graph, one program compiled on its
+                     symbols (the plan made at the first length)
+tp-automatic         the same with torch.compile's automatic dynamic shapes: the first length static, then one
+                     symbolic program
 pp-static            policy="pp" over both ranks (2 stages, 2 micro-batches), rank 0's lengths
 pp-dynamic           the same with dynamic=True: one plan and one Dynamo graph, each rank's stage compiled per
                      micro-batch shape from the plan
@@ -46,8 +48,9 @@ PP = {"policy": "pp", "plan_ngpus": 2, "use_end2end": True, "pas_config": {"pipe
 SYSTEMS = {     # dynshard's: (options, torch.compile's dynamic=)
     "dynshard-dynamic": ({}, True), "dynshard-automatic": ({}, None), "dynshard-static": ({}, False),
     "dynshard-dynamic-0": ({}, True),
-    "tp-static": (TP, False), "tp-dynamic": (TP, True), "pp-static": (PP, False), "pp-dynamic": (PP, True)}
-STATIC_OF = {"dynshard-dynamic-0": "dynshard-static", "tp-dynamic": "tp-static", "pp-dynamic": "pp-static"}
+    "tp-static": (TP, False), "tp-dynamic": (TP, True), "tp-automatic": (TP, None), "pp-static": (PP, False), "pp-dynamic": (PP, True)}
+STATIC_OF = {"dynshard-dynamic-0": "dynshard-static", "tp-dynamic": "tp-static", "tp-automatic": "tp-static",
+             "pp-dynamic": "pp-static"}
 
 
 def lengths_of(rank: int, count: int, low: int, high: int) -> list[int]:

@@ -233,13 +233,16 @@ def test_sequence_parallel_over_lengths_it_does_not_divide_trains_like_one_proce
     ({"policy": "pp", "use_end2end": True, "pas_config": {"pipeline_nmicros": 2}}, True),
 ], ids=["tp", "tp-automatic", "pp"])
 def test_trainer_with_a_padding_collator_in_one_unit_of_two_ranks_trains_like_one_process(options, dynamic):
-    """tp-automatic: torch.compile's default, the first length static and the second symbolic (the unit's
-    ranks read one batch, so they compile at the same step). pp: the padding mask transformers reads by the
-    batch's positions splits into micro-batches, and Trainer's clipping (accelerate's get_total_norm) sees the
-    global norm."""
+    """tp-automatic: torch.compile's default, the first length static and the second one program on symbols (the
+    unit's ranks read one batch, so they compile at the same step). tp under dynamic=True: the batch is
+    symbolic too, which DTensor cannot place through Llama's flattened heads, so a program per length from the
+    one graph. pp: the padding mask transformers reads by the batch's positions splits into micro-batches, and
+    Trainer's clipping (accelerate's get_total_norm) sees the global norm."""
     (result, _) = run_ranks(trainer_padding, 2, {"compiler": "aot_eager", **options}, 6, 2, dynamic)
     assert_trains_like_one_process(result)
     assert result["graphs"] == (1 if dynamic else 2) and len(set(result["lengths"])) == 6, result["lengths"]
+    if options["policy"] == "tp":
+        assert result["symbolic"] == ([False] if dynamic else [False, True]), result["symbolic"]
 
 
 PP = {"policy": "pp", "plan_ngpus": 2, "compiler": "aot_eager", "use_end2end": True,

@@ -251,7 +251,8 @@ def trainer_padding(rank: int, world: int, options: dict, steps: int, plan_ngpus
             "params": dynshard.collect_state_dict(compiled),
             "ref_params": {k: v.detach().clone() for k, v in reference.state_dict().items()},
             "lengths": [tuple(inputs["input_ids"].shape) for inputs, _ in fed], "graphs": _graphs(),
-            "programs": len(dynshard.explain(compiled).programs)}
+            "programs": len(dynshard.explain(compiled).programs),
+            "symbolic": [p.symbolic for p in dynshard.explain(compiled).programs]}
 
 
 # ------------------------------------------------------------------------- pipelines over lengths

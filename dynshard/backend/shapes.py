@@ -8,16 +8,21 @@ only what the collectives carry (the parameters' gradients and shards) must agre
 
 - **Units of one rank** (dp, ZeRO 1-3) compile one program on Dynamo's symbols: their programs split no
   dimension of a user input, and the Dynamo graph reaches aot_autograd as it is.
-- **Graphs whose passes lower them to ATen** (units of several ranks: tp, sequence parallel, ``data``; and
-  ``recompute_modules``, whose tags are placed on ATen ops) compile a static program per size the unit
-  meets, from the one plan (:func:`at_sizes`): no planning, no agreement, nothing communicated, only the
-  passes and the compile at those sizes (``CompiledPlan.build_sized``). Why not one program on the
-  symbols: the placement passes lower the graph to ATen on FakeTensors and ask DTensor's cached propagation
-  for every op; both run on concrete sizes, and the per-rank program localises reshape sizes as numbers. A
-  program per size costs a compile per length, so pad to a few lengths (``pad_to_multiple_of``); Dynamo
-  still traces once, so its recompile limit is never reached. Where the plan splits a dimension the size
-  does not divide (sequence parallel's sequence, ``data``'s batch), ``propagate_sharding`` raises before
-  the program is compiled, naming the value, the dimension, the size and the fix.
+- **Units of several ranks** (tp, sequence parallel, ``data``, styles) compile one program on Dynamo's symbols
+  too (``plan_and_compile.on_symbols``): the plan is made at the hints (the policy, the agreement and the cost
+  model see concrete sizes), then the passes run again with it given, on the frame's fake mode and symbols,
+  and the program compiles on Dynamo's examples. What that takes: the lowering functionalizes in Python and
+  runs composite ops by their Python kernels (C++ kernels read a size as a number: a guard that makes the
+  program static), DTensor's propagation is asked uncached where a spec holds a symbol, collective bytes are
+  read at the hints, a symbolic input's global shape is read from the local tensor, and torch's proxy tracer
+  is mended while inside (``compat.dtensor_symbolic_tracing``). DTensor guards what its placements need (an
+  even split of a symbolic dimension: an odd size compiles another graph, planned at it). Where an op cannot
+  be placed on symbols (DTensor 2.13 refuses a symbolic ``_StridedShard`` split factor: a symbolic batch
+  flattened with split heads), every rank learns it and compiles a static program per size the unit meets,
+  from the one plan (:func:`at_sizes`, ``CompiledPlan.build_sized``), logged; there, where the plan splits a
+  dimension the size does not divide, ``propagate_sharding`` raises before the program is compiled, naming
+  the value, the dimension, the size and the fix. ``recompute_modules`` alone (no unit of several ranks)
+  compiles per size as well: its tags are placed on an ATen graph of static sizes.
 - **Pipelines** (pp, hybrid) cut the one symbolic graph once, at its hints, and compile each rank's stages
   per micro-batch shape, as they always have: a call's batch is split along dim 0, and the size inputs that
   are the batch's symbol are divided with it, so the stage graphs run on micro-batches with no re-trace.
@@ -58,8 +63,9 @@ __all__ = ["SymbolicShapesError", "at_sizes", "check_micro_batch_split", "check_
 
 
 def compiles_per_size(inputs: Sequence[GraphInput], layout: Layout, outline) -> bool:
-    """Whether a graph's program is compiled at each size its unit meets, from its one plan (a symbolic graph
-    whose passes lower it to ATen: a unit of several ranks, or recompute), rather than once."""
+    """Whether a graph's program may be compiled at each size its unit meets, from its one plan (a symbolic
+    graph whose passes lower it to ATen: a unit of several ranks, or recompute), rather than once: under a unit
+    of several ranks only where its program on symbols fails (``CompiledProgram.symbolic``)."""
     return any(inp.is_symbolic for inp in inputs) and lowers(layout, outline)
 
 
