@@ -6,11 +6,12 @@ from __future__ import annotations
 import torch
 
 from dynshard import Config, compat
+from dynshard.backend.compiler import bucketing_patches
 from dynshard.backend.plan_and_compile import _bucket_cap_mb
 
 
 def _patches(config: Config, zero: bool, cuda: bool) -> dict:
-    return compat.bucketing_patches(zero, _bucket_cap_mb(config), config.use_async_reducer and cuda)
+    return bucketing_patches(zero, _bucket_cap_mb(config), config.use_async_reducer and cuda)
 
 
 def test_all_reduces_always_go_in_buckets_and_zero_adds_gathers_and_reduce_scatters():

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dynshard.compat import inductor, shared_compiles
+from dynshard.backend.compiler import inductor_compile, shared_compiles
 
 
 def _world_of_one() -> None:
@@ -58,10 +58,10 @@ def shares_nothing_under_overlap_scheduling(rank: int, world: int) -> None:
     overlap = {"aten_distributed_optimizations.enable_overlap_scheduling": True}
     with torch._inductor.config.patch(overlap):
         shared_compiles.compile_shared(compile_graph, _all_reduce_graph(group.group_name), [torch.ones(3)])
-        assert "rank 0" in inductor._DYNSHARD_COMPILE.uuid()
+        assert "rank 0" in inductor_compile._DYNSHARD_COMPILE.uuid()
     shared_compiles.compile_shared(compile_graph, _all_reduce_graph(group.group_name), [torch.ones(3)])
     assert seen == [[group.group_name], ["dynshard:0"]]
-    assert "rank 0" not in inductor._DYNSHARD_COMPILE.uuid()
+    assert "rank 0" not in inductor_compile._DYNSHARD_COMPILE.uuid()
 
 
 def _lock_path(graph, inputs) -> str:

@@ -18,6 +18,7 @@ from ..runtime.materialize import default_device
 from ..runtime.sharding import stored_shape
 from ..runtime.zero import zero_groups
 from .compile import compile_program
+from .compiler import bucketing_patches
 from .plan_once import PlanAgreement
 from .reshard import reshard_pass
 
@@ -46,7 +47,7 @@ def plan_and_compile(gm: fx.GraphModule, ctx: PassContext, device_type: str, agr
         local_inputs = compat.symbolic_examples(example_inputs, local_inputs)
     program = compile_program(rewritten, local_inputs, config.compiler, layout, config.inference_only,
                               freeze=config.constant_folding, partition_pass=_reshard_pass(ctx),
-                              inductor_patches=compat.bucketing_patches(
+                              inductor_patches=bucketing_patches(
                                   bool(ctx.zero) and ctx.sync_grads, _bucket_cap_mb(config),
                                   config.use_async_reducer and device_type == "cuda"), backward=backward,
                               blocks_only=config.compile_scope == "blocks", share_traces=config.share_traces,
