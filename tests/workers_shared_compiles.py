@@ -120,12 +120,12 @@ def compiles_side_by_side_once_bypassed(rank: int, world: int) -> None:
 def unpacks_a_bucket_of_several_dtypes(rank: int, world: int) -> None:
     from torch._inductor.fx_passes import bucketing
 
-    from dynshard import compat
+    from dynshard.backend.compiler import gather_buckets_copied_out
 
     _world_of_one()
     ag_ins = [torch.randn(4, 3), torch.randn(6).to(torch.bfloat16), torch.randn(2, 2)]
     out_dtypes = [torch.float32, torch.bfloat16, torch.bfloat16]
-    with compat.gather_buckets_copied_out():
+    with gather_buckets_copied_out():
         merge = bucketing.all_gather_merge_fn_to_trace_custom_ops
         outs = merge(ag_ins, dist.group.WORLD.group_name, 1, torch.float32, out_dtypes, 0)
         same = merge(ag_ins[:1], dist.group.WORLD.group_name, 1, torch.float32, [torch.float32], 0)

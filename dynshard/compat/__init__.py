@@ -25,7 +25,6 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._python_dispatch import _disable_current_modes as outside_dispatch_modes  # noqa: F401
 
 # how each rank's program is compiled
-from .bucketing import gather_buckets_copied_out  # noqa: F401
 from .cpu_attention import register_cpu_attention
 from .mask_partial import is_mask_partial, mask_offsets_read_at_run_time  # noqa: F401
 from .ops import (ALL_GATHER, COLLECTIVE_KINDS, all_gather_rows, all_reduce, group_rank, invoke_subgraph,  # noqa: F401

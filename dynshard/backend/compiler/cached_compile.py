@@ -16,6 +16,7 @@ import torch.fx as fx
 from ... import compat
 from ...compat import aot_autograd, inductor
 from .cpu_isa_probe import wait_cpu_isa_probe
+from .gather_merge import gather_buckets_copied_out
 from .kernel_batches import cpp_kernels_batched
 from .shared_compiles import compiled_once_per_host, group_alias, rank_free_compiles
 
@@ -52,7 +53,7 @@ def compile_cached(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_no
     # (what a hit loads runs Inductor's code for the gathers and batches its kernels as a compile would;
     # a shared trace compiles its backward at once, so that the entry is saved before the next rank looks)
     with aot_autograd.settings(force_non_lazy_backward_lowering=shared), aot_autograd.aot_keys_seen() as keys, \
-            compat.gather_buckets_copied_out(), cpp_kernels_batched():
+            gather_buckets_copied_out(), cpp_kernels_batched():
         compiled = (compiled_once_per_host(gm, example_inputs, compile_and_keep, cache="aot_autograd") if shared
                     else compile_and_keep())
         if use.traced:
@@ -71,7 +72,7 @@ def prepared_for_cache_hits() -> None:
     """What a program read from aot_autograd's cache needs that its compile would have done: every group's
     alias registered on this rank (the cached code names groups by alias) and ``dynshard::copy_out_gathered``
     registered (Inductor's bucketing ops: ``compile_per_rank`` imports them for every compile)."""
-    from ...compat import gathered_bucket  # noqa: F401  (registers dynshard::copy_out_gathered)
+    from ...runtime import gathered_bucket  # noqa: F401  (registers dynshard::copy_out_gathered)
 
     if torch.distributed.is_initialized() and rank_free_compiles():
         for name in compat.process_group_names():

@@ -17,6 +17,7 @@ from . import cache_names
 from .blocks_only import compile_blocks_only
 from .cached_compile import CacheUse, compile_cached, remember
 from .cpu_isa_probe import wait_cpu_isa_probe
+from .gather_merge import gather_buckets_copied_out
 from .kernel_batches import cpp_kernels_batched
 from .shared_compiles import compile_shared, rank_free_compiles, traces_shared
 
@@ -73,7 +74,7 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
 
         def inner_compile(graph: fx.GraphModule, inputs, **kwargs):
             wait_cpu_isa_probe()
-            with compat.gather_buckets_copied_out(), cpp_kernels_batched():    # the backward too: compiled
+            with gather_buckets_copied_out(), cpp_kernels_batched():    # the backward too: compiled
                 return _inner_compile(graph, inputs, **kwargs)                      # here, at its first call
 
         def _inner_compile(graph: fx.GraphModule, inputs, **kwargs):
@@ -129,7 +130,7 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
 class _DynshardCompile(compat.CustomGraphPass):
     """Does nothing; in every dynshard compile's Inductor settings so that its FX graph cache entries are
     its own: a cached program calls ``dynshard::copy_out_gathered`` where Inductor's bucketing would copy
-    parameters out itself, and gathers out of place (:func:`dynshard.compat.gather_buckets_copied_out`)."""
+    parameters out itself, and gathers out of place (:func:`.gather_merge.gather_buckets_copied_out`)."""
 
     def __call__(self, graph: fx.Graph) -> None:
         return None

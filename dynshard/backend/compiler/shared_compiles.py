@@ -11,7 +11,7 @@ their process groups. Two things make each distinct program one Inductor compile
   which ranks the group holds relative to its first ("dynshard:0,2": every second rank), registered on this
   rank for its own group (``_register_process_group``; names are looked up where each rank runs, never sent).
   Nothing Inductor generates may then depend on the rank's place in a group, or a rank would run another
-  rank's code: the bucketed all-gathers do not (``compat.gather_buckets_copied_out``), the vocabulary masks
+  rank's code: the bucketed all-gathers do not (:mod:`.gather_merge`), the vocabulary masks
   read the coordinate at run time.
 - **One compile at a time per distinct graph** (:func:`compiled_once_per_host`). Ranks reach a graph at
   the same moment, so all of them would miss the cache and compile. A file lock named by the graph's code
