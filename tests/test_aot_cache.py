@@ -8,7 +8,7 @@ import os
 import workers_aot_cache as workers
 from distributed import run_ranks
 
-from dynshard.compat import aot_cache
+from dynshard.backend.compiler import shared_compiles
 
 
 def test_program_functions_are_named_by_their_code_and_captured_state(tmp_path):
@@ -18,8 +18,8 @@ def test_program_functions_are_named_by_their_code_and_captured_state(tmp_path):
 def test_ranks_share_traces_where_they_outnumber_the_hosts_cores(monkeypatch):
     cores = len(os.sched_getaffinity(0))
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores + 1))
-    assert aot_cache.traces_shared(None)
-    assert not aot_cache.traces_shared(False)
+    assert shared_compiles.traces_shared(None)
+    assert not shared_compiles.traces_shared(False)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores))
-    assert not aot_cache.traces_shared(None)
-    assert aot_cache.traces_shared(True)
+    assert not shared_compiles.traces_shared(None)
+    assert shared_compiles.traces_shared(True)

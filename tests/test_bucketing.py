@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import torch
 
-from dynshard import Config, compat
+from dynshard import Config
+from dynshard.backend.compiler import bucketing_patches, gather_buckets_copied_out
 from dynshard.backend.plan_and_compile import _bucket_cap_mb
 
 
 def _patches(config: Config, zero: bool, cuda: bool) -> dict:
-    return compat.bucketing_patches(zero, _bucket_cap_mb(config), config.use_async_reducer and cuda)
+    return bucketing_patches(zero, _bucket_cap_mb(config), config.use_async_reducer and cuda)
 
 
 def test_all_reduces_always_go_in_buckets_and_zero_adds_gathers_and_reduce_scatters():
@@ -60,7 +61,7 @@ def test_a_gathered_bucket_is_copied_out_as_each_parameter_gathered_along_rows()
 def _merged(ag_ins, group_name, group_size, dtype, out_dtypes, rank):
     from torch._inductor.fx_passes import bucketing
 
-    with compat.gather_buckets_copied_out():
+    with gather_buckets_copied_out():
         return bucketing.all_gather_merge_fn_to_trace_custom_ops(ag_ins, group_name, group_size, dtype,
                                                                 out_dtypes, rank)
 
@@ -83,7 +84,7 @@ def test_overlapping_compiles_keep_the_rank_free_merge_until_the_last_one_ends()
     from torch._inductor.fx_passes import bucketing
 
     inductor_merge = bucketing.all_gather_merge_fn_to_trace_custom_ops
-    first, second = compat.gather_buckets_copied_out(), compat.gather_buckets_copied_out()
+    first, second = gather_buckets_copied_out(), gather_buckets_copied_out()
     first.__enter__()
     second.__enter__()
     first.__exit__(None, None, None)          # (another thread's compile ends first)

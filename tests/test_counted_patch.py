@@ -4,7 +4,7 @@ and its compiles keep a user's own Inductor passes."""
 from __future__ import annotations
 
 from dynshard.compat.counted_patch import CountedPatch
-from dynshard.compat.inductor import _DYNSHARD_COMPILE, _marked_dynshards
+from dynshard.backend.compiler.inductor_compile import _DYNSHARD_COMPILE, _marked_dynshards
 
 
 class Owner:

@@ -1,4 +1,4 @@
-"""dynshard.compat.cpp_kernel_batches: a graph's C++ kernels built as a few libraries."""
+"""dynshard.backend.compiler.kernel_batches: a graph's C++ kernels built as a few libraries."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from dynshard.compat.cpp_kernel_batches import _balanced, _batchable, cpp_kernels_batched
+from dynshard.backend.compiler.kernel_batches import _balanced, _batchable, cpp_kernels_batched
 
 
 def test_kernels_are_split_into_balanced_groups_the_same_way_on_every_rank():
@@ -69,15 +69,15 @@ def test_a_compile_with_one_compile_thread_builds_each_kernel_where_it_is_define
 def test_when_a_library_does_not_compile_each_of_its_kernels_is_built_alone(monkeypatch):
     from torch._inductor.exc import CppCompileError
 
-    from dynshard.compat import cpp_kernel_batches
+    from dynshard.backend.compiler import kernel_batches
 
     def load():
         raise CppCompileError(["g++", "library.cpp"], "library.cpp:3: error: redefinition")
 
     alone = []
-    monkeypatch.setattr(cpp_kernel_batches, "_single",
+    monkeypatch.setattr(kernel_batches, "_single",
                         lambda argtypes, code, submit: lambda: alone.append(code) or f"built {code}")
-    library = cpp_kernel_batches._Library(load)
+    library = kernel_batches._Library(load)
     entries = [library.entry(slot, [], f"kernel {slot}", submit=None) for slot in range(2)]
     assert [entry() for entry in entries] == ["built kernel 0", "built kernel 1"]
     assert alone == ["kernel 0", "kernel 1"]

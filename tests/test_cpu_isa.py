@@ -1,11 +1,11 @@
-"""dynshard.compat.cpu_isa: Inductor's CPU ISA probe, made cheaper."""
+"""dynshard.backend.compiler.cpu_isa_probe: Inductor's CPU ISA probe, made cheaper."""
 
 from __future__ import annotations
 
 import os
 import socket
 
-from dynshard.compat.cpu_isa import _load_verdict_shared_on_host, first_valid
+from dynshard.backend.compiler.cpu_isa_probe import _load_verdict_shared_on_host, first_valid
 
 
 def test_a_passing_load_check_runs_once_per_host_and_build_and_a_failing_one_every_time(tmp_path):

@@ -10,6 +10,7 @@ import torch.nn as nn
 
 from distributed import run_ranks
 from dynshard import compat
+from dynshard.backend.compiler import compile_per_rank
 from dynshard.passes.outline_repeated_blocks import outline_blocks
 from parity import assert_losses_close, assert_tensors_close, assert_updates_close
 from workers_regional_compile import inductor_against_eager, regional_against_unrolled
@@ -44,7 +45,7 @@ def compiled_with_outlining(model: nn.Module, x: torch.Tensor):
     def backend(gm, example_inputs):
         found.append(outline_blocks(gm))
         found.append(sum(1 for n in gm.graph.nodes if n.target is compat.invoke_subgraph))
-        return compat.compile_per_rank(gm, example_inputs, "aot_eager", lambda graph, phase: None)
+        return compile_per_rank(gm, example_inputs, "aot_eager", lambda graph, phase: None)
 
     loss = torch.compile(model, backend=backend, fullgraph=True)(x)
     loss.backward()

@@ -7,7 +7,7 @@ import functools
 import torch
 import torch.fx as fx
 
-from dynshard import compat
+from dynshard.backend.compiler import compile_per_rank
 from dynshard.backend.split_backward import compiled_backward, split
 from dynshard.runtime.pipeline.deferred import DeferredWeightGradients
 
@@ -26,7 +26,7 @@ def _compiled(graphs: dict):
 
     tensors = [torch.randn(4, 8, requires_grad=True), torch.randn(8, 3, requires_grad=True),
                torch.randn(2, 4, requires_grad=True)]
-    run = compat.compile_per_rank(fx.symbolic_trace(_mlp), tensors, "aot_eager", on_graph, backward=backward)
+    run = compile_per_rank(fx.symbolic_trace(_mlp), tensors, "aot_eager", on_graph, backward=backward)
     return run, tensors
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dynshard.compat import inductor, shared_compiles
+from dynshard.backend.compiler import inductor_compile, shared_compiles
 
 
 def _world_of_one() -> None:
@@ -58,10 +58,10 @@ def shares_nothing_under_overlap_scheduling(rank: int, world: int) -> None:
     overlap = {"aten_distributed_optimizations.enable_overlap_scheduling": True}
     with torch._inductor.config.patch(overlap):
         shared_compiles.compile_shared(compile_graph, _all_reduce_graph(group.group_name), [torch.ones(3)])
-        assert "rank 0" in inductor._DYNSHARD_COMPILE.uuid()
+        assert "rank 0" in inductor_compile._DYNSHARD_COMPILE.uuid()
     shared_compiles.compile_shared(compile_graph, _all_reduce_graph(group.group_name), [torch.ones(3)])
     assert seen == [[group.group_name], ["dynshard:0"]]
-    assert "rank 0" not in inductor._DYNSHARD_COMPILE.uuid()
+    assert "rank 0" not in inductor_compile._DYNSHARD_COMPILE.uuid()
 
 
 def _lock_path(graph, inputs) -> str:
@@ -120,12 +120,12 @@ def compiles_side_by_side_once_bypassed(rank: int, world: int) -> None:
 def unpacks_a_bucket_of_several_dtypes(rank: int, world: int) -> None:
     from torch._inductor.fx_passes import bucketing
 
-    from dynshard import compat
+    from dynshard.backend.compiler import gather_buckets_copied_out
 
     _world_of_one()
     ag_ins = [torch.randn(4, 3), torch.randn(6).to(torch.bfloat16), torch.randn(2, 2)]
     out_dtypes = [torch.float32, torch.bfloat16, torch.bfloat16]
-    with compat.gather_buckets_copied_out():
+    with gather_buckets_copied_out():
         merge = bucketing.all_gather_merge_fn_to_trace_custom_ops
         outs = merge(ag_ins, dist.group.WORLD.group_name, 1, torch.float32, out_dtypes, 0)
         same = merge(ag_ins[:1], dist.group.WORLD.group_name, 1, torch.float32, [torch.float32], 0)

@@ -33,6 +33,7 @@ from .agreement import agreed_compiles, ensure_ranks_agree, ensure_ranks_agree_o
 from .autodist import autodist_plan
 from .capture import describe_inputs, keep_floats_constant, raising_not_breaking
 from .compile import compile_program
+from .compiler import start_cpu_isa_probe
 from .families import check_alone, check_together, family_key, recorded_for
 from .pipeline import plan_pipeline
 from .plan_and_compile import local_example, plan_and_compile
@@ -67,7 +68,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
         check_runs(given, config)
     outline = given if given is not None else outline_of(config, world_size(), made_for)   # what runs: a plan
     if config.compiler == "inductor" and device_type == "cpu":
-        compat.start_cpu_isa_probe()     # overlaps planning and aot_autograd; Inductor needs it to generate code
+        start_cpu_isa_probe()     # overlaps planning and aot_autograd; Inductor needs it to generate code
     if config.describe() not in _logged_configs:
         _logged_configs.add(config.describe())
         log.info("%s", config.describe())

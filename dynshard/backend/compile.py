@@ -15,6 +15,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .. import compat
 from ..passes.outline_repeated_blocks import unalias_subgraph_outputs
 from ..runtime.mesh import Layout
+from .compiler import compile_per_rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,7 +120,7 @@ def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], co
     ``inductor_patches``: Inductor settings for this program (collective bucketing); ``backward``: compiles
     the backward graph instead (:mod:`.split_backward`); ``blocks_only``: Inductor compiles the outlined
     blocks, the program around them runs as traced (``Config.compile_scope="blocks"``); ``share_traces``:
-    ``Config.share_traces``; ``symbolic``: ``local_inputs`` hold symbolic sizes (see compat.compile_per_rank)."""
+    ``Config.share_traces``; ``symbolic``: ``local_inputs`` hold symbolic sizes (see compiler.compile_per_rank)."""
     program = CompiledProgram(run=None, collectives=[], graphs={}, seconds=0.0, symbolic=symbolic)
 
     def on_graph(graph: fx.GraphModule, phase: str) -> None:
@@ -154,14 +155,13 @@ def compile_program(gm: fx.GraphModule, local_inputs: Sequence[torch.Tensor], co
     start = time.perf_counter()
     if inference_only:
         with torch.no_grad():
-            program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, freeze=freeze,
-                                                  patches=inductor_patches, blocks_only=blocks_only,
-                                                  records=(keep, recall), share_traces=share_traces,
-                                                  symbolic=symbolic)
+            program.run = compile_per_rank(gm, local_inputs, compiler, on_graph, freeze=freeze,
+                                           patches=inductor_patches, blocks_only=blocks_only,
+                                           records=(keep, recall), share_traces=share_traces, symbolic=symbolic)
     else:
-        program.run = compat.compile_per_rank(gm, local_inputs, compiler, on_graph, joint_pass=joint_passes,
-                                              partition_pass=partition_pass, patches=inductor_patches,
-                                              backward=backward, blocks_only=blocks_only, records=(keep, recall),
-                                              share_traces=share_traces, symbolic=symbolic)
+        program.run = compile_per_rank(gm, local_inputs, compiler, on_graph, joint_pass=joint_passes,
+                                       partition_pass=partition_pass, patches=inductor_patches,
+                                       backward=backward, blocks_only=blocks_only, records=(keep, recall),
+                                       share_traces=share_traces, symbolic=symbolic)
     program.seconds = time.perf_counter() - start
     return program

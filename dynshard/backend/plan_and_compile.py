@@ -23,6 +23,7 @@ from ..runtime.sharding import stored_shape
 from ..runtime.zero import zero_groups
 from .agreement import all_ranks_succeeded
 from .compile import compile_program
+from .compiler import bucketing_patches
 from .plan_once import PlanAgreement
 from .reshard import reshard_pass
 
@@ -114,7 +115,7 @@ def _compile(rewritten: fx.GraphModule, ctx: PassContext, device_type: str, back
         local_inputs = compat.symbolic_examples(example_inputs, local_inputs)
     program = compile_program(rewritten, local_inputs, config.compiler, layout, config.inference_only,
                               freeze=config.constant_folding, partition_pass=_reshard_pass(ctx),
-                              inductor_patches=compat.bucketing_patches(
+                              inductor_patches=bucketing_patches(
                                   bool(ctx.zero) and ctx.sync_grads, _bucket_cap_mb(config),
                                   config.use_async_reducer and device_type == "cuda"), backward=backward,
                               blocks_only=config.compile_scope == "blocks", share_traces=config.share_traces,

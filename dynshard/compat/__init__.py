@@ -1,5 +1,7 @@
 """Every use of a private PyTorch API in dynshard goes through this package (this module and its
-submodules, whose names it re-exports: :mod:`.ops`, :mod:`.tracing`, :mod:`.inductor`, ...).
+submodules, whose names it re-exports: :mod:`.ops`, :mod:`.tracing`, :mod:`.symbolic`, ...; the shims
+dynshard's compile driver calls, :mod:`.inductor`, :mod:`.aot_autograd`, :mod:`.cpp_kernels` and
+:mod:`.cpu_isa`, are imported as modules).
 
 A torch upgrade that moves one of these should only ever need an edit here. Each helper names the
 private piece it wraps.
@@ -15,7 +17,8 @@ from typing import Any, Callable
 import torch
 import torch.fx as fx
 # private torch names used across dynshard, under public names here
-from torch._ops import OpOverload
+from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn  # noqa: F401
+from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket  # noqa: F401
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
 from torch.utils import _pytree as pytree  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
@@ -23,16 +26,16 @@ from torch.utils._python_dispatch import _disable_current_modes as outside_dispa
 
 # how each rank's program is compiled
 from .cpu_attention import register_cpu_attention
-from .cpu_isa import start_cpu_isa_probe, wait_cpu_isa_probe  # noqa: F401
-from .inductor import bucketing_patches, compile_per_rank, gather_buckets_copied_out  # noqa: F401
 from .mask_partial import is_mask_partial, mask_offsets_read_at_run_time  # noqa: F401
 from .ops import (ALL_GATHER, COLLECTIVE_KINDS, all_gather_rows, all_reduce, group_rank, invoke_subgraph,  # noqa: F401
-                  reduce_scatter_rows)
+                  process_group_names, reduce_scatter_rows, register_process_group_name, resolve_process_group)
+from .subgraph_schemas import block_schemas_memoized  # noqa: F401
 from .frames import compiling_frame, dynamo_frame_id  # noqa: F401
 from .recompile_limit import RecompileLimit, on_recompile_limit  # noqa: F401
 from .symbolic import (dtensor_symbolic_tracing, dynamo_tracing_context, rename_symbols,  # noqa: F401
                        size_hint, sizes_key, specialize_floats, symbolic_dims, symbolic_examples, traced_in)
-from .tracing import fake_tensor_log_quiet, isolated_tracing, new_fake_mode, on_symbols, trace_to_aten  # noqa: F401
+from .tracing import (cacheable_fake_mode, fake_tensor_log_quiet, isolated_tracing, local_random_ops,  # noqa: F401
+                      new_fake_mode, on_symbols, trace_to_aten)
 
 
 def register_logger(name: str) -> None:

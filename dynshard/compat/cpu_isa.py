@@ -1,135 +1,62 @@
-"""Inductor's probe of the CPU's vector instruction sets (``torch._inductor.cpu_vec_isa``), made cheaper
-and moved off the first compile's path.
-
-Inductor works out once per process which vector ISAs it can compile for (``valid_vec_isa_list``):
-for every ISA the CPU claims, a g++ build of a test file that includes ATen's vector headers (about
-3 s of CPU each), then a Python child that dlopens the library (0.2 s each, six per process). On a
-2-core machine that was 7-9 s before the first kernel, paid by every rank. dynshard:
-
-- starts it in the background at the first backend call (:func:`start_cpu_isa_probe`), so it overlaps
-  planning and aot_autograd; Inductor's first compile waits for it (:func:`wait_cpu_isa_probe`);
-- builds only the best ISA the CPU claims, and a lesser one only when it fails: Inductor generates code
-  for the first valid ISA (``pick_vec_isa``) unless ``config.cpp.simdlen`` or ``ATEN_CPU_CAPABILITY``
-  asks for another, and then every candidate is probed as Inductor does;
-- lets the first rank of a host whose load check of a test library passes record it for the others.
-"""
+"""Inductor's probe of the CPU's vector instruction sets (``torch._inductor.cpu_vec_isa``), the pieces
+:mod:`dynshard.backend.compiler.cpu_isa_probe` reads and replaces. Each wraps one thing."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import platform
-import socket
-import threading
-from typing import Callable, Sequence
-
-_ISA_PROBES: list = []      # the probe thread, once per process
-_STARTING = threading.Lock()
+from typing import Callable
 
 
-def start_cpu_isa_probe() -> None:
-    """Start the probe in the background. Until it ends, a ``valid_vec_isa_list`` call from another
-    thread (an Inductor compile dynshard does not drive) waits for it instead of probing the same ISA
-    objects a second time, concurrently (their ``__bool__`` edits their flags while it builds)."""
-    # imported here, not first in two threads at once
+def import_probe_modules() -> None:
+    """Import what the probe runs (once, in one thread: not first in two threads at once)."""
     from torch._inductor import codecache, config, cpp_builder, cpu_vec_isa  # noqa: F401
 
-    with _STARTING:
-        if not _ISA_PROBES:
-            _start_probe(cpu_vec_isa, config)
+
+def vec_isa_list() -> Callable[[], list]:
+    """``cpu_vec_isa.valid_vec_isa_list`` as it is now (Inductor's probe, or what replaced it)."""
+    from torch._inductor import cpu_vec_isa
+
+    return cpu_vec_isa.valid_vec_isa_list
 
 
-def _start_probe(cpu_vec_isa, config) -> None:
-    inductor_list = cpu_vec_isa.valid_vec_isa_list
-    load_in_child = cpu_vec_isa.VecISA._probe_load
-    answer = inductor_list      # what valid_vec_isa_list is once the probe ends
+def set_vec_isa_list(valid_vec_isa_list: Callable[[], list]) -> None:
+    from torch._inductor import cpu_vec_isa
 
-    def probe() -> None:
-        nonlocal answer
-        cpu_vec_isa.VecISA._probe_load = _load_verdict_shared_on_host(load_in_child)
-        try:
-            if platform.machine() in ("x86_64", "AMD64"):
-                flags = cpu_vec_isa.x86_isa_checker()
-                claimed = [isa for isa in cpu_vec_isa.supported_vec_isa_list
-                           if all(flag in flags for flag in str(isa).split())]
-                if _best_is_picked(config) and config.cpp.vec_isa_ok is None:
-                    best = first_valid(claimed)
-                    # (asked again at each call: a later compile may set simdlen, and get Inductor's list)
-                    answer = lambda: list(best) if _best_is_picked(config) else inductor_list()  # noqa: E731
-                    return
-                _probe_at_once(claimed)
-            inductor_list()
-        except Exception:  # noqa: BLE001 - Inductor probes again, and reports, when it needs the list
-            answer = inductor_list
-        finally:
-            cpu_vec_isa.VecISA._probe_load = load_in_child
-            cpu_vec_isa.valid_vec_isa_list = answer
-
-    def after_probe():
-        wait_cpu_isa_probe()
-        return answer()
-
-    thread = threading.Thread(target=probe, name="dynshard-isa-probe", daemon=True)
-    _ISA_PROBES.append(thread)
-    cpu_vec_isa.valid_vec_isa_list = after_probe
-    thread.start()
+    cpu_vec_isa.valid_vec_isa_list = valid_vec_isa_list
 
 
-def wait_cpu_isa_probe() -> None:
-    """Wait for :func:`start_cpu_isa_probe` (its result is cached; a second probe would redo the builds)."""
-    for probe in _ISA_PROBES:
-        if probe is not threading.current_thread():
-            probe.join()
+def load_check() -> Callable:
+    """``VecISA._probe_load(isa, library)``: whether an ISA's test library loads (a Python child dlopens it)."""
+    from torch._inductor import cpu_vec_isa
+
+    return cpu_vec_isa.VecISA._probe_load
 
 
-def _best_is_picked(config) -> bool:
-    """Whether ``pick_vec_isa`` takes the first valid ISA (no width or capability asked for)."""
+def set_load_check(probe_load: Callable) -> None:
+    from torch._inductor import cpu_vec_isa
+
+    cpu_vec_isa.VecISA._probe_load = probe_load
+
+
+def claimed_x86_isas() -> list:
+    """Inductor's x86 ISAs (best first, ``supported_vec_isa_list``) whose flags the CPU claims
+    (``x86_isa_checker``), none of them built yet."""
+    from torch._inductor import cpu_vec_isa
+
+    flags = cpu_vec_isa.x86_isa_checker()
+    return [isa for isa in cpu_vec_isa.supported_vec_isa_list if all(flag in flags for flag in str(isa).split())]
+
+
+def best_isa_picked() -> bool:
+    """Whether ``pick_vec_isa`` takes the first valid ISA (no width or capability asked for: ``cpp.simdlen``,
+    ``ATEN_CPU_CAPABILITY``)."""
+    from torch._inductor import config
+
     return config.cpp.simdlen is None and not os.environ.get("ATEN_CPU_CAPABILITY")
 
 
-def first_valid(claimed: Sequence) -> list:
-    """The best of ``claimed`` (best first, as Inductor lists them) that builds and loads, as the list
-    ``pick_vec_isa`` reads its first entry from; the ISAs after it are never built."""
-    for isa in claimed:
-        if isa:
-            return [isa]
-    return []
+def isa_forced() -> bool:
+    """Whether Inductor's ``cpp.vec_isa_ok`` forces its answer on the probe."""
+    from torch._inductor import config
 
-
-def _probe_at_once(claimed: Sequence) -> None:
-    """Every candidate probed in a thread of its own (each ``bool(isa)`` is cached for Inductor)."""
-    candidates = [threading.Thread(target=bool, args=(isa,), daemon=True) for isa in claimed]
-    for candidate in candidates:
-        candidate.start()
-    for candidate in candidates:
-        candidate.join()
-
-
-def _load_verdict_shared_on_host(load_in_child: Callable) -> Callable:
-    """Inductor checks that each ISA's test library loads by starting a Python child that dlopens it:
-    every rank of a host repeated the same checks on the same files. The first rank whose check passes
-    records it beside the library, for this host only (a cache directory shared between hosts may be
-    read by another CPU) and for this build of the library (its size and time); the others read it. A
-    failed check is not recorded (it may be a timeout or a killed child): the next process checks again.
-    Inductor calls this holding the library's file lock, and the record is written by a rename."""
-    def probe_load(isa, output_path: str) -> bool:
-        record = f"{output_path}.{socket.gethostname()}.loads"
-        try:
-            with open(record) as fh:
-                if fh.read() == _library_version(output_path):
-                    return True
-        except (OSError, UnicodeDecodeError):
-            pass
-        loads = load_in_child(isa, output_path)
-        if loads:
-            with contextlib.suppress(OSError):
-                with open(f"{record}.{os.getpid()}", "w") as fh:
-                    fh.write(_library_version(output_path))
-                os.replace(f"{record}.{os.getpid()}", record)
-        return loads
-    return probe_load
-
-
-def _library_version(path: str) -> str:
-    stat = os.stat(path)
-    return f"{stat.st_size}:{stat.st_mtime_ns}"
+    return config.cpp.vec_isa_ok is not None

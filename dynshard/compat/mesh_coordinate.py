@@ -4,9 +4,9 @@ DTensor's vocabulary-parallel embedding and cross-entropy mask the indices that 
 rows of the table (``_MaskPartial``): ``ids - offset`` and a range test, with ``offset = coordinate *
 rows`` computed while tracing, a Python int. Inductor bakes it into the generated kernel, so the ranks of
 a tp group generate kernels that differ in that constant alone, and each coordinate built its own copy of
-every C++ library holding one (:mod:`.cpp_kernel_batches`). Read from a tensor the program computes,
-the offset becomes a kernel argument: every coordinate generates the same code and the ranks share each
-library. :func:`.mask_partial.mask_offsets_read_at_run_time` routes DTensor's masking through it while
+every C++ library holding one (:mod:`dynshard.backend.compiler.kernel_batches`). Read from a tensor the
+program computes, the offset becomes a kernel argument: every coordinate generates the same code and the
+ranks share each library. :func:`.mask_partial.mask_offsets_read_at_run_time` routes DTensor's masking through it while
 dynshard traces (the op's only user: it lives beside it, in compat).
 """
 

@@ -1,6 +1,6 @@
 """The ops dynshard's traced graphs hold, as torch 2.13 names them: the functional collectives
-(``torch.ops._c10d_functional``) and ``invoke_subgraph``, with the process-group look-up behind a
-collective's group name. Re-exported by :mod:`dynshard.compat`; the other compat modules import from here,
+(``torch.ops._c10d_functional``) and ``invoke_subgraph``, with the process-group look-ups and registrations
+behind a collective's group name. Re-exported by :mod:`dynshard.compat`; the other compat modules import from here,
 not from the package (which imports them).
 """
 
@@ -50,3 +50,29 @@ def group_rank(group_name: str) -> int:
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     return torch.distributed.get_rank(_resolve_process_group(group_name))
+
+
+def resolve_process_group(group_name: str):
+    """The process group registered as ``group_name`` (c10d's ``_resolve_process_group``); None where none is."""
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    try:
+        return _resolve_process_group(group_name)
+    except (RuntimeError, ValueError):
+        return None
+
+
+def register_process_group_name(group_name: str, group) -> None:
+    """``group`` registered on this rank as ``group_name`` (c10d's ``_register_process_group``), replacing what
+    c10d keeps under that name (a destroyed group's)."""
+    from torch._C._distributed_c10d import _register_process_group, _unregister_process_group
+
+    _unregister_process_group(group_name)
+    _register_process_group(group_name, group)
+
+
+def process_group_names() -> list[str]:
+    """The names of every process group of this process (``distributed_c10d._world.pg_names``)."""
+    from torch.distributed.distributed_c10d import _world
+
+    return list(_world.pg_names.values())

@@ -1,6 +1,6 @@
 """Tracing inside a Dynamo backend call: the planning passes' fake mode, a tracing context of dynshard's
-own, and the lowering of a Dynamo graph to ATen ops (``make_fx``). Re-exported by :mod:`dynshard.compat`;
-:mod:`.inductor` imports from here, not from the package (which imports it).
+own, the compile's cacheable fake mode, and the lowering of a Dynamo graph to ATen ops (``make_fx``).
+Re-exported by :mod:`dynshard.compat`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,26 @@ def new_fake_mode():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     # The planning passes' fake mode: no ShapeEnv (nothing symbolic to track). Inductor's compiles get one,
-    # with the program's inputs fakeified statically (compat.inductor._cacheable_fake_mode), for its FX
-    # graph cache. See docs/design.md.
+    # with the program's inputs fakeified statically (cacheable_fake_mode), for its FX graph cache. See
+    # docs/design.md.
     return FakeTensorMode(allow_non_fake_inputs=True)
+
+
+def cacheable_fake_mode(example_inputs: Sequence[Any]):
+    """A fake mode with a ShapeEnv, which Inductor's FX graph cache needs (it bypasses graphs compiled
+    without one: "No shape env", so a restart regenerated every kernel), and the program's tensor inputs
+    fakeified in it with static shapes: aot_autograd takes its own mode's fake inputs as they are, where
+    it would give real ones symbolic sizes (a dynamic-shape program) because the mode has a ShapeEnv.
+    (None, inputs) where an input is a number, which aot_autograd would make symbolic all the same."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    if any(isinstance(x, (int, float, torch.SymInt)) for x in example_inputs):
+        return None, example_inputs
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv())
+    return fake_mode, [fake_mode.from_tensor(x, static_shapes=True)
+                       if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor) else x
+                       for x in example_inputs]
 
 
 @contextlib.contextmanager

@@ -114,7 +114,7 @@ def grad_sync_for(inp, ctx: PassContext) -> GradSync | None:
         return sync
     groups = zero_groups(layout, zero.ngroups)
     # the rank only where the program reads it (ZeRO-1's slice of the all-reduced gradient): ranks whose
-    # programs are the same share aot_autograd's cache entry (compat.aot_cache digests what it captures)
+    # programs are the same share aot_autograd's cache entry (backend/compiler/cache_names.py digests what it captures)
     return dataclasses.replace(
         sync, zero=zero, shard_group=groups.shard_name, rank=0 if zero.reduce_scatter else groups.rank,
         replica_group=groups.replicas.group_name if groups.replicas is not None else None)

@@ -45,8 +45,8 @@ that fails without its workaround (``tests/test_regional_compile.py``):
     gathered parameter) and on every graph handed to Inductor.
   - Inductor reuses, for later buffers, storage that is still live across an ``invoke_subgraph`` call (an
     LM head's or embedding's gradient overwritten): programs with outlined blocks are compiled with
-    ``allow_buffer_reuse=False`` (:func:`dynshard.compat.compile_per_rank`). Freed buffers still go back
-    to the allocator; only Inductor's own reuse of a dead buffer's storage by name is off.
+    ``allow_buffer_reuse=False`` (:func:`dynshard.backend.compiler.compile_per_rank`). Freed buffers still
+    go back to the allocator; only Inductor's own reuse of a dead buffer's storage by name is off.
 """
 
 from __future__ import annotations

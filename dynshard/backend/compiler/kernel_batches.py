@@ -24,7 +24,7 @@ import re
 import threading
 from typing import Any, Callable, Iterator, Sequence
 
-from .counted_patch import CountedPatch
+from ...compat import cpp_kernels
 
 _ENTRY = re.compile(r'extern\s+"C"\s+(void\s+kernel\s*\()')
 _HOISTED = ("#include", "#define PY_SSIZE_T_CLEAN")
@@ -32,38 +32,28 @@ _NOT_BATCHABLE = ("#define", "#undef", "#if", "#elif", "#else", "#endif", "templ
 _state = threading.local()            # .active: this thread's compile batches its kernels
 
 
-def _async_compile() -> type:
-    from torch._inductor.async_compile import AsyncCompile
-
-    return AsyncCompile
-
-
 def _batching(single: Callable) -> Callable:
     """``AsyncCompile.cpp_pybinding`` that collects the kernels of a thread that batches (``single``:
     Inductor's, which builds one kernel)."""
-    from torch._inductor.async_compile import get_compile_threads, kernel_code_log
-
     def cpp_pybinding(self, argtypes: list[str], source_code: str):
         # (one compile thread: AsyncCompile.wait waits for nothing, so each kernel is built here)
-        if (not getattr(_state, "active", False) or get_compile_threads() <= 1
+        if (not getattr(_state, "active", False) or cpp_kernels.compile_threads() <= 1
                 or not _batchable(source_code)):
             return single(self, argtypes, source_code)
-        kernel_code_log.info("CPP+Bindings Kernel:\n%s", source_code)
+        cpp_kernels.log_kernel_code(source_code)
         batch = vars(self).setdefault("_dynshard_cpp_batch", _Batch(self))
         return batch.add(argtypes, source_code)
     return cpp_pybinding
 
 
-_PATCH = CountedPatch(_async_compile, "cpp_pybinding", _batching)
+_PATCH = cpp_kernels.cpp_pybinding_patch(_batching)
 
 
 @contextlib.contextmanager
 def cpp_kernels_batched() -> Iterator[None]:
     """While active in this thread, the C++ kernels of each module Inductor generates are built in
     batches (above)."""
-    from torch._inductor.async_compile import get_compile_threads
-
-    if getattr(_state, "active", False) or get_compile_threads() <= 1:
+    if getattr(_state, "active", False) or cpp_kernels.compile_threads() <= 1:
         yield      # nested (already batching), or no pool: each kernel is compiled when defined
         return
     with _PATCH.applied():
@@ -89,14 +79,12 @@ class _Batch:
         self.lock = threading.Lock()
 
     def add(self, argtypes: list[str], source_code: str):
-        from torch._inductor.codecache import LambdaFuture
-
         with self.lock:
             if self.results is not None:     # defined after the others were built: a batch of its own
                 return _Batch(self.async_compile).add(argtypes, source_code)
             index = len(self.kernels)
             self.kernels.append((argtypes, source_code))
-        return LambdaFuture(lambda: self.result(index))
+        return cpp_kernels.kernel_future(lambda: self.result(index))
 
     def result(self, index: int):
         with self.lock:
@@ -105,28 +93,23 @@ class _Batch:
         return self.results[index]()
 
     def _build(self) -> list[Callable[[], Any]]:
-        from torch._inductor.async_compile import get_compile_threads
-        from torch._inductor.codecache import CppPythonBindingsCodeCache
-
         groups = _balanced(range(len(self.kernels)), [len(code) for _, code in self.kernels],
-                           get_compile_threads())
+                           cpp_kernels.compile_threads())
         results: list[Callable[[], Any] | None] = [None] * len(self.kernels)
         for group in groups:
             if len(group) == 1:
                 argtypes, code = self.kernels[group[0]]
                 results[group[0]] = _single(argtypes, code, self.async_compile.submit)
                 continue
-            library = _Library(CppPythonBindingsCodeCache.load_async(
-                _library_source([self.kernels[i] for i in group]), "cpu", submit_fn=self.async_compile.submit))
+            library = _Library(cpp_kernels.load_library_async(
+                _library_source([self.kernels[i] for i in group]), self.async_compile.submit))
             for slot, index in enumerate(group):
                 results[index] = library.entry(slot, *self.kernels[index], self.async_compile.submit)
         return results
 
 
 def _single(argtypes: list[str], code: str, submit: Callable) -> Callable[[], Any]:
-    from torch._inductor.codecache import CppPythonBindingsCodeCache
-
-    return CppPythonBindingsCodeCache.load_pybinding_async(argtypes, code, submit_fn=submit)
+    return cpp_kernels.load_kernel_async(argtypes, code, submit)
 
 
 class _Library:
@@ -140,13 +123,11 @@ class _Library:
         return lambda: self.kernel(slot, argtypes, code, submit)
 
     def kernel(self, slot: int, argtypes: list[str], code: str, submit: Callable):
-        from torch._inductor.exc import CppCompileError
-
         with self.lock:
             if self.module is None and not self.failed:
                 try:
                     self.module = self.load()
-                except CppCompileError:
+                except cpp_kernels.cpp_compile_error():
                     self.failed = True
         if self.failed:
             return _single(argtypes, code, submit)()
@@ -167,17 +148,11 @@ def _balanced(indices: Sequence[int], sizes: Sequence[int], bins: int) -> list[l
 
 def _library_source(kernels: Sequence[tuple[list[str], str]]) -> str:
     """One C++ file defining each kernel and its binding in a namespace, and ``PyInit_kernel``."""
-    from torch._inductor.codecache import CppPythonBindingsCodeCache as Bindings
-
     hoisted = {line.strip(): None for _, code in kernels for line in code.splitlines()
                if line.strip().startswith(_HOISTED)}
     parts = []
     for slot, (argtypes, code) in enumerate(kernels):
-        parse = ", ".join(f"parse_arg<{argtype.replace('const ', '')}>(args, {n})"
-                          for n, argtype in enumerate(argtypes))
-        binding = Bindings.suffix_template.format(
-            arg_len=len(argtypes), call_entry_func=Bindings.call_entry_function.format(parse),
-            entry_func=f"kernel_{slot}", extra_parse_arg=Bindings.extra_parse_arg.format(array_len=-1))
+        binding = cpp_kernels.binding_source(argtypes, f"kernel_{slot}")
         body = []
         for line in (_ENTRY.sub(r"\1", code, count=1) + binding).splitlines():
             if line.strip().startswith(_HOISTED):

@@ -11,7 +11,7 @@ their process groups. Two things make each distinct program one Inductor compile
   which ranks the group holds relative to its first ("dynshard:0,2": every second rank), registered on this
   rank for its own group (``_register_process_group``; names are looked up where each rank runs, never sent).
   Nothing Inductor generates may then depend on the rank's place in a group, or a rank would run another
-  rank's code: the bucketed all-gathers do not (``compat.gather_buckets_copied_out``), the vocabulary masks
+  rank's code: the bucketed all-gathers do not (:mod:`.gather_merge`), the vocabulary masks
   read the coordinate at run time.
 - **One compile at a time per distinct graph** (:func:`compiled_once_per_host`). Ranks reach a graph at
   the same moment, so all of them would miss the cache and compile. A file lock named by the graph's code
@@ -32,6 +32,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.fx as fx
 
+from ... import compat
+from ...compat import aot_autograd, inductor
+
 ALIAS_PREFIX = "dynshard:"
 LOCK_TIMEOUT_S = 600      # then a rank compiles the graph itself: a compile that long is no hang to wait on
 
@@ -46,7 +49,7 @@ def groups_named_by_shape(graph: fx.GraphModule) -> fx.GraphModule:
             continue
         changed = False
         for node in module.graph.nodes:
-            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            if node.op != "call_function" or not isinstance(node.target, compat.OpOverload):
                 continue
             for index, argument in enumerate(node.target._schema.arguments):
                 if argument.name != "group_name":
@@ -70,24 +73,18 @@ def group_alias(group_name: str) -> str:
     """The name of the group ``group_name`` by the ranks it holds relative to its first, registered on
     this rank (a second group of the same shape on this rank gets "#1", and so on). The name itself when
     it is an alias already or names no group."""
-    from torch._C._distributed_c10d import (_register_process_group, _resolve_process_group,
-                                            _unregister_process_group)
-
     if group_name.startswith(ALIAS_PREFIX):
         return group_name
-    try:
-        group = _resolve_process_group(group_name)
-    except (RuntimeError, ValueError):
+    group = compat.resolve_process_group(group_name)
+    if group is None:
         return group_name
     ranks = sorted(torch.distributed.get_process_group_ranks(group))
     base = ALIAS_PREFIX + ",".join(str(rank - ranks[0]) for rank in ranks)
     for copy in range(len(ranks) + 16):
         alias = base if copy == 0 else f"{base}#{copy}"
-        try:
-            registered = _resolve_process_group(alias)
-        except (RuntimeError, ValueError):     # free, or left by a destroyed group (c10d keeps the name)
-            _unregister_process_group(alias)
-            _register_process_group(alias, group)
+        registered = compat.resolve_process_group(alias)
+        if registered is None:      # free, or left by a destroyed group (c10d keeps the name)
+            compat.register_process_group_name(alias, group)
             return alias
         if registered is group:
             return alias
@@ -99,20 +96,18 @@ def rank_free_compiles() -> bool:
     overlap scheduling aligns its estimates across ranks and times collectives, distributed autotuning,
     the SPMD check: a rank holding the lock would wait for ranks that wait for it) or bakes the rank into
     the code (overlap scheduling buckets gathers with Inductor's in-place merge)."""
-    from torch._inductor import config
-
-    optimizations = config.aten_distributed_optimizations      # (spmd_check: torch 2.13; absent before)
-    return not (optimizations.enable_overlap_scheduling or getattr(optimizations, "spmd_check", False)
-                or config.distributed_max_autotune_gemm)
+    distributed = "aten_distributed_optimizations."     # (spmd_check: torch 2.13; absent before)
+    return not (inductor.setting(distributed + "enable_overlap_scheduling")
+                or inductor.setting(distributed + "spmd_check", False)
+                or inductor.setting("distributed_max_autotune_gemm"))
 
 
 def _cache_on(cache: str) -> bool:
-    from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
-
     if torch.compiler.config.force_disable_caches:
         return False
-    return functorch_config.enable_autograd_cache if cache == "aot_autograd" else inductor_config.fx_graph_cache
+    if cache == "aot_autograd":
+        return aot_autograd.setting("enable_autograd_cache")
+    return inductor.setting("fx_graph_cache")
 
 
 _BYPASS_COUNTERS = {"inductor": ("inductor", "fxgraph_cache_bypass"),
@@ -127,13 +122,11 @@ def compiled_once_per_host(graph: fx.GraphModule, inputs: Sequence[Any], compile
     held where that cache is off, and the waiting ends for all once a compile of the graph bypassed the
     cache (a mark beside the lock): the ranks then compile it side by side, as without the lock."""
     from filelock import FileLock, Timeout      # (a dependency of torch)
-    from torch._dynamo.utils import counters
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     if not _cache_on(cache):
         return compile_now()
     group, counter = _BYPASS_COUNTERS[cache]
-    directory = os.path.join(cache_dir(), "dynshard_compiles")
+    directory = os.path.join(inductor.cache_dir(), "dynshard_compiles")
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, graph_digest(graph, inputs))
     if os.path.exists(f"{path}.bypassed"):
@@ -148,9 +141,9 @@ def compiled_once_per_host(graph: fx.GraphModule, inputs: Sequence[Any], compile
         if os.path.exists(f"{path}.bypassed"):      # (written while this rank waited)
             lock.release()
             return compile_now()
-        bypassed = counters[group][counter]
+        bypassed = inductor.counter(group, counter)
         compiled = compile_now()
-        if counters[group][counter] > bypassed:
+        if inductor.counter(group, counter) > bypassed:
             open(f"{path}.bypassed", "w").close()
         return compiled
     finally:
@@ -177,3 +170,15 @@ def compile_shared(compile: Callable[..., Any], graph: fx.GraphModule, inputs: S
         return compile(graph, inputs, **kwargs)
     groups_named_by_shape(graph)
     return compiled_once_per_host(graph, inputs, lambda: compile(graph, inputs, **kwargs))
+
+
+def traces_shared(setting: bool | None) -> bool:
+    """``Config.share_traces``: None decides by this host, whose ranks share one cache directory
+    (``LOCAL_WORLD_SIZE``, torchrun's; else the world) against the cores this process may run on."""
+    if setting is not None:
+        return setting
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
+    if not ranks:
+        ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return ranks > cores

@@ -1,5 +1,7 @@
-"""aot_autograd's cache over dynshard's programs: a restart, and every rank of a host but one, reads the
-traced and partitioned program instead of tracing it through DTensor again.
+"""Names for aot_autograd's cache: a dynshard program's calls named so that its key tells programs apart.
+
+With them a restart, and every rank of a host but one, reads the traced and partitioned program instead of
+tracing it through DTensor again (:mod:`.cached_compile`).
 
 aot_autograd keys its cache on the graph Dynamo hands it: the graph's code, the names its calls import,
 its inputs' metadata and the compile settings. A dynshard program calls dynshard's own functions (a
@@ -19,30 +21,25 @@ only in captured state do not:
   specs, which a cache hit would leave unwritten) cannot be digested, and the program is compiled as
   before, without the cache.
 
-What a hit skips is done before the compile (:func:`prepared_for_cache_hits`): the group aliases the
-cached code names are registered and the op it calls is imported. What dynshard records from the
-traced graphs (explain's collectives, code and saved bytes) is kept beside the entry, under the key
-(:func:`aot_keys_seen`, :func:`remembered`).
+What a hit skips, and what dynshard records beside the entry, is :mod:`.cached_compile`'s.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import enum
 import functools
 import hashlib
 import logging
 import os
-import pickle
-import threading
 import types
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.fx as fx
 
-from .counted_patch import CountedPatch
+from ... import compat
+from ...compat import aot_autograd
 from .shared_compiles import group_alias, rank_free_compiles
 
 log = logging.getLogger("dynshard")
@@ -57,21 +54,14 @@ def program_functions_named(gm: fx.GraphModule) -> bool:
     goes through a copy named by a digest of the function's code and captured state, and is marked as
     aot_autograd's cache wants a wrapped function to be (``is_wrapped``, ``user_cache_hash``). False,
     with ``gm`` left as it was, where some call's state cannot be digested."""
-    from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache, check_node_safe
-
     renamed: list[tuple[fx.Node, Any, str]] = []
     copies: dict[str, tuple[types.FunctionType, str]] = {}    # name -> this program's copy
     for module in gm.modules():
         if not isinstance(module, fx.GraphModule):
             continue
         for node in module.graph.nodes:
-            if node.op != "call_function":
+            if node.op != "call_function" or aot_autograd.cache_keys_call(node):
                 continue
-            try:
-                check_node_safe(node)
-                continue
-            except BypassAOTAutogradCache:
-                pass
             target = node.target
             # (only dynshard's own: the source digest in the name covers what they call)
             if not isinstance(target, types.FunctionType) or not _is_dynshards(target):
@@ -87,7 +77,7 @@ def program_functions_named(gm: fx.GraphModule) -> bool:
             renamed.append((node, *copies[name]))
     for node, copy, digest in renamed:
         node.target = copy
-        node.meta["is_wrapped"], node.meta["user_cache_hash"] = True, digest
+        aot_autograd.mark_wrapped(node, digest)
     for module in gm.modules():
         if isinstance(module, fx.GraphModule):
             module.recompile()
@@ -120,7 +110,7 @@ def _named_copy(function: types.FunctionType, name: str) -> types.FunctionType:
                               function.__closure__)
     copy.__kwdefaults__ = function.__kwdefaults__
     copy.__dict__.update(function.__dict__)
-    copy.__module__, copy.__qualname__, copy._dynshard_base_name = "dynshard.compat.aot_cache", name, base
+    copy.__module__, copy.__qualname__, copy._dynshard_base_name = __name__, name, base
     globals()[name] = copy
     return copy
 
@@ -136,7 +126,7 @@ def _rank_part() -> str:
 @functools.lru_cache(maxsize=1)
 def dynshard_source_digest() -> str:
     """A digest of dynshard's source: what a captured function calls may change with it."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))   # dynshard/
     digest = hashlib.sha256()
     for directory, subdirectories, files in sorted(os.walk(root)):
         subdirectories.sort()
@@ -187,8 +177,8 @@ def _state(value: Any, depth: int = 0) -> str:
     if isinstance(value, functools.partial):
         return (f"partial({_state(value.func, depth + 1)}, {_state(value.args, depth + 1)}, "
                 f"{_state(sorted(value.keywords.items()), depth + 1)})")
-    if isinstance(value, (type, types.ModuleType, types.BuiltinFunctionType, torch._ops.OpOverload,
-                          torch._ops.OpOverloadPacket, torch._ops.HigherOrderOperator)):
+    if isinstance(value, (type, types.ModuleType, types.BuiltinFunctionType, compat.OpOverload,
+                          compat.OpOverloadPacket, compat.HigherOrderOperator)):
         return f"{type(value).__name__} {getattr(value, '__module__', '')}.{getattr(value, '__qualname__', value)}"
     raise _Undigestable(f"a {type(value).__qualname__}")
 
@@ -212,96 +202,3 @@ def _group_shape(name: str) -> str:
     if not torch.distributed.is_initialized():
         return name
     return group_alias(name)
-
-
-def traces_shared(setting: bool | None) -> bool:
-    """``Config.share_traces``: None decides by this host, whose ranks share one cache directory
-    (``LOCAL_WORLD_SIZE``, torchrun's; else the world) against the cores this process may run on."""
-    if setting is not None:
-        return setting
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "0") or 0)
-    if not ranks:
-        ranks = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return ranks > cores
-
-
-def prepared_for_cache_hits() -> None:
-    """What a program read from aot_autograd's cache needs that its compile would have done: every group's
-    alias registered on this rank (the cached code names groups by alias) and ``dynshard::copy_out_gathered``
-    registered (Inductor's bucketing ops: ``compile_per_rank`` imports them for every compile)."""
-    from . import gathered_bucket  # noqa: F401  (registers dynshard::copy_out_gathered)
-
-    if torch.distributed.is_initialized() and rank_free_compiles():
-        from torch.distributed.distributed_c10d import _world
-
-        for name in list(_world.pg_names.values()):
-            group_alias(name)
-
-
-_seen = threading.local()
-
-
-def _recording_keys(autograd_cache_key):
-    def recorded(*args, **kwargs):
-        key, debug_lines = autograd_cache_key(*args, **kwargs)
-        keys = getattr(_seen, "keys", None)
-        if keys is not None:
-            keys.append(key)
-        return key, debug_lines
-    return recorded
-
-
-def _autograd_cache_module():
-    from torch._functorch._aot_autograd import autograd_cache
-    return autograd_cache
-
-
-_KEYS_RECORDED = CountedPatch(_autograd_cache_module, "autograd_cache_key", _recording_keys)
-
-
-@contextlib.contextmanager
-def aot_keys_seen() -> Iterator[list[str]]:
-    """The keys aot_autograd's cache computes in this thread while the context is active, in order."""
-    keys: list[str] = []
-    previous = getattr(_seen, "keys", None)
-    _seen.keys = keys
-    try:
-        with _KEYS_RECORDED.applied():
-            yield keys
-    finally:
-        _seen.keys = previous
-
-
-# what the records hold and how they were counted: a change makes older records unread (their programs
-# compile once more), e.g. 2: activations saved by each call of an outlined block counted
-RECORDS_VERSION = 2
-
-
-def _records_path(key: str) -> str:
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return os.path.join(cache_dir(), "dynshard_compiles", f"{key}.v{RECORDS_VERSION}.records")
-
-
-def remember(key: str, records: Any, replace: bool = True) -> None:
-    """Keep ``records`` (what dynshard learned from the traced graphs) beside the entry ``key``;
-    ``replace=False``: only where none are kept yet (a forward's records, before its backward compiles,
-    must not replace the complete ones another rank of the same program kept)."""
-    path = _records_path(key)
-    if not replace and os.path.exists(path):
-        return
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "wb") as file:
-        pickle.dump(records, file)
-    os.replace(temporary, path)
-
-
-def remembered(key: str) -> Any | None:
-    """The records kept beside the entry ``key``; None where there are none."""
-    try:
-        with open(_records_path(key), "rb") as file:
-            return pickle.load(file)
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ImportError):
-        return None
