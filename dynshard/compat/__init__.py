@@ -30,7 +30,7 @@ from .ops import (ALL_GATHER, COLLECTIVE_KINDS, all_gather_rows, all_reduce, gro
                   reduce_scatter_rows)
 from .frames import compiling_frame, dynamo_frame_id  # noqa: F401
 from .recompile_limit import RecompileLimit, on_recompile_limit  # noqa: F401
-from .symbolic import (dtensor_symbolic_tracing, dynamo_tracing_context, rename_symbols,  # noqa: F401
+from .symbolic import (dtensor_symbolic_tracing, dynamo_tracing_context, guards_left_out, rename_symbols,  # noqa: F401
                        size_hint, sizes_key, specialize_floats, symbolic_dims, symbolic_examples, traced_in)
 from .tracing import fake_tensor_log_quiet, isolated_tracing, new_fake_mode, on_symbols, trace_to_aten  # noqa: F401
 
