@@ -70,8 +70,10 @@ def _program_on_symbols(gm: fx.GraphModule, planned: PassContext, device_type: s
     """The passes again, on Dynamo's symbols and in its fake mode, with the plan made at the hints given (the
     policy and the agreement saw concrete sizes; DTensor's propagation and the rewrite run on symbols), then
     the compile on Dynamo's examples: one program for every size the frame's guards admit. Where that fails
-    (an op DTensor cannot place on symbolic sizes), None, logged: the program is compiled per size. Every
-    rank of the job learns whether every rank succeeded, so that all take the same path."""
+    (an op DTensor cannot place on symbolic sizes), None, logged: the program is compiled per size. The
+    propagation is tried first with no guard recorded, so that such a failure does not specialize the frame
+    (a guard on the size it failed at would compile the next size again). Every rank of the job learns
+    whether every rank succeeded, so that all take the same path."""
     tracing = compat.dynamo_tracing_context()
     ctx = PassContext(config=planned.config, layout=planned.layout, inputs=symbolic_inputs(gm, planned.inputs),
                       fake_mode=tracing.fake_mode, outline=planned.plan, made_for=planned.made_for,
@@ -79,8 +81,10 @@ def _program_on_symbols(gm: fx.GraphModule, planned: PassContext, device_type: s
     failure = None
     try:
         with compat.dtensor_symbolic_tracing():
-            rewritten = copy_graph(gm)
-            for phase in (LOWER, PLACE, PROPAGATE, REWRITE):
+            rewritten = run_passes(run_passes(copy_graph(gm), ctx, LOWER), ctx, PLACE)
+            with compat.guards_left_out(ctx.fake_mode):     # a trial: where DTensor cannot place an op on
+                run_passes(rewritten, ctx, PROPAGATE)       # symbols, the frame keeps no guard of it
+            for phase in (PROPAGATE, REWRITE):
                 rewritten = run_passes(rewritten, ctx, phase)
             program = _compile(rewritten, ctx, device_type, backward, True, example_inputs, local_inputs)
     except Exception as error:       # noqa: BLE001 (logged, and the program is compiled per size instead)

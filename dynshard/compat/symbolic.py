@@ -101,6 +101,19 @@ def specialize_floats(specialize: bool) -> bool:
 
 
 @contextlib.contextmanager
+def guards_left_out(fake_mode) -> Iterator[None]:
+    """Within, ops on ``fake_mode``'s symbolic tensors add no guard to the frame and keep nothing in its fake
+    tensor cache (an entry computed with its guards left out would later be served without them): a trial
+    whose failure must leave the frame as it was."""
+    from torch._subclasses.fake_tensor import disable_fake_tensor_cache
+
+    shape_env = fake_mode.shape_env
+    with (shape_env.suppress_guards() if shape_env is not None else contextlib.nullcontext()), \
+            disable_fake_tensor_cache(fake_mode):
+        yield
+
+
+@contextlib.contextmanager
 def dtensor_symbolic_tracing() -> Iterator[None]:
     """torch 2.13's proxy tracer (aot_autograd's) on programs with DTensors of symbolic sizes, with two of its
     bugs mended while inside (both met tracing a Megatron block at a symbolic sequence length, see
