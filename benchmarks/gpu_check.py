@@ -318,7 +318,7 @@ def section_prediction(record: dict, device: torch.device, args, profile_path: s
                 start = time.perf_counter()
                 plan, = dynshard.plan(model, sample, dynshard.Config(policy="dp"), world_size=1,
                                       device_profile=profile)
-                mine[key] = dict(plain(plan.predicted), plan_seconds=round(time.perf_counter() - start, 2))
+                mine[key] = dict(plain(plan.predicted.to_dict()), plan_seconds=round(time.perf_counter() - start, 2))
             except Exception as error:      # noqa: BLE001
                 mine[key] = dict(error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
         if profile_path:
@@ -327,7 +327,7 @@ def section_prediction(record: dict, device: torch.device, args, profile_path: s
                 start = time.perf_counter()
                 plan, = dynshard.plan(model, sample, dynshard.Config(
                     policy="autodist", plan_ngpus=1, pas_config={"device_profile": profile_path}), world_size=1)
-                predicted = plain(plan.predicted)
+                predicted = plain(plan.predicted.to_dict())
                 mine[key] = dict(predicted, plan_seconds=round(time.perf_counter() - start, 2))
             except Exception as error:      # noqa: BLE001
                 mine[key] = dict(error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())

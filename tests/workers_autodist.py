@@ -153,7 +153,7 @@ def estimated_variants_beside_planned(rank: int, world: int, model_name: str) ->
 
     def described(plan, unit):
         predicted = predict(plan, unit, 1, device_profile(config, "cpu"), 1.0)
-        collectives = sorted(json.dumps(c, sort_keys=True) for c in plan.predicted["forward_collectives"])
+        collectives = sorted(json.dumps(c.to_dict(), sort_keys=True) for c in plan.predicted.collectives)
         return (predicted, collectives, {k: v.tp for k, v in plan.tensors.items()},
                 {k: (v.tp, v.readers) for k, v in plan.activations.items()})
 
@@ -235,13 +235,12 @@ def pipeline_candidates_beside_hand_plans(rank: int, world: int, world_size: int
             estimate = {n: t.tp for n, t in plan.tensors.items()} == {n: t.tp for n, t in made.tensors.items()} \
                 and _stage_collectives(plan) == _stage_collectives(made)
             plan = exact[candidate.name]
-        out.append((candidate.name, plan.to_json(), made.to_json(), predicted["bytes_per_rank"], estimate))
+        out.append((candidate.name, plan.to_json(), made.to_json(), predicted.bytes_per_rank, estimate))
     return out
 
 
 def _stage_collectives(plan) -> list[tuple]:
-    return sorted((c["at"].partition("/")[0], c["kind"], c["dim"], c["bytes"])
-                  for c in plan.predicted["forward_collectives"])
+    return sorted((c.at.partition("/")[0], c.kind, c.dim, c.bytes) for c in plan.predicted.collectives)
 
 
 def hand_predictions_beside_autodists(rank: int, world: int) -> dict:
@@ -255,8 +254,8 @@ def hand_predictions_beside_autodists(rank: int, world: int) -> dict:
                           "tp + recompute Block": {"policy": "tp", "recompute_modules": "Block"}}.items():
         plan, = dynshard.plan(model, batch, dynshard.Config(plan_ngpus=2, **options), world_size=4,
                               device_profile="cpu")
-        hand[name] = dict(plan.predicted)
-    return {"candidates": chosen.predicted["autodist"]["candidates"], "hand": hand}
+        hand[name] = plan.predicted
+    return {"candidates": chosen.predicted.autodist.candidates, "hand": hand}
 
 
 def why_not_pinned(rank: int, world: int, pins: dict, mem_constraint: float | None) -> str:
@@ -279,8 +278,7 @@ def hybrid_candidates(rank: int, world: int) -> dict:
     hybrid, = dynshard.plan(model, (make(2, 0),), dynshard.Config(
         policy="hybrid", plan_ngpus=4, use_end2end=True, pas_config={"pipeline_nstages": 2, "pipeline_nmicros": 4}),
         world_size=8, device_profile="cpu")
-    return {"candidates": plan.predicted["autodist"]["candidates"], "plan": plan.to_json(),
-            "hybrid": dict(hybrid.predicted)}
+    return {"candidates": plan.predicted.autodist.candidates, "plan": plan.to_json(), "hybrid": hybrid.predicted}
 
 
 def within_partition_degree(rank: int, world: int) -> dict:
@@ -291,7 +289,7 @@ def within_partition_degree(rank: int, world: int) -> dict:
     plan, = dynshard.plan(model, (make(2, 0),), dynshard.Config(
         policy="autodist", plan_ngpus=4, use_end2end=True,
         pas_config={"explore_pipeline": True, "update_freq": 4, "max_partition_degree": 2}), world_size=8)
-    return {"candidates": [c["plan"] for c in plan.predicted["autodist"]["candidates"]], "plan": plan.to_json()}
+    return {"candidates": [c.plan for c in plan.predicted.autodist.candidates], "plan": plan.to_json()}
 
 
 def measured_peaks(rank: int, world: int, mem_constraint: float | None) -> dict:
@@ -313,9 +311,9 @@ def measured_peaks(rank: int, world: int, mem_constraint: float | None) -> dict:
             opt.zero_grad()
         peaks.append((measured.at_start, measured.during))
     plan, = dynshard.explain(compiled).plans
-    fastest = min(plan.predicted["autodist"]["candidates"], key=lambda c: c["step_seconds"])
-    return {"peaks": peaks, "predicted": plan.predicted["bytes_per_rank"], "chosen": plan.predicted["autodist"]["chosen"],
-            "binds": not fastest["fits"]}
+    fastest = min(plan.predicted.autodist.candidates, key=lambda c: c.step_seconds)
+    return {"peaks": peaks, "predicted": plan.predicted.cost.bytes_per_rank, "chosen": plan.predicted.autodist.chosen,
+            "binds": not fastest.fits}
 
 
 class CutGPT:
@@ -347,7 +345,7 @@ def stage_cut_under_a_budget(rank: int, world: int, layers: int = 8) -> dict:
     with the stage cut before each layer."""
     autodist_plan, every = _cuts_beside_autodist("gpt8" if layers == 8 else "gpt", layers, "pp", 2)
     free = autodist_plan()
-    budget = free.predicted["bytes_per_rank"]["peak"] - 1
+    budget = free.predicted.cost.bytes_per_rank.peak - 1
     tight = autodist_plan(mem_constraint=budget / 1024 ** 3)
     return {"free": free.to_json(), "tight": tight.to_json(), "budget": budget, "every": every()}
 
@@ -358,8 +356,8 @@ def hybrid_stage_cut_under_a_budget(rank: int, world: int) -> dict:
     candidate's peak, the plan it chooses then, and the hybrid policy's plan cut by ``pipe_split()`` before
     each layer (priced by the same cost model)."""
     autodist_plan, every = _cuts_beside_autodist("gpt8", 8, "hybrid", 4)
-    free = {c["plan"]: c for c in autodist_plan().predicted["autodist"]["candidates"]}
-    budget = free["hybrid pp 2 x tp 2 1f1b"]["peak_bytes"] - 1
+    free = {c.plan: c for c in autodist_plan().predicted.autodist.candidates}
+    budget = free["hybrid pp 2 x tp 2 1f1b"].peak_bytes - 1
     tight = autodist_plan(mem_constraint=budget / 1024 ** 3)
     return {"free": free, "tight": tight.to_json(), "budget": budget, "every": every()}
 
@@ -387,7 +385,7 @@ def _cuts_beside_autodist(name: str, layers: int, policy: str, ranks: int, rows:
                 policy=policy, plan_ngpus=ranks, use_end2end=True, pas_config={
                     "pipeline_nstages": 2, "pipeline_nmicros": 4, "pipeline_scheduler": "1f1b"}),
                 world_size=ranks, device_profile="cpu")
-            found[f"blocks.{at}"] = (plan.predicted["step_seconds"], plan.predicted["bytes_per_rank"]["peak"])
+            found[f"blocks.{at}"] = (plan.predicted.cost.step_seconds, plan.predicted.cost.bytes_per_rank.peak)
         return found
 
     return autodist_plan, every
@@ -400,10 +398,10 @@ def interleaved_stage_cut_under_a_budget(rank: int, world: int) -> dict:
     moved candidate cuts."""
     autodist_plan, _ = _cuts_beside_autodist("gpt8", 8, "pp", 2, rows=16)
     interleaved = {"pipeline_scheduler": "1f1b_interleaved"}
-    free = {c["plan"]: c for c in autodist_plan(**interleaved).predicted["autodist"]["candidates"]}
-    budget = free["pp 1f1b_interleaved"]["peak_bytes"] - 1
+    free = {c.plan: c for c in autodist_plan(**interleaved).predicted.autodist.candidates}
+    budget = free["pp 1f1b_interleaved"].peak_bytes - 1
     tight = autodist_plan(mem_constraint=budget / 1024 ** 3, **interleaved)
-    rows = {c["plan"]: c for c in tight.predicted["autodist"]["candidates"]}
+    rows = {c.plan: c for c in tight.predicted.autodist.candidates}
     moved = next(name for name in rows if name.startswith("pp 1f1b_interleaved, stages at "))
     starts = tuple(int(s.split(".")[1]) for s in moved.split(" at ")[1].split(" (")[0].split(", "))
     from workers_pipeline import build
@@ -414,7 +412,7 @@ def interleaved_stage_cut_under_a_budget(rank: int, world: int) -> dict:
             "pipeline_nstages": 4, "pipeline_nchunks": 2, "pipeline_nmicros": 4,
             "pipeline_scheduler": "1f1b_interleaved"}), world_size=2, device_profile="cpu")
     return {"free": free, "tight": tight.to_json(), "budget": budget, "moved": moved,
-            "cut": [cut.predicted["step_seconds"], cut.predicted["bytes_per_rank"]["peak"]]}
+            "cut": [cut.predicted.cost.step_seconds, cut.predicted.cost.bytes_per_rank.peak]}
 
 
 _COUNTED_MODELS = {"gpt": GPT, "llama": LlamaLM}
@@ -440,8 +438,8 @@ def predicted_tp_collectives(rank: int, world: int) -> dict:
                 model = model_class(cfg)
             plan, = dynshard.plan(model, gpt_batch(cfg, 4, 0), dynshard.Config(plan_ngpus=2, **options),
                                   world_size=2, device_profile="cpu")
-            predicted = plan.predicted["tp_collectives_per_micro_batch"]
-            found[f"{model_name}, {name}"] = (predicted["count"], predicted["bytes"])
+            predicted = plan.predicted.cost.tp_collectives_per_micro_batch
+            found[f"{model_name}, {name}"] = (predicted.count, predicted.bytes)
     return found
 
 

@@ -143,7 +143,7 @@ def per_op_report(rank: int, world: int, model_name: str, profile_name: str, tie
         predicted = {}
         for label, made, made_ctx in (("tp", tp_plan, tp_ctx), ("per op", given, given_ctx)):
             unit = graph_costs(lowered, inputs, ops, layout.tp_size, made_ctx.propagation, blocks)
-            predicted[label] = predict(made, unit, 1, profile, 2.0)["step_seconds"]
+            predicted[label] = predict(made, unit, 1, profile, 2.0).step_seconds
         return {"objective": placed.solution.objective, "status": placed.solution.status,
                 "lp_integral": placed.solution.lp_integral, "nodes": placed.nodes, "edges": placed.edges,
                 "unsaid": unsaid, "mismatches": mismatches, "predicted": predicted, "plan": given.to_json(),
@@ -193,9 +193,9 @@ def autodist_candidates(rank: int, world: int, model_name: str, pas_config: dict
     model, batch = _model(model_name)
     plan, = dynshard.plan(model, batch, dynshard.Config(policy="autodist", plan_ngpus=2, pas_config=pas_config),
                           world_size=2)
-    record = plan.predicted["autodist"]
-    candidates = {c["plan"]: (c["step_seconds"], c["peak_bytes"], c["fits"]) for c in record["candidates"]}
-    return record["chosen"], candidates, plan.predicted.get("op_placement"), str(dynshard.explain([plan]))
+    record = plan.predicted.autodist
+    candidates = {c.plan: (c.step_seconds, c.peak_bytes, c.fits) for c in record.candidates}
+    return record.chosen, candidates, plan.predicted.op_placement, str(dynshard.explain([plan]))
 
 
 def _padded(batch):

@@ -40,6 +40,7 @@ from ..config.autodist import INTERLEAVED_CHUNKS
 from ..config.pipeline import broken_schedule_rule
 from ..planning import Plan
 from ..planning.cost_model import DeviceProfile, UnitCosts, load_profile, predict
+from ..planning.prediction import AutodistRecord, Candidate as CandidateRecord, Cost, OpPlacementSolve, ProfileName
 from ..policies.autodist.choices import choose
 from ..policies.autodist.composed import composed
 from ..policies.autodist.hybrid_stages import estimated_stages
@@ -134,37 +135,38 @@ def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, de
     seconds = time.perf_counter() - start
     solved = [row[2] for row in fine if row[2] is not None]
     statuses = {s.status for s in solved}
-    record = {
-        "chosen": name, **(solution.record() if solution is not None else {
-            "solver": "enumeration (pipelines: every schedule priced)", "objective": predicted["step_seconds"],
-            "bound": predicted["step_seconds"], "gap": 0.0, "lp_integral": None}),
-        "status": "optimal" if statuses <= {"optimal"} else "time limit",
-        "ilps": len(solved), "objective_seconds": predicted["step_seconds"],
-        "mem_constraint_gb": options.mem_constraint, "update_freq": options.update_freq,
-        "device_profile": {"name": profile.name, "digest": profile.digest()},
-        "task_name": options.task_name,
-        "candidates": [{"plan": c.name, "step_seconds": p["step_seconds"], "compute_seconds": p["compute_seconds"],
-                        "communication_seconds": p["communication_seconds"], "bubble_seconds": p["bubble_seconds"],
-                        "peak_bytes": p["bytes_per_rank"]["peak"],
-                        "fits": budget is None or p["bytes_per_rank"]["peak"] <= budget,
-                        "estimated": c.name in exact or c.name in guessed}     # (priced from tp's plan, or parts)
-                       for c, _, p in sorted(hand, key=lambda row: (row[2]["step_seconds"], row[0].name))],
-    }
+    step = predicted.step_seconds
+    solve = solution.record() if solution is not None else {
+        "solver": "enumeration (pipelines: every schedule priced)", "objective": step, "bound": step, "gap": 0.0,
+        "lp_integral": None}
+    record = AutodistRecord(
+        chosen=name, solver=solve["solver"], status="optimal" if statuses <= {"optimal"} else "time limit",
+        objective=solve["objective"], bound=solve["bound"], gap=solve["gap"], lp_integral=solve["lp_integral"],
+        ilps=len(solved), objective_seconds=step, mem_constraint_gb=options.mem_constraint,
+        update_freq=options.update_freq, device_profile=ProfileName(profile.name, profile.digest()),
+        task_name=options.task_name,
+        candidates=tuple(CandidateRecord(
+            plan=c.name, step_seconds=p.step_seconds, compute_seconds=p.compute_seconds,
+            communication_seconds=p.communication_seconds, bubble_seconds=p.bubble_seconds,
+            peak_bytes=p.bytes_per_rank.peak, fits=budget is None or p.bytes_per_rank.peak <= budget,
+            estimated=c.name in exact or c.name in guessed)     # (priced from tp's plan, or parts)
+            for c, _, p in sorted(hand, key=lambda row: (row[2].step_seconds, row[0].name))),
+    )
     level = logging.INFO if options.verbose else logging.DEBUG    # (the search's time is logged, not kept: a plan
                                                                    # is the same bytes for the same inputs)
     log.log(level, "autodist: %d hand plans and %d ILPs in %.2fs, chose %s (%.4gs a step, %.3g GB peak)", len(hand),
-            len(solved), seconds, name, predicted["step_seconds"], predicted["bytes_per_rank"]["peak"] / GB)
-    return dataclasses.replace(plan, policy="autodist", predicted={**(plan.predicted or {}), **predicted,
-                                                                    "autodist": record})
+            len(solved), seconds, name, step, predicted.bytes_per_rank.peak / GB)
+    return dataclasses.replace(plan, policy="autodist", predicted=dataclasses.replace(
+        plan.predicted, cost=predicted, autodist=record))
 
 
-def beaten_placements(hand: list[tuple[Candidate, Plan, dict]], budget: int | None) -> set[str]:
+def beaten_placements(hand: list[tuple[Candidate, Plan, Cost]], budget: int | None) -> set[str]:
     """The placements whose ILPs cannot win: each ILP chooses ZeRO rows and recompute, and each of those only
     adds time, so none beats the placement's plain plan (no ZeRO, no recompute); when that is predicted
     slower than a hand plan that fits, the placement is beaten (its ILPs are skipped, exactly)."""
-    fitting = min((p["step_seconds"] for _, _, p in hand if budget is None or p["bytes_per_rank"]["peak"] <= budget),
+    fitting = min((p.step_seconds for _, _, p in hand if budget is None or p.bytes_per_rank.peak <= budget),
                   default=math.inf)
-    return {c.placement.name for c, _, p in hand if not c.zero and not c.recompute and p["step_seconds"] > fitting}
+    return {c.placement.name for c, _, p in hand if not c.zero and not c.recompute and p.step_seconds > fitting}
 
 
 def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str
@@ -190,15 +192,15 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
     ops = op_costs(lowered, inputs, lowered_ctx.fake_mode)       # (placement-free: once for every placement)
     blocks = repeated_blocks(lowered)
 
-    solves: dict[str, dict] = {}      # a per-op ILP's plan -> its solve, which the plan records
+    solves: dict[str, OpPlacementSolve] = {}      # a per-op ILP's plan -> its solve, which the plan records
 
     def planned(placement: Placement, edit: Plan | None):
         """(plan, costs, propagated graph, context) of ``placement``, ``edit`` its plan read off another's."""
         base, ctx, graph = place_graph(lowered, lowered_ctx, placement.config(config, 1 if dp > 1 else 0, forced),
                                        edit)
         if placement.name in solves:
-            solve = {"op_placement": solves[placement.name]}
-            base = dataclasses.replace(base, predicted={**(base.predicted or {}), **solve})
+            base = dataclasses.replace(base, predicted=dataclasses.replace(base.predicted,
+                                                                           op_placement=solves[placement.name]))
         return base, graph_costs(graph, inputs, ops, layout.tp_size, ctx.propagation, blocks), graph, ctx
 
     def on_batch(plan: Plan, graph: fx.GraphModule, ctx) -> Plan | None:
@@ -272,12 +274,12 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
 
 
 def placed_per_op(lowered: fx.GraphModule, inputs, ops, blocks, tp: Plan, unit: UnitCosts, keys, layout,
-                  config: Config) -> list[tuple[Placement, Plan, dict]]:
+                  config: Config) -> list[tuple[Placement, Plan, OpPlacementSolve]]:
     """The per-op ILP's plan (:mod:`policies.autodist.op_placement`), unless it splits nothing (a unit repeating
     the whole graph on every rank: data's batch split beats it) or is tp's own plan; and when what it holds is
     over ``mem_constraint`` (less tp's transient), the ILP's plan with a row that holds it there too: ZeRO and
     recompute, chosen for every candidate afterwards, may make the first fit and keep it faster. Each with its
-    solve, as its plan records it (``predicted["op_placement"]``)."""
+    solve, as its plan records it (``predicted.op_placement``)."""
     options = config.autodist
     problem = per_op_problem(lowered.graph, inputs, ops, blocks, tp, unit, layout,
                              device_profile(config, layout.device_type), options.update_freq,
@@ -291,8 +293,8 @@ def placed_per_op(lowered: fx.GraphModule, inputs, ops, blocks, tp: Plan, unit: 
                   f"; not said: {unsaid}" if unsaid else "")
         splits = any(t.tp != "R" for t in plan.tensors.values()) or any(a.tp != "R" for a in plan.activations.values())
         keep = splits and (plan.tensors, plan.activations) != (tp.tensors, tp.activations)
-        solve = {**placed.solution.record(), "nodes": placed.nodes, "reads": placed.edges,
-                 "held_bytes": int(placed.held), "budget_bytes": None if budget is None else int(budget)}
+        solve = OpPlacementSolve(**placed.solution.record(), nodes=placed.nodes, reads=placed.edges,
+                                 held_bytes=int(placed.held), budget_bytes=None if budget is None else int(budget))
         return ([(placement, plan, solve)] if keep else []), placed.held
 
     found, held = solved(PER_OP, None)
@@ -306,7 +308,7 @@ def placed_per_op(lowered: fx.GraphModule, inputs, ops, blocks, tp: Plan, unit: 
     return found
 
 
-def hand_plans(units, config: Config, world: int, profile: DeviceProfile) -> list[tuple[Candidate, Plan, dict]]:
+def hand_plans(units, config: Config, world: int, profile: DeviceProfile) -> list[tuple[Candidate, Plan, Cost]]:
     """The plans the hand policies make in the same space (uniform choices), each with its prediction."""
     options = config.autodist
     rows = []
@@ -322,7 +324,7 @@ def hand_plans(units, config: Config, world: int, profile: DeviceProfile) -> lis
 
 def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str,
                    profile: DeviceProfile, whole: UnitCosts, tp_unit: tuple[Plan, UnitCosts] | None = None
-                   ) -> tuple[list[tuple[Candidate, Plan, dict]], dict[str, Callable[[], tuple[Plan, dict]]]]:
+                   ) -> tuple[list[tuple[Candidate, Plan, Cost]], dict[str, Callable[[], tuple[Plan, Cost]]]]:
     """The pipelines of a unit's ranks, with each schedule, at each ZeRO level across the units, with and
     without recompute: the pp policy's (every rank of a unit one stage) and, for each factorisation of
     ``plan_ngpus`` into pp x tp stages, the hybrid policy's (its stages tp-split; priced with the tp policy's
@@ -384,9 +386,9 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                         exact[candidate.name] = functools.partial(
                             _planned_for_real, candidate.name, gm, inputs, base, layout, made_for, zero, recompute,
                             config, unit, profile)
-                    if budget is None or predicted["bytes_per_rank"]["peak"] <= budget:
+                    if budget is None or predicted.bytes_per_rank.peak <= budget:
                         continue
-                    found = cut_for_memory(staged, *cut[1:], unit, predicted["micro_batches_held"], budget,
+                    found = cut_for_memory(staged, *cut[1:], unit, predicted.micro_batches_held, budget,
                                            options.transient_mem_coef)
                     if found is None or tuple(found[0]) == plan.pipeline.starts:
                         continue
@@ -407,7 +409,7 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
 
 
 def _priced(plan: Plan, zero: int, recompute, config: Config, unit: UnitCosts,
-            profile: DeviceProfile) -> tuple[Plan, dict]:
+            profile: DeviceProfile) -> tuple[Plan, Cost]:
     """A pipeline plan at a ZeRO level and recompute choice, and its prediction."""
     staged = with_choices(plan, zero, recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
     return staged, predict_pipeline(staged, unit, profile, config.autodist.transient_mem_coef)
@@ -474,10 +476,10 @@ def _fastest_fitting(rows: list, exact: dict, budget: float | None, hand: list, 
     plan's (or dropped when its ILP has no solution), and the choice made again."""
     rows = list(rows)
     while True:
-        fitting = [row for row in rows if budget is None or row[3]["bytes_per_rank"]["peak"] <= budget]
+        fitting = [row for row in rows if budget is None or row[3].bytes_per_rank.peak <= budget]
         if not fitting:
             raise _nothing_fits(hand, mem_constraint)
-        best = min(fitting, key=lambda row: (row[3]["step_seconds"], row[3]["bytes_per_rank"]["peak"]))
+        best = min(fitting, key=lambda row: (row[3].step_seconds, row[3].bytes_per_rank.peak))
         if best[0] not in exact:
             return best
         found = exact.pop(best[0])()
@@ -521,11 +523,11 @@ def _describe(placement: str, plan: Plan, unit: UnitCosts) -> str:
 
 
 def _nothing_fits(rows, mem_constraint: float) -> AutodistError:
-    candidate, _, predicted = min(rows, key=lambda row: (row[2]["bytes_per_rank"]["peak"], row[0].name))
-    parts = {k: v for k, v in predicted["bytes_per_rank"].items() if k != "peak"}
+    candidate, _, predicted = min(rows, key=lambda row: (row[2].bytes_per_rank.peak, row[0].name))
+    parts = predicted.bytes_per_rank.parts()
     largest = max(sorted(parts), key=lambda k: parts[k])
     return AutodistError(
         f"dynshard: no plan autodist can build fits pas_config['mem_constraint']={mem_constraint} GB per device: the "
-        f"smallest peak is {predicted['bytes_per_rank']['peak'] / GB:.3g} GB ({candidate.name}), most of it "
+        f"smallest peak is {predicted.bytes_per_rank.peak / GB:.3g} GB ({candidate.name}), most of it "
         f"{largest} ({parts[largest] / GB:.3g} GB). Raise mem_constraint, use more ranks per unit (plan_ngpus) or "
         "units (ZeRO splits over them), or a smaller micro-batch")

@@ -22,6 +22,7 @@ from ..passes.cast_to_compute_dtype import cast_to_compute_dtype
 from ..passes.lower_to_aten import lower
 from ..planning import Plan
 from ..planning.cost_model import DeviceProfile, UnitCosts, predict
+from ..planning.prediction import ProfileName
 from ..policies.autodist.graph_costs import graph_costs, op_costs
 from ..policies.autodist.pipeline_costs import predict_pipeline, unit_at
 from ..runtime.mesh import planning_layout
@@ -44,8 +45,8 @@ def with_prediction(gm: fx.GraphModule, plan: Plan, ctx: PassContext, graph: fx.
         predicted = predict_pipeline(plan, unit, profile, TRANSIENT_MEM_COEF)
     else:
         predicted = predict(plan, unit_costs(gm, ctx, graph), 1, profile, TRANSIENT_MEM_COEF)
-    return dataclasses.replace(plan, predicted={**(plan.predicted or {}), **predicted,
-                                                "device_profile": {"name": profile.name, "digest": profile.digest()}})
+    return dataclasses.replace(plan, predicted=dataclasses.replace(
+        plan.predicted, cost=predicted, device_profile=ProfileName(profile.name, profile.digest())))
 
 
 def unit_costs(gm: fx.GraphModule, ctx: PassContext, graph: fx.GraphModule) -> UnitCosts:

@@ -55,9 +55,10 @@ import math
 import os
 from collections import Counter
 
-from .costs import (ADAM_STATE_BYTES, ADAM_STEP_BYTES, group_of, itemsize, local_numel, memory_at_rest, mirrored,
+from .costs import (ADAM_STATE_BYTES, ADAM_STEP_BYTES, group_of, itemsize, local_numel, memory_at_rest,
                     tensor_collectives, tp_collectives, whole_bytes)
 from .plan import Plan
+from .prediction import Collectives, Cost, RankMemory
 
 BUCKET_BYTES = 25 * 1024 ** 2
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -207,8 +208,8 @@ class UnitCosts:
         return max(len(self.instances), 1)
 
 
-def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, transient_mem_coef: float) -> dict:
-    """``plan``'s step seconds and peak bytes per rank (the dict ``Plan.predicted`` keeps)."""
+def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, transient_mem_coef: float) -> Cost:
+    """``plan``'s step seconds and peak bytes per rank (``Plan.predicted.cost``)."""
     recomputed = unit.recomputed(plan.recompute)
     forward = forward_seconds(unit, profile)
     parameters = Counter(t for t in plan.tensors.values() if t.kind == "parameter")     # (repeated layers': once)
@@ -232,19 +233,18 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
     transient = transient_mem_coef * unit.largest_output
     peak = rest.total + gathered + activations + transient
     tp_count, tp_bytes = tp_collectives(plan)
-    return {
-        "step_seconds": round_seconds(compute + nmicros * tp_comm + dp_comm),
-        "compute_seconds": round_seconds(compute),
-        "communication_seconds": round_seconds(nmicros * tp_comm + dp_comm),
-        "tp_communication_seconds": round_seconds(nmicros * tp_comm),
-        "dp_communication_seconds": round_seconds(dp_comm),
-        "bubble_seconds": 0.0,
-        "tp_collectives_per_micro_batch": {"count": tp_count + unit.replicated_grads,
-                                           "bytes": int(tp_bytes + unit.replicated_grad_bytes)},
-        "bytes_per_rank": {"parameters": rest.parameters, "buffers": rest.buffers, "gradients": rest.gradients,
-                           "optimizer": rest.optimizer, "gathered": int(gathered), "activations": int(activations),
-                           "transient": int(transient), "peak": math.ceil(peak)},
-    }
+    return Cost(
+        step_seconds=round_seconds(compute + nmicros * tp_comm + dp_comm),
+        compute_seconds=round_seconds(compute),
+        communication_seconds=round_seconds(nmicros * tp_comm + dp_comm),
+        tp_communication_seconds=round_seconds(nmicros * tp_comm),
+        dp_communication_seconds=round_seconds(dp_comm),
+        bubble_seconds=0.0,
+        tp_collectives_per_micro_batch=Collectives(tp_count + unit.replicated_grads,
+                                                   int(tp_bytes + unit.replicated_grad_bytes)),
+        bytes_per_rank=RankMemory(rest.parameters, rest.buffers, rest.gradients, rest.optimizer, int(gathered),
+                                  int(activations), int(transient), math.ceil(peak)),
+    )
 
 
 def forward_seconds(unit: UnitCosts, profile: DeviceProfile) -> float:
@@ -267,8 +267,8 @@ def tp_calls(plan: Plan, unit: UnitCosts) -> int:
 def tp_seconds(plan: Plan, unit: UnitCosts, profile: DeviceProfile) -> float:
     """tp communication of one micro-batch: the forward's collectives, each mirrored in the backward."""
     tp = plan.mesh.tp
-    seconds = sum((2 if mirrored(c) else 1) * profile.collective_seconds(c["kind"], c["bytes"], tp)
-                  for c in (plan.predicted or {}).get("forward_collectives", ()))
+    seconds = sum((2 if c.mirrored else 1) * profile.collective_seconds(c.kind, c.bytes, tp)
+                  for c in plan.predicted.collectives)
     buckets = math.ceil(unit.replicated_grad_bytes / BUCKET_BYTES)     # (one call each, back to back: see above)
     return seconds + profile.collective_seconds("all_reduce", unit.replicated_grad_bytes, tp, buckets)
 

@@ -62,7 +62,7 @@ def choose(base: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, tr
     rows_eligible = [name for name, t in base.tensors.items() if t.kind == "parameter" and t.dp == "zero"]
     replicated = _with_rows(base, set())
     replicated = dataclasses.replace(replicated, recompute=base.recompute if not search_recompute else ())
-    floor = predict(replicated, unit, nmicros, profile, transient_mem_coef)["bytes_per_rank"]["peak"]
+    floor = predict(replicated, unit, nmicros, profile, transient_mem_coef).bytes_per_rank.peak
     # each member's coefficients: (seconds, bytes) it adds when recomputed / in rows
     recomputed = [(nmicros * instance_seconds(i, profile), i.entry_bytes - i.saved_bytes, i.saved_bytes)
                   for i in instances]
@@ -131,7 +131,7 @@ def choose(base: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, tr
         return Choice(base, solution)
     # in step seconds: the objective is the step with nothing recomputed and every parameter replicated
     # (whose all-reduce latency the y_rep term carries) plus the chosen changes
-    offset = predict(replicated, unit, nmicros, profile, transient_mem_coef)["step_seconds"] - (
+    offset = predict(replicated, unit, nmicros, profile, transient_mem_coef).step_seconds - (
         cost[size - 2] if zero_vars else 0.0) - MEMORY_TIE * floor
     objective, bound = solution.objective / NANOSECONDS + offset, solution.bound / NANOSECONDS + offset
     solution = dataclasses.replace(solution, objective=objective, bound=bound,

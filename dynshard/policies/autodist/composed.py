@@ -28,6 +28,7 @@ import dataclasses
 
 from ...planning import Plan
 from ...planning.cost_model import UnitCosts
+from ...planning.prediction import ForwardCollective
 
 _ADDED = ("forward_flops", "forward_bytes", "saved_bytes", "replicated_grad_bytes", "replicated_grads")
 _ADDED_PER_INSTANCE = ("saved_bytes", "entry_bytes", "flops", "bytes", "input_bytes")
@@ -52,9 +53,9 @@ def _composed_plan(base: Plan, parts: list[Plan]) -> Plan | None:
         count.subtract(_key(c) for c in _collectives(base))
     if tensors is None or activations is None:
         return None
-    collectives = [found[key] for key in sorted(count) for _ in range(max(count[key], 0))]
+    collectives = tuple(found[key] for key in sorted(count) for _ in range(max(count[key], 0)))
     return dataclasses.replace(base, tensors=tensors, activations=activations,
-                               predicted={**(base.predicted or {}), "forward_collectives": collectives})
+                               predicted=dataclasses.replace(base.predicted, forward_collectives=collectives))
 
 
 def _changes(base, parts) -> dict | None:
@@ -77,12 +78,13 @@ def _changes(base, parts) -> dict | None:
     return out
 
 
-def _collectives(plan: Plan) -> list[dict]:
-    return list((plan.predicted or {}).get("forward_collectives", ()))
+def _collectives(plan: Plan) -> tuple[ForwardCollective, ...]:
+    return plan.predicted.collectives
 
 
-def _key(collective: dict) -> tuple:
-    return tuple(sorted(collective.items()))
+def _key(collective: ForwardCollective) -> tuple:
+    """(in the order of its JSON's fields by name: the composed plan's collectives are sorted by it)"""
+    return tuple(sorted(collective.to_dict().items()))
 
 
 def _composed_costs(base: UnitCosts, parts: list[UnitCosts]) -> UnitCosts:

@@ -32,12 +32,12 @@ def estimated_stages(plan: Plan, tp_plan: Plan, instances: tuple[str, ...]) -> P
                                          else t.tp if t.tp is not None else "R")
                for name, t in plan.tensors.items()}
     collectives, stage = [], 0
-    for collective in (tp_plan.predicted or {}).get("forward_collectives", ()):
-        layer = _instance_of(collective["at"].partition(":")[0], order)
+    for collective in tp_plan.predicted.collectives:
+        layer = _instance_of(collective.at.partition(":")[0], order)
         if layer is not None:
             stage = sum(1 for start in starts if start <= layer)
-        collectives.append({**collective, "at": f"{stage}{STAGE_SEPARATOR}{collective['at']}"})
-    predicted = {**(plan.predicted or {}), "forward_collectives": collectives}
+        collectives.append(dataclasses.replace(collective, at=f"{stage}{STAGE_SEPARATOR}{collective.at}"))
+    predicted = dataclasses.replace(plan.predicted, forward_collectives=tuple(collectives))
     return dataclasses.replace(plan, tensors=tensors, predicted=predicted)
 
 
