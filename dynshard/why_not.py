@@ -16,12 +16,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .backend.autodist import AutodistError
+from .autodist import AutodistError
 from .backend.offline import plan as make_plans
 from .config import Config
 from .config.pins import check_pins, pin_of
 from .planning import Plan
-from .planning.cost_model import DeviceProfile
+from .autodist.device_profile import DeviceProfile
 
 
 def why_not(model: torch.nn.Module, args: Sequence[Any], config: Config | Mapping[str, Any], world_size: int,

@@ -13,9 +13,10 @@ import torch
 import dynshard
 from dynshard.config import ConfigError
 from dynshard.planning import Plan
-from dynshard.planning.cost_model import DEFAULT_PROFILES, predict
-from dynshard.policies.autodist.choices import choose
-from dynshard.policies.autodist.space import with_choices
+from dynshard.autodist.choices import choose
+from dynshard.autodist.cost_model import predict
+from dynshard.autodist.device_profile import DEFAULT_PROFILES
+from dynshard.autodist.space import with_choices
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
 from workers_pipeline import pipeline_parity
@@ -448,8 +449,8 @@ def test_a_hand_plan_planned_offline_with_a_device_profile_carries_the_predictio
 
 
 def test_a_hybrid_stages_costs_are_carried_from_one_rank_and_the_tp_unit_by_amdahls_law():
-    from dynshard.planning.cost_model import UnitCosts
-    from dynshard.policies.autodist.pipeline_costs import unit_at
+    from dynshard.autodist.cost_model import UnitCosts
+    from dynshard.autodist.pipeline_costs import unit_at
 
     whole = UnitCosts(forward_flops=800.0, forward_bytes=100.0, saved_bytes=1000.0, largest_output=64.0,
                       replicated_grad_bytes=0.0)

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 import dynshard
-from dynshard.backend import autodist, offline
-from dynshard.backend.autodist import AutodistError, device_profile
+from dynshard.autodist import plan_search as autodist
+from dynshard.autodist.plan_search import AutodistError, device_profile
+from dynshard.backend import offline
 from models import GPT, MLP, GPTConfig, LlamaLM, gpt_batch, mlp_batch
 from workers import train_parity
 
@@ -40,8 +41,8 @@ def candidate_plans_beside_hand_plans(rank: int, world: int, world_size: int) ->
     config = dynshard.Config(policy="autodist", plan_ngpus=2, compiler="aot_eager")
     rows = []
 
-    def hand(gm, inputs, config, world, made_for, device_type):
-        units, _, estimated = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
+    def hand(gm, inputs, config, world, made_for, device_type, graphs):
+        units, _, estimated = autodist.planned_units(gm, inputs, config, world, made_for, device_type, graphs)
         units = [(p, *estimated[p.name]()) if p.name in estimated else (p, b, u) for p, b, u in units]   # (for real)
         rows.extend(autodist.hand_plans(units, config, world, device_profile(config, device_type)))
 
@@ -130,8 +131,8 @@ def planned_units_of(rank: int, world: int, model_name: str, world_size: int, pl
     config = dynshard.Config(policy="autodist", plan_ngpus=plan_ngpus)
     found = []
 
-    def units(gm, inputs, config, world, made_for, device_type):
-        found.extend(autodist.planned_units(gm, inputs, config, world, made_for, device_type)[0])
+    def units(gm, inputs, config, world, made_for, device_type, graphs):
+        found.extend(autodist.planned_units(gm, inputs, config, world, made_for, device_type, graphs)[0])
 
     with beside_the_search(units):
         dynshard.plan(model, batch, config, world_size=world_size)
@@ -143,7 +144,7 @@ def estimated_variants_beside_planned(rank: int, world: int, model_name: str) ->
     shards; ``model_name``'s 2-layer model, a unit of 2 ranks): its name, and for the estimate and for the
     plan as autodist plans it for real, the prediction (one micro-batch, no ZeRO, the CPU profile), the
     sorted forward collectives, the tensors' and the activations' placements."""
-    from dynshard.planning.cost_model import predict
+    from dynshard.autodist.cost_model import predict
 
     cfg = GPTConfig(layers=2)
     with torch.device("meta"):
@@ -157,8 +158,8 @@ def estimated_variants_beside_planned(rank: int, world: int, model_name: str) ->
         return (predicted, collectives, {k: v.tp for k, v in plan.tensors.items()},
                 {k: (v.tp, v.readers) for k, v in plan.activations.items()})
 
-    def estimates(gm, inputs, config, world, made_for, device_type):
-        units, _, estimated = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
+    def estimates(gm, inputs, config, world, made_for, device_type, graphs):
+        units, _, estimated = autodist.planned_units(gm, inputs, config, world, made_for, device_type, graphs)
         for placement, plan, unit in units:
             if placement.name in estimated:
                 rows.append((placement.name, described(plan, unit), described(*estimated[placement.name]())))
@@ -216,11 +217,11 @@ def pipeline_candidates_beside_hand_plans(rank: int, world: int, world_size: int
                              pas_config={"explore_pipeline": True, "update_freq": 4})
     rows, exact = [], {}
 
-    def pipelines(gm, inputs, config, world, made_for, device_type):
-        units, whole, _ = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
+    def pipelines(gm, inputs, config, world, made_for, device_type, graphs):
+        units, whole, _ = autodist.planned_units(gm, inputs, config, world, made_for, device_type, graphs)
         tp_unit = next((base, unit) for placement, base, unit in units if placement.name == "tp")
         found, real = autodist.pipeline_plans(gm, inputs, config, world, made_for, device_type,
-                                              device_profile(config, device_type), whole, tp_unit)
+                                              device_profile(config, device_type), whole, tp_unit, graphs)
         rows.extend(found)
         exact.update({name: plan_for_real()[1] for name, plan_for_real in real.items()})
 

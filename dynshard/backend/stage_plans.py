@@ -16,13 +16,12 @@ import dataclasses
 import torch
 
 from .. import compat
-from ..passes import LOWER, PLACE, PROPAGATE, PassContext, run_passes
+from ..passes import LOWER, PLACE, PROPAGATE, PassContext, copy_graph, run_passes
 from ..planning import STAGE_SEPARATOR, ActivationChoice, Plan, TensorChoice
 from ..planning.costs import with_forward_collectives
 from ..planning.outline import stage_outline
 from ..policies import place_stage
 from ..runtime.graph_inputs import GraphInput
-from .plan_and_compile import copy_graph
 
 
 def stage_context(ctx: PassContext, inputs: list[GraphInput], fake_mode=None, layout=None, **fields) -> PassContext:

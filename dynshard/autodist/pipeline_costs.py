@@ -2,7 +2,7 @@
 rank's peak with the micro-batches it holds at once.
 
 A stage's share of the work is its share of the forward FLOPs the cut measured (``PipelineChoice.flops``);
-its forward takes that share of one micro-batch's forward on one rank (:mod:`dynshard.planning.cost_model`),
+its forward takes that share of one micro-batch's forward on one rank (:mod:`.cost_model`),
 its backward twice that (recompute adds its share of the recomputed blocks' time). The schedule is run by
 the executor's own simulator (:func:`dynshard.runtime.pipeline.simulate.simulate`) with the slowest stage's
 costs and the boundary's transfer time (``alpha + bytes / bandwidth`` of a point-to-point message, priced as
@@ -22,13 +22,14 @@ import functools
 import math
 from collections import defaultdict
 
-from ...planning import STAGE_SEPARATOR, Plan
-from ...planning.cost_model import (DeviceProfile, UnitCosts, forward_seconds, instance_seconds, parameter_seconds,
+from ..planning import STAGE_SEPARATOR, Plan
+from .device_profile import DeviceProfile
+from .cost_model import (UnitCosts, forward_seconds, instance_seconds, parameter_seconds,
                                     round_seconds, update_seconds)
-from ...planning.costs import memory_at_rest, tensor_collectives, tp_collectives, whole_bytes
-from ...planning.prediction import Collectives, Cost, RankMemory
-from ...runtime.pipeline.schedules import build_schedule
-from ...runtime.pipeline.simulate import simulate
+from ..planning.costs import memory_at_rest, tensor_collectives, tp_collectives, whole_bytes
+from ..planning.prediction import Collectives, Cost, RankMemory
+from ..runtime.pipeline.schedules import build_schedule
+from ..runtime.pipeline.simulate import simulate
 
 
 def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transient_mem_coef: float) -> Cost:

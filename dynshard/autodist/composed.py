@@ -13,12 +13,12 @@ this makes ``2k + 2`` of them (tp, the batch base, each kind whole and on batch 
 of the ``2 * (2^k - 2)`` variants of ``k`` kinds.
 
 Summed term by term (each op's output too, whose largest is the transient), the estimate is what
-:func:`dynshard.planning.cost_model.predict` reads off the plan the tp policy makes, wherever the kinds'
+:func:`.cost_model.predict` reads off the plan the tp policy makes, wherever the kinds'
 changes are independent: on a GPT all 6 variants of two kinds (a test holds every estimate to the plan). A
 collective two kinds' changes each remove (at their boundary) is removed once. Where they interact
 otherwise the estimate can be wrong, so autodist plans the variant it would choose for real (one propagation,
 with the estimate's placements), prices it again and chooses again, as with a hybrid's stages
-(:func:`dynshard.backend.autodist.search`).
+(:func:`.plan_search.search`).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from ...planning import Plan
-from ...planning.cost_model import UnitCosts
-from ...planning.prediction import ForwardCollective
+from ..planning import Plan
+from .cost_model import UnitCosts
+from ..planning.prediction import ForwardCollective
 
 _ADDED = ("forward_flops", "forward_bytes", "saved_bytes", "replicated_grad_bytes", "replicated_grads")
 _ADDED_PER_INSTANCE = ("saved_bytes", "entry_bytes", "flops", "bytes", "input_bytes")

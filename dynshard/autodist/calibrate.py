@@ -31,7 +31,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .planning.cost_model import DEFAULT_PROFILES, KINDS, DeviceProfile
+from .device_profile import DEFAULT_PROFILES, KINDS, DeviceProfile
 
 SIZES = [4096 * 4 ** k for k in range(7)]        # 4 KB ... 16 MB per rank's payload, x p for gathers
 REPEATS, WARMUP = 7, 3
