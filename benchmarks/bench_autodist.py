@@ -61,8 +61,8 @@ def calibrate(path: str) -> None:
                     "dynshard.calibrate", "--out", path], env=env, check=True, capture_output=True)
 
 
-def predictions(args, profile: str) -> dict[int, dict]:
-    """autodist's offline search for 2 ranks at plan_ngpus 1 and 2: its plans (candidates by name)."""
+def predictions(args, profile: str) -> dict:
+    """autodist's offline search for 2 ranks at plan_ngpus 1 and 2: its ``Plan.predicted`` by plan_ngpus."""
     import torch
 
     import dynshard
@@ -158,8 +158,8 @@ def search_times(layer_counts=(8, 32), worlds=(8, 64, 512)) -> list[dict]:
                 log.setLevel(level)
             rows.append(dict(layers=layers, world=world, seconds=round(time.perf_counter() - start, 2),
                              search=round(timings.search, 2), lowering=round(timings.lowering, 2),
-                             candidates=len(plan.predicted["autodist"]["candidates"]),
-                             chosen=plan.predicted["autodist"]["chosen"]))
+                             candidates=len(plan.predicted.autodist.candidates),
+                             chosen=plan.predicted.autodist.chosen))
             print(rows[-1], flush=True)
     return rows
 
@@ -184,7 +184,7 @@ def pipelines(args, results_dir: str, profile: str) -> str:
     sample = dict(zip(("idx", "tgt"), gpt_batch(cfg, args.batch // m, 0)))
     plan, = dynshard.plan(model, (sample,), dynshard.Config(policy="autodist", plan_ngpus=2, use_end2end=True, pas_config={
         "explore_pipeline": True, "update_freq": m, "device_profile": profile}), world_size=2)
-    predicted = {c["plan"]: c["step_seconds"] for c in plan.predicted["autodist"]["candidates"]}
+    predicted = {c.plan: c.step_seconds for c in plan.predicted.autodist.candidates}
     extra = ("--micro-batches", str(m), "--device-profile", profile)
     rows = [("plan (train_step, 4 micro-batches)", "measured s", "predicted s", "chose")]
     measured = {}
@@ -194,7 +194,7 @@ def pipelines(args, results_dir: str, profile: str) -> str:
         rows.append((name, f"{measured[name]:.3f}" if measured[name] else "failed", f"{predicted[name]:.3f}", ""))
     job = run_job("pp:dynshard:autodist", 2, args, results_dir, job="pipeline_job.py", extra=extra)
     rows.append(("autodist (explore_pipeline)", f"{job['step_s']:.3f}" if job.get("step_s") else "failed",
-                 f"{plan.predicted['step_seconds']:.3f}", plan.predicted["autodist"]["chosen"]))
+                 f"{plan.predicted.cost.step_seconds:.3f}", plan.predicted.autodist.chosen))
     names = [n for n in PIPELINE_SYSTEMS if measured[n]]
     rho = spearman([predicted[n] for n in names], [measured[n] for n in names])
     fastest = min(measured[n] for n in names)
@@ -251,13 +251,13 @@ def main() -> None:
                 memory[name] = job.get("memory", {})
     rows = []
     for name, (system, n, candidate) in hand_plans.items():
-        row = next(c for c in predicted[n]["autodist"]["candidates"] if c["plan"] == candidate.replace("Block", block))
-        rows.append(dict(plan=name, measured_s=_median(runs[name]), runs=runs[name], predicted_s=row["step_seconds"],
-                         predicted_peak=row["peak_bytes"], state_bytes=memory.get(name, {})))
+        row = next(c for c in predicted[n].autodist.candidates if c.plan == candidate.replace("Block", block))
+        rows.append(dict(plan=name, measured_s=_median(runs[name]), runs=runs[name], predicted_s=row.step_seconds,
+                         predicted_peak=row.peak_bytes, state_bytes=memory.get(name, {})))
     for name, (system, n) in AUTODIST.items():
-        rows.append(dict(plan=name, chose=predicted[n]["autodist"]["chosen"], measured_s=_median(runs[name]),
-                         runs=runs[name], predicted_s=predicted[n]["step_seconds"],
-                         predicted_peak=predicted[n]["bytes_per_rank"]["peak"]))
+        rows.append(dict(plan=name, chose=predicted[n].autodist.chosen, measured_s=_median(runs[name]),
+                         runs=runs[name], predicted_s=predicted[n].cost.step_seconds,
+                         predicted_peak=predicted[n].cost.bytes_per_rank.peak))
     hand = [r for r in rows if r["plan"] in hand_plans and r["measured_s"] is not None]
     rho = spearman([r["predicted_s"] for r in hand], [r["measured_s"] for r in hand])
     wrong = [(a["plan"], b["plan"]) for a in hand for b in hand

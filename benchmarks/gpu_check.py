@@ -10,9 +10,9 @@ is rewritten after every section, so a partial run keeps what it measured):
 
 1. environment: Python, torch, CUDA, cuDNN, Triton, numpy, scipy, the device, the repository's commit, and
    whether ``import dynshard`` works;
-2. calibration: ``dynshard.calibrate.compute_rates`` (square matmuls, a 64 MB copy) in fp32 (TF32 off, as the
+2. calibration: ``dynshard.autodist.calibrate.compute_rates`` (square matmuls, a 64 MB copy) in fp32 (TF32 off, as the
    training runs), fp32 with TF32 on (CUDA), and bf16, beside the built-in profiles of
-   ``dynshard.planning.cost_model.DEFAULT_PROFILES``; and the profile ``python -m dynshard.calibrate`` writes
+   ``dynshard.autodist.device_profile.DEFAULT_PROFILES``; and the profile ``python -m dynshard.calibrate`` writes
    for one process (fp32 compute measured, the built-in collective constants) as DIR/<device>_profile.json;
 3. prediction: ``dynshard.plan`` on the meta device for each case (world size 1, no process group: it must
    run before the training's group exists): the dp plan's ``Plan.predicted`` under the calibrated profile and
@@ -238,8 +238,8 @@ def section_environment(record: dict, device: torch.device) -> None:
 
 
 def section_calibration(record: dict, device: torch.device, args) -> str:
-    from dynshard import calibrate as calibration
-    from dynshard.planning.cost_model import DEFAULT_PROFILES, DeviceProfile
+    from dynshard.autodist import calibrate as calibration
+    from dynshard.autodist.device_profile import DEFAULT_PROFILES, DeviceProfile
 
     rows = []
     measured = {}
@@ -318,7 +318,7 @@ def section_prediction(record: dict, device: torch.device, args, profile_path: s
                 start = time.perf_counter()
                 plan, = dynshard.plan(model, sample, dynshard.Config(policy="dp"), world_size=1,
                                       device_profile=profile)
-                mine[key] = dict(plain(plan.predicted), plan_seconds=round(time.perf_counter() - start, 2))
+                mine[key] = dict(plain(plan.predicted.to_dict()), plan_seconds=round(time.perf_counter() - start, 2))
             except Exception as error:      # noqa: BLE001
                 mine[key] = dict(error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())
         if profile_path:
@@ -327,7 +327,7 @@ def section_prediction(record: dict, device: torch.device, args, profile_path: s
                 start = time.perf_counter()
                 plan, = dynshard.plan(model, sample, dynshard.Config(
                     policy="autodist", plan_ngpus=1, pas_config={"device_profile": profile_path}), world_size=1)
-                predicted = plain(plan.predicted)
+                predicted = plain(plan.predicted.to_dict())
                 mine[key] = dict(predicted, plan_seconds=round(time.perf_counter() - start, 2))
             except Exception as error:      # noqa: BLE001
                 mine[key] = dict(error=f"{type(error).__name__}: {error}", traceback=traceback.format_exc())

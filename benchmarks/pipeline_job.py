@@ -116,7 +116,7 @@ def dynshard_report(compiled) -> dict:
     import dynshard
 
     explained = dynshard.explain(compiled)
-    chosen = [p.predicted["autodist"]["chosen"] for p in explained.plans if (p.predicted or {}).get("autodist")]
+    chosen = [p.predicted.autodist.chosen for p in explained.plans if p.predicted.autodist is not None]
     if not explained.pipelines:         # tp, data, or autodist's choice of either
         return dict(chosen=chosen[0] if chosen else None, explain=str(explained))
     report = explained.pipelines[0]

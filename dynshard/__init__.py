@@ -12,7 +12,7 @@ from .config import Config, ConfigError
 from .config.planner import planner
 from .explain import Explanation, explain
 from .planning import Plan, PlanFileError
-from .profile import Profile, profile
+from .autodist.profile import Profile, profile
 from .policies import PlanBuilder, PlanError, tensor_parallel
 from .runtime.accumulation import no_sync
 from .runtime.grad_norm import clip_grad_norm_, route_torch_clip_grad_norm

@@ -12,6 +12,7 @@ from typing import Sequence
 from .backend.compile import CollectiveRecord
 from .planning import Plan
 from .planning.costs import RankBytes, StepCollective, itemsize, memory_at_rest, step_collectives
+from .planning.prediction import OpPlacementSolve
 from .runtime.sharding import describe_placements, get_tag
 from .runtime.state_dict import unwrap_compiled
 
@@ -138,7 +139,8 @@ class Explanation:
             found: dict[tuple[str, str], list[int]] = {}
             for c in program.collectives:
                 found.setdefault((c.kind, c.group), []).append(c.bytes)
-            calls = (program.plan.predicted or {}).get("autodist", {}).get("update_freq", 1)
+            record = program.plan.predicted.autodist
+            calls = 1 if record is None else record.update_freq
             step = None if program.seconds_between_calls is None else program.seconds_between_calls * calls
             measured = Measured(held(program.plan, "parameter"), held(program.plan, "buffer"), program.saved_bytes,
                                 peak, step_seconds=step)
@@ -185,7 +187,7 @@ class Explanation:
         for pipeline in self.pipelines:
             lines += ["", str(pipeline)]
         for program in self.programs:
-            if program.plan is not None and (program.plan.predicted or {}).get("autodist"):
+            if program.plan is not None and program.plan.predicted.autodist is not None:
                 lines += [""] + _autodist_lines(program.plan) + _measured_lines(program.plan, program)
         return "\n".join(lines)
 
@@ -288,92 +290,92 @@ def _write(path: str, page: str) -> str:
 
 def _autodist_lines(plan: Plan) -> list[str]:
     """An automatic policy's choice: its predicted step and peak beside every candidate it priced."""
-    record = (plan.predicted or {}).get("autodist")
+    record = plan.predicted.autodist
     if record is None:
         return []
-    p = plan.predicted
-    budget = record["mem_constraint_gb"]
-    lines = [f"  autodist chose {record['chosen']}: predicted {p['step_seconds']:.4g} s a step (compute "
-             f"{p['compute_seconds']:.4g}, communication {p['communication_seconds']:.4g}), peak "
-             f"{p['bytes_per_rank']['peak']} bytes per rank" + (f" of {budget} GB" if budget is not None else "")
-             + f"; {record['solver']}, {record['ilps']} ILPs, {record['status']} (bound {record['bound']}, gap "
-             f"{record['gap']}); device profile {record['device_profile']['name']}",
-             *_op_placement_lines(p.get("op_placement")),
+    p = plan.predicted.cost
+    budget = record.mem_constraint_gb
+    lines = [f"  autodist chose {record.chosen}: predicted {p.step_seconds:.4g} s a step (compute "
+             f"{p.compute_seconds:.4g}, communication {p.communication_seconds:.4g}), peak "
+             f"{p.bytes_per_rank.peak} bytes per rank" + (f" of {budget} GB" if budget is not None else "")
+             + f"; {record.solver}, {record.ilps} ILPs, {record.status} (bound {record.bound}, gap "
+             f"{record.gap}); device profile {record.device_profile.name}",
+             *_op_placement_lines(plan.predicted.op_placement),
              "  every plan it priced, under the same cost model:"]
     lines += _table([("plan", "step seconds", "peak bytes", "fits")] + [
-        (c["plan"] + (" *" if c.get("estimated") else ""), f"{c['step_seconds']:.4g}", str(c["peak_bytes"]),
-         "yes" if c["fits"] else "no") for c in record["candidates"]])
-    if any(c.get("estimated") for c in record["candidates"]):
+        (c.plan + (" *" if c.estimated else ""), f"{c.step_seconds:.4g}", str(c.peak_bytes),
+         "yes" if c.fits else "no") for c in record.candidates])
+    if any(c.estimated for c in record.candidates):
         lines.append("  * priced from other plans (a hybrid's stages from the tp plan, a variant of several kinds "
                      "from its parts); planned for real only if chosen")
     return lines
 
 
-def _op_placement_lines(solve: dict | None) -> list[str]:
+def _op_placement_lines(solve: OpPlacementSolve | None) -> list[str]:
     """The per-op placement ILP's solve, when the chosen plan is its."""
     if solve is None:
         return []
-    budget = "" if solve["budget_bytes"] is None else f", a memory row of {solve['budget_bytes']} bytes"
-    return [f"  its placements: a per-op ILP over DTensor's strategies ({solve['nodes']} nodes, {solve['reads']} "
-            f"reads{budget}), {solve['status']}, objective {solve['objective']} s, bound {solve['bound']}, gap "
-            f"{solve['gap']}; it holds {solve['held_bytes']} bytes as the ILP counts them"]
+    budget = "" if solve.budget_bytes is None else f", a memory row of {solve.budget_bytes} bytes"
+    return [f"  its placements: a per-op ILP over DTensor's strategies ({solve.nodes} nodes, {solve.reads} "
+            f"reads{budget}), {solve.status}, objective {solve.objective} s, bound {solve.bound}, gap "
+            f"{solve.gap}; it holds {solve.held_bytes} bytes as the ILP counts them"]
 
 
 def _predicted_lines(plan: Plan) -> list[str]:
     """A hand plan's prediction (``dynshard.plan(..., device_profile=...)``), as autodist's are printed."""
-    p = plan.predicted or {}
-    if "step_seconds" not in p:
+    p = plan.predicted.cost
+    if p is None:
         return []
-    b = p["bytes_per_rank"]
-    return [f"  predicted with device profile {p['device_profile']['name']}: {p['step_seconds']:.4g} s a step (compute "
-            f"{p['compute_seconds']:.4g}, communication {p['communication_seconds']:.4g}, bubble "
-            f"{p['bubble_seconds']:.4g}); peak {b['peak']} bytes per rank (activations {b['activations']}, "
-            f"transient {b['transient']}, gathered {b['gathered']})"]
+    b = p.bytes_per_rank
+    return [f"  predicted with device profile {plan.predicted.device_profile.name}: {p.step_seconds:.4g} s a step "
+            f"(compute {p.compute_seconds:.4g}, communication {p.communication_seconds:.4g}, bubble "
+            f"{p.bubble_seconds:.4g}); peak {b.peak} bytes per rank (activations {b.activations}, "
+            f"transient {b.transient}, gathered {b.gathered})"]
 
 
 def why_not(plans: Sequence[Plan], name: str) -> str:
-    chosen = [p for p in plans if (p.predicted or {}).get("autodist")]
+    chosen = [p for p in plans if p.predicted.autodist is not None]
     if not chosen:
         raise ValueError("dynshard.explain(...).why_not: no plan here was chosen by autodist")
     lines = []
     for plan in chosen:
-        record, p = plan.predicted["autodist"], plan.predicted
-        rows = {c["plan"]: c for c in record["candidates"]}
+        record, p = plan.predicted.autodist, plan.predicted.cost
+        rows = {c.plan: c for c in record.candidates}
         if name not in rows:
             raise ValueError(f"dynshard.explain(...).why_not: autodist priced no plan {name!r}; it priced "
                              f"{', '.join(sorted(rows))}")
-        other, step, peak = rows[name], p["step_seconds"], p["bytes_per_rank"]["peak"]
-        budget = record["mem_constraint_gb"]
-        if not other["fits"]:
-            reason = (f"its peak, {other['peak_bytes']} bytes per rank, is over mem_constraint={budget} GB "
+        other, step, peak = rows[name], p.step_seconds, p.bytes_per_rank.peak
+        budget = record.mem_constraint_gb
+        if not other.fits:
+            reason = (f"its peak, {other.peak_bytes} bytes per rank, is over mem_constraint={budget} GB "
                       f"({budget * 1024 ** 3:.0f} bytes)")
-        elif other["step_seconds"] > step:
-            reason = (f"it is predicted slower: {other['step_seconds']:.4g} s a step against {step:.4g} s "
-                      f"(+{other['step_seconds'] / step - 1:.0%})")
-        elif other["step_seconds"] == step and other["peak_bytes"] >= peak:
-            reason = f"it is as fast, and its peak ({other['peak_bytes']} bytes) is not smaller than {peak}"
+        elif other.step_seconds > step:
+            reason = (f"it is predicted slower: {other.step_seconds:.4g} s a step against {step:.4g} s "
+                      f"(+{other.step_seconds / step - 1:.0%})")
+        elif other.step_seconds == step and other.peak_bytes >= peak:
+            reason = f"it is as fast, and its peak ({other.peak_bytes} bytes) is not smaller than {peak}"
         else:
             reason = "it is no slower; the chosen plan refines a candidate further (recompute or ZeRO rows per part)"
-        lines.append(f"not {name}: {reason}. Chosen: {record['chosen']}, {step:.4g} s a step, peak {peak} bytes.")
+        lines.append(f"not {name}: {reason}. Chosen: {record.chosen}, {step:.4g} s a step, peak {peak} bytes.")
     return "\n".join(lines)
 
 
 def _measured_lines(plan: Plan, program: ProgramReport) -> list[str]:
     """A plan's predictions beside what its program traced and measured on this rank."""
-    p, m = plan.predicted, plan.predicted["autodist"]["update_freq"]
+    p, m = plan.predicted.cost, plan.predicted.autodist.update_freq
     between = program.seconds_between_calls
-    tp_predicted = p["tp_collectives_per_micro_batch"]
+    tp_predicted = p.tp_collectives_per_micro_batch
     tp_traced = [c for c in program.collectives if c.group == "tp"]
     dp_traced = [c for c in program.collectives if c.group not in ("tp",)]
     dp_predicted = [c for c in step_collectives(plan) if c.dim != "tp"]
     rows = [("per step, per rank", "predicted", "measured"),
-            ("step seconds", f"{p['step_seconds']:.4g}",
+            ("step seconds", f"{p.step_seconds:.4g}",
              f"{between * m:.4g} ({m} call(s) a step)" if between is not None else "(after 3 calls)"),
-            ("tp collectives (forward + backward)", f"{tp_predicted['count'] * m}, {tp_predicted['bytes'] * m} bytes",
+            ("tp collectives (forward + backward)", f"{tp_predicted.count * m}, {tp_predicted.bytes * m} bytes",
              f"{len(tp_traced) * m}, {sum(c.bytes for c in tp_traced) * m} bytes (as traced)"),
             ("dp collectives", f"{sum(c.count for c in dp_predicted)}, {sum(c.bytes for c in dp_predicted)} bytes",
              f"{len(dp_traced)}, {sum(c.bytes for c in dp_traced)} bytes (as traced, before bucketing)"),
-            ("activations saved for the backward", f"{p['bytes_per_rank']['activations']} bytes",
+            ("activations saved for the backward", f"{p.bytes_per_rank.activations} bytes",
              f"{program.saved_bytes} bytes")]
     return ["  predicted against measured (this rank):"] + _table(rows)
 

@@ -16,12 +16,12 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .backend.autodist import AutodistError
+from .autodist import AutodistError
 from .backend.offline import plan as make_plans
 from .config import Config
 from .config.pins import check_pins, pin_of
 from .planning import Plan
-from .planning.cost_model import DeviceProfile
+from .autodist.device_profile import DeviceProfile
 
 
 def why_not(model: torch.nn.Module, args: Sequence[Any], config: Config | Mapping[str, Any], world_size: int,
@@ -55,17 +55,17 @@ def why_not(model: torch.nn.Module, args: Sequence[Any], config: Config | Mappin
 
 
 def _describe(plan: Plan, against: Plan | None = None) -> str:
-    p = plan.predicted or {}
-    if "step_seconds" not in p:
+    p = plan.predicted.cost
+    if p is None:
         return f"policy {plan.policy} (not predicted: a hybrid pipeline)"
-    record = p.get("autodist")
-    name = f"autodist chose {record['chosen']}" if record else f"policy {plan.policy}"
-    step, peak = p["step_seconds"], p["bytes_per_rank"]["peak"]
+    record = plan.predicted.autodist
+    name = f"autodist chose {record.chosen}" if record is not None else f"policy {plan.policy}"
+    step, peak = p.step_seconds, p.bytes_per_rank.peak
     text = f"{name}, {step:.4g} s a step, peak {peak} bytes per rank"
-    if against is not None and "step_seconds" in (against.predicted or {}):
-        base = against.predicted
-        text += (f" ({step / base['step_seconds'] - 1:+.0%} time, "
-                 f"{peak / base['bytes_per_rank']['peak'] - 1:+.0%} memory)")
+    if against is not None and against.predicted.cost is not None:
+        base = against.predicted.cost
+        text += (f" ({step / base.step_seconds - 1:+.0%} time, "
+                 f"{peak / base.bytes_per_rank.peak - 1:+.0%} memory)")
     return text
 
 

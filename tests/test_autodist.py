@@ -13,9 +13,10 @@ import torch
 import dynshard
 from dynshard.config import ConfigError
 from dynshard.planning import Plan
-from dynshard.planning.cost_model import DEFAULT_PROFILES, predict
-from dynshard.policies.autodist.choices import choose
-from dynshard.policies.autodist.space import with_choices
+from dynshard.autodist.choices import choose
+from dynshard.autodist.cost_model import predict
+from dynshard.autodist.device_profile import DEFAULT_PROFILES
+from dynshard.autodist.space import with_choices
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
 from workers_pipeline import pipeline_parity
@@ -83,8 +84,9 @@ def test_a_variant_of_several_kinds_priced_from_its_parts_is_priced_as_its_plan(
     assert len(rows) == expected, [name for name, _, _ in rows]
     for name, (estimate, collectives, tensors, activations), (real, *planned) in rows:
         assert (collectives, tensors, activations) == tuple(planned), name
-        assert estimate["step_seconds"] == pytest.approx(real["step_seconds"], rel=1e-9), name
-        assert estimate["bytes_per_rank"] == pytest.approx(real["bytes_per_rank"], rel=1e-9), name
+        assert estimate.step_seconds == pytest.approx(real.step_seconds, rel=1e-9), name
+        assert dataclasses.asdict(estimate.bytes_per_rank) == pytest.approx(dataclasses.asdict(real.bytes_per_rank),
+                                                                             rel=1e-9), name
 
 
 def test_a_tighter_memory_budget_moves_the_choice_toward_saving_memory_and_the_plan_fits_it():
@@ -103,7 +105,7 @@ def test_a_tighter_memory_budget_moves_the_choice_toward_saving_memory_and_the_p
 
 def test_the_same_inputs_give_a_byte_identical_plan():
     first, second = (run_ranks(offline_autodist, 1, 4, {"update_freq": 2}, timeout=300)[0] for _ in range(2))
-    assert first == second
+    assert first == second and Plan.from_json(first).to_json() == first      # (its typed prediction too)
     plan = json.loads(first)
     assert plan["policy"] == "autodist" and plan["predicted"]["autodist"]["status"] == "optimal"
     assert plan["predicted"]["autodist"]["chosen"] == min(plan["predicted"]["autodist"]["candidates"],
@@ -161,9 +163,9 @@ def test_the_chosen_plans_measured_peak_stays_under_mem_constraint_and_its_predi
         assert result["binds"], result["chosen"]        # (the fastest plan is over the budget)
         for at_start, during in result["peaks"][1:]:
             # at rest: the parameters and Adam's moments as predicted, and Adam's step counters (4 bytes each)
-            assert 0 < at_start - predicted["parameters"] - predicted["optimizer"] < 1024, (rank, result)
-            assert during > predicted["gradients"], (rank, result)
-            assert at_start + during <= predicted["peak"] <= mem_constraint * 1024 ** 3, (rank, result)
+            assert 0 < at_start - predicted.parameters - predicted.optimizer < 1024, (rank, result)
+            assert during > predicted.gradients, (rank, result)
+            assert at_start + during <= predicted.peak <= mem_constraint * 1024 ** 3, (rank, result)
 
 
 def test_a_budget_nothing_fits_fails_on_every_rank_before_any_step():
@@ -184,7 +186,7 @@ def _every_choice(base, unit, nmicros, profile) -> list[tuple[float, float]]:
             name: dataclasses.replace(t, dp="replicate") if t.dp == "zero" and name not in rows else t
             for name, t in base.tensors.items()})
         predicted = predict(plan, unit, nmicros, profile, 2.0)
-        found.append((predicted["step_seconds"], predicted["bytes_per_rank"]["peak"]))
+        found.append((predicted.step_seconds, predicted.bytes_per_rank.peak))
     return found
 
 
@@ -203,8 +205,8 @@ def test_the_ilp_finds_what_trying_every_recompute_and_zero_choice_finds(level):
         expected = min(step for step, peak in every if peak <= budget)
         assert choice.solution.status == "optimal" and choice.solution.gap == 0.0
         got = predict(choice.plan, unit, 1, profile, 2.0)
-        assert got["bytes_per_rank"]["peak"] <= budget
-        assert got["step_seconds"] == pytest.approx(expected, rel=1e-9), budget
+        assert got.bytes_per_rank.peak <= budget
+        assert got.step_seconds == pytest.approx(expected, rel=1e-9), budget
         chosen.add((choice.plan.recompute, tuple(t.dp for t in choice.plan.tensors.values())))
     assert len(chosen) >= 2         # (the budgets move the choice)
 
@@ -218,7 +220,7 @@ def test_repeated_layers_tied_choose_as_fast_a_plan_as_a_variable_for_each_insta
     chosen = set()
     for level in (1, 2, 3):
         plan = with_choices(Plan.from_json(base), level, (), False, 1)
-        peaks = [predict(with_choices(plan, level, recompute, False, 1), unit, 1, profile, 2.0)["bytes_per_rank"]["peak"]
+        peaks = [predict(with_choices(plan, level, recompute, False, 1), unit, 1, profile, 2.0).bytes_per_rank.peak
                  for recompute in ((), (unit.recompute_class,))]     # (every parameter in rows)
         low, high = min(peaks), max(peaks) * 1.2      # (the predicted peak is rounded up to bytes: it fits itself)
         for budget in [low + (high - low) * k / 8 for k in range(9)]:
@@ -228,9 +230,9 @@ def test_repeated_layers_tied_choose_as_fast_a_plan_as_a_variable_for_each_insta
             assert len(tied.solution.x) < len(untied.solution.x) / 4
             assert tied.solution.objective == pytest.approx(untied.solution.objective, rel=1e-9), (level, budget)
             got = predict(tied.plan, unit, 1, profile, 2.0)
-            assert got["bytes_per_rank"]["peak"] <= budget
+            assert got.bytes_per_rank.peak <= budget
             # (predict rounds to 6 significant digits: up to 5e-6 apart)
-            assert got["step_seconds"] == pytest.approx(tied.solution.objective, rel=5e-6), (level, budget)
+            assert got.step_seconds == pytest.approx(tied.solution.objective, rel=5e-6), (level, budget)
             chosen.add((len(tied.plan.recompute), sum(t.dp == "zero" for t in tied.plan.tensors.values())))
     # (the budgets move both choices: some instances recomputed, not all; parameters in rows or not)
     assert any(0 < n < 6 for n, _ in chosen) and {rows > 0 for _, rows in chosen} == {True, False}, chosen
@@ -317,12 +319,12 @@ def test_under_a_budget_the_balanced_cut_misses_autodist_moves_the_stage_cut_and
     found = run_ranks(stage_cut_under_a_budget, 1, timeout=300)[0]
     free, tight, budget, every = (Plan.from_json(found["free"]), Plan.from_json(found["tight"]), found["budget"],
                                   found["every"])
-    assert free.pipeline.starts == ("blocks.4",) and every["blocks.4"][1] == free.predicted["bytes_per_rank"]["peak"]
+    assert free.pipeline.starts == ("blocks.4",) and every["blocks.4"][1] == free.predicted.cost.bytes_per_rank.peak
     fitting = {start: cost for start, cost in every.items() if cost[1] <= budget}
     best = min(fitting, key=lambda start: fitting[start])
     assert tight.pipeline.starts == (best,) != free.pipeline.starts
-    assert tight.predicted["bytes_per_rank"]["peak"] == every[best][1] <= budget
-    assert tight.predicted["step_seconds"] == pytest.approx(every[best][0], rel=1e-5)
+    assert tight.predicted.cost.bytes_per_rank.peak == every[best][1] <= budget
+    assert tight.predicted.cost.step_seconds == pytest.approx(every[best][0], rel=1e-5)
     assert "within mem_constraint" in tight.pipeline.how
     results = run_ranks(pipeline_parity, 2, "gpt8", 2, {
         "explore_pipeline": True, "update_freq": 4, "max_partition_degree": 1, "pipeline_scheduler": "1f1b",
@@ -340,19 +342,19 @@ def test_under_a_budget_a_hybrid_pipelines_stage_cut_moves_where_the_hybrid_poli
     for real and priced by the same model), at the same price."""
     found = run_ranks(hybrid_stage_cut_under_a_budget, 1, timeout=300)[0]
     budget, every, tight = found["budget"], found["every"], Plan.from_json(found["tight"])
-    assert found["free"]["hybrid pp 2 x tp 2 1f1b"]["fits"]
-    rows = {c["plan"]: c for c in tight.predicted["autodist"]["candidates"]}
-    assert not rows["hybrid pp 2 x tp 2 1f1b"]["fits"]
+    assert found["free"]["hybrid pp 2 x tp 2 1f1b"].fits
+    rows = {c.plan: c for c in tight.predicted.autodist.candidates}
+    assert not rows["hybrid pp 2 x tp 2 1f1b"].fits
     fitting = {start: cost for start, cost in every.items() if cost[1] <= budget}
     best = min(fitting, key=lambda start: fitting[start])
     moved = rows[f"hybrid pp 2 x tp 2 1f1b, stages at {best}"]
-    assert moved["fits"] and moved["peak_bytes"] == every[best][1]
-    assert moved["step_seconds"] == pytest.approx(every[best][0], rel=1e-5)
+    assert moved.fits and moved.peak_bytes == every[best][1]
+    assert moved.step_seconds == pytest.approx(every[best][0], rel=1e-5)
     # chosen (nothing else fits), it is planned for real: the hybrid policy's stages with that cut
-    assert tight.predicted["autodist"]["chosen"] == f"hybrid pp 2 x tp 2 1f1b, stages at {best}"
+    assert tight.predicted.autodist.chosen == f"hybrid pp 2 x tp 2 1f1b, stages at {best}"
     assert tight.pipeline.starts == (best,) and "within mem_constraint" in tight.pipeline.how
     assert all(t.tp is not None for t in tight.tensors.values())
-    assert tight.predicted["bytes_per_rank"]["peak"] == every[best][1]
+    assert tight.predicted.cost.bytes_per_rank.peak == every[best][1]
 
 
 def test_under_a_budget_an_interleaved_pipelines_cut_moves_by_a_row_per_rank():
@@ -360,11 +362,11 @@ def test_under_a_budget_an_interleaved_pipelines_cut_moves_by_a_row_per_rank():
     is tried against a row per pipeline rank. One byte under the balanced candidate's peak, autodist offers
     a cut whose ranks fit, priced as the pp policy's plan with pipe_split() at that cut is."""
     found = run_ranks(interleaved_stage_cut_under_a_budget, 1, timeout=300)[0]
-    rows = {c["plan"]: c for c in Plan.from_json(found["tight"]).predicted["autodist"]["candidates"]}
-    assert found["free"]["pp 1f1b_interleaved"]["fits"] and not rows["pp 1f1b_interleaved"]["fits"]
+    rows = {c.plan: c for c in Plan.from_json(found["tight"]).predicted.autodist.candidates}
+    assert found["free"]["pp 1f1b_interleaved"].fits and not rows["pp 1f1b_interleaved"].fits
     moved = rows[found["moved"]]
-    assert moved["fits"] and moved["peak_bytes"] == found["cut"][1] <= found["budget"]
-    assert moved["step_seconds"] == pytest.approx(found["cut"][0], rel=1e-5)
+    assert moved.fits and moved.peak_bytes == found["cut"][1] <= found["budget"]
+    assert moved.step_seconds == pytest.approx(found["cut"][0], rel=1e-5)
 
 
 def test_a_plan_without_a_pipeline_still_trains_through_train_step_when_pipelines_are_explored():
@@ -391,9 +393,9 @@ def test_the_plan_predicts_the_tp_collectives_its_program_issues():
 
 def test_why_not_says_what_rules_a_hand_plan_out():
     plan = Plan.from_json(run_ranks(offline_autodist, 1, 4, {"mem_constraint": 0.0006}, timeout=300)[0])
-    rows = plan.predicted["autodist"]["candidates"]
-    too_big = next(c["plan"] for c in rows if not c["fits"])
-    slower = next(c["plan"] for c in rows if c["fits"] and c["step_seconds"] > plan.predicted["step_seconds"])
+    rows = plan.predicted.autodist.candidates
+    too_big = next(c.plan for c in rows if not c.fits)
+    slower = next(c.plan for c in rows if c.fits and c.step_seconds > plan.predicted.cost.step_seconds)
     explained = dynshard.explain([plan])
     assert "is over mem_constraint=0.0006 GB" in explained.why_not(too_big)
     assert "predicted slower" in explained.why_not(slower)
@@ -403,16 +405,16 @@ def test_why_not_says_what_rules_a_hand_plan_out():
 
 def test_exploring_pipelines_over_a_unit_of_four_prices_the_hybrid_pp_x_tp_factorisation():
     found = run_ranks(hybrid_candidates, 1, timeout=300)[0]
-    rows = {c["plan"]: c for c in found["candidates"]}
+    rows = {c.plan: c for c in found["candidates"]}
     for schedule in ("1f1b", "gpipe", "zb1p", "1f1b_interleaved"):     # (interleaved: two stages a pipeline rank)
         assert {f"pp {schedule}", f"hybrid pp 2 x tp 2 {schedule}", f"hybrid pp 2 x tp 2 {schedule} + ZeRO-3"} <= set(rows)
     hybrid, pp = rows["hybrid pp 2 x tp 2 1f1b"], rows["pp 1f1b"]
     # its stages' tp collectives are priced (pp has none), and recompute shrinks its peak
-    assert hybrid["compute_seconds"] > 0 and hybrid["step_seconds"] != pp["step_seconds"]
-    assert rows["hybrid pp 2 x tp 2 1f1b + recompute Block"]["peak_bytes"] < hybrid["peak_bytes"]
+    assert hybrid.compute_seconds > 0 and hybrid.step_seconds != pp.step_seconds
+    assert rows["hybrid pp 2 x tp 2 1f1b + recompute Block"].peak_bytes < hybrid.peak_bytes
     # the hybrid policy's own plan, planned offline with the same profile, carries the same price
-    assert found["hybrid"]["step_seconds"] == hybrid["step_seconds"]
-    assert found["hybrid"]["bytes_per_rank"]["peak"] == hybrid["peak_bytes"]
+    assert found["hybrid"].cost.step_seconds == hybrid.step_seconds
+    assert found["hybrid"].cost.bytes_per_rank.peak == hybrid.peak_bytes
 
 
 @pytest.mark.slow
@@ -433,22 +435,22 @@ def test_every_pipeline_candidate_is_the_plan_its_policy_makes_and_zero_shrinks_
     for name, candidate, hand, _, _ in rows:
         assert json.loads(candidate)["pipeline"] is not None and candidate == hand, name
     memory = {name: bytes_ for name, _, _, bytes_, _ in rows}
-    assert memory["pp 1f1b + ZeRO-1"]["optimizer"] < memory["pp 1f1b"]["optimizer"]
-    assert memory["pp 1f1b + ZeRO-1"]["gathered"] > 0 == memory["pp 1f1b"]["gathered"]
+    assert memory["pp 1f1b + ZeRO-1"].optimizer < memory["pp 1f1b"].optimizer
+    assert memory["pp 1f1b + ZeRO-1"].gathered > 0 == memory["pp 1f1b"].gathered
 
 
 def test_a_hand_plan_planned_offline_with_a_device_profile_carries_the_prediction_autodist_gave_it():
     found = run_ranks(hand_predictions_beside_autodists, 1, timeout=300)[0]
-    priced = {c["plan"]: c for c in found["candidates"]}
+    priced = {c.plan: c for c in found["candidates"]}
     for name, predicted in found["hand"].items():
-        assert predicted["step_seconds"] == priced[name]["step_seconds"], name
-        assert predicted["bytes_per_rank"]["peak"] == priced[name]["peak_bytes"], name
-        assert predicted["device_profile"]["name"] == "cpu-gloo (built-in)"
+        assert predicted.cost.step_seconds == priced[name].step_seconds, name
+        assert predicted.cost.bytes_per_rank.peak == priced[name].peak_bytes, name
+        assert predicted.device_profile.name == "cpu-gloo (built-in)"
 
 
 def test_a_hybrid_stages_costs_are_carried_from_one_rank_and_the_tp_unit_by_amdahls_law():
-    from dynshard.planning.cost_model import UnitCosts
-    from dynshard.policies.autodist.pipeline_costs import unit_at
+    from dynshard.autodist.cost_model import UnitCosts
+    from dynshard.autodist.pipeline_costs import unit_at
 
     whole = UnitCosts(forward_flops=800.0, forward_bytes=100.0, saved_bytes=1000.0, largest_output=64.0,
                       replicated_grad_bytes=0.0)

@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from dynshard.calibrate import SIZES, _payload, collective_fit
-from dynshard.planning.cost_model import DEFAULT_PROFILES, KINDS, DeviceProfile, load_profile
+from dynshard.autodist.calibrate import SIZES, _payload, collective_fit
+from dynshard.autodist.device_profile import DEFAULT_PROFILES, KINDS, DeviceProfile, load_profile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -78,6 +78,6 @@ def test_torchrun_calibrate_writes_a_profile_autodist_loads(tmp_path):
 
 
 def test_a_kernel_launch_is_measured_in_microseconds():
-    from dynshard.calibrate import launch_seconds
+    from dynshard.autodist.calibrate import launch_seconds
 
     assert 1e-8 < launch_seconds(torch.device("cpu")) < 1e-3

@@ -10,7 +10,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from dynshard.policies.autodist.graph_costs import op_costs
+from dynshard.autodist.graph_costs import op_costs
 
 N, M = 64, 32
 

@@ -101,8 +101,8 @@ def test_under_a_budget_its_plan_misses_autodist_chooses_the_per_op_plan_with_it
     chosen, candidates, solve, explained = run_ranks(
         autodist_candidates, 1, "wide-gpt2", {"device_profile": "cuda", "update_freq": 1, "mem_constraint": 1.6},
         timeout=300)[0]
-    assert solve["status"] == "optimal" and solve["gap"] == 0 and solve["held_bytes"] <= solve["budget_bytes"]
-    assert f"per-op ILP over DTensor's strategies ({solve['nodes']} nodes" in explained
+    assert solve.status == "optimal" and solve.gap == 0 and solve.held_bytes <= solve.budget_bytes
+    assert f"per-op ILP over DTensor's strategies ({solve.nodes} nodes" in explained
     free, fitting = candidates["tp, placed per op"], candidates["tp, placed per op within mem_constraint"]
     assert not free[2] and fitting[2] and fitting[1] < free[1] and fitting[0] > free[0]
     assert chosen == "tp, placed per op within mem_constraint"

@@ -70,11 +70,11 @@ def test_the_page_draws_each_plans_memory_and_collectives_as_explain_prints_them
             assert {k: drawn.get(k, 0) for k in ("parameters", "buffers", "gradients", "optimizer")} == {
                 "parameters": row.parameters, "buffers": row.buffers, "gradients": row.gradients,
                 "optimizer": row.optimizer}, row.ranks
-        predicted = (plan.predicted or {}).get("bytes_per_rank")
+        predicted = plan.predicted.cost.bytes_per_rank if plan.predicted.cost is not None else None
         if predicted and plan.pipeline is None:     # what the step adds to the bytes at rest, as predicted
             drawn = {a["data-part"]: int(a["data-bytes"]) for a in page.having("rect", "part")}
             assert {k: drawn.get(k, 0) for k in ("gathered", "activations", "transient")} == {
-                k: predicted[k] for k in ("gathered", "activations", "transient")}
+                k: getattr(predicted, k) for k in ("gathered", "activations", "transient")}
         assert predicted, name          # every plan planned with a device profile is priced, hybrid ones too
         drawn = sorted((a["data-kind"], a["data-dim"], int(a["data-count"]), int(a["data-bytes"]))
                        for a in page.having("rect", "collective"))
@@ -99,18 +99,18 @@ def test_the_pipeline_schedule_is_the_simulated_one_action_for_action(offline):
 def test_autodists_choice_is_drawn_against_every_hand_plan_it_priced(offline):
     plan, = offline["autodist"]
     page = Page(dynshard.explain([plan]).to_html())
-    record = plan.predicted["autodist"]
+    record = plan.predicted.autodist
     peaks = {a["data-plan"]: int(a["data-bytes"]) for a in page.having("rect", "peak")}
-    assert peaks == {**{c["plan"]: c["peak_bytes"] for c in record["candidates"]},
-                     f"chosen: {record['chosen']}": plan.predicted["bytes_per_rank"]["peak"]}
+    assert peaks == {**{c.plan: c.peak_bytes for c in record.candidates},
+                     f"chosen: {record.chosen}": plan.predicted.cost.bytes_per_rank.peak}
     compute = {a["data-plan"]: float(a["data-seconds"]) for a in page.having("rect", "time", part="compute")}
-    assert all(compute[c["plan"]] == pytest.approx(c["compute_seconds"], rel=1e-5) for c in record["candidates"])
-    assert page.having("b", gap=record["gap"])
+    assert all(compute[c.plan] == pytest.approx(c.compute_seconds, rel=1e-5) for c in record.candidates)
+    assert page.having("b", gap=record.gap)
     # the budget is the memory chart's limit, and the chosen plan's bars hold its predicted parts
     drawn = {a["data-part"]: int(a["data-bytes"]) for a in page.having("rect", "part")}
     assert {k: drawn.get(k, 0) for k in ("activations", "transient")} == {
-        k: plan.predicted["bytes_per_rank"][k] for k in ("activations", "transient")}
-    assert f"limit {record['mem_constraint_gb'] * 1024 ** 3 / 1024:.3g} KiB" in "".join(page.text)
+        k: getattr(plan.predicted.cost.bytes_per_rank, k) for k in ("activations", "transient")}
+    assert f"limit {record.mem_constraint_gb * 1024 ** 3 / 1024:.3g} KiB" in "".join(page.text)
     # from a running job, the chosen plan's measured step is drawn under its prediction
     section = Section(plan, Measured(step_seconds=0.125))
     measured, = Page(render([section], "job")).having("rect", "measured")

@@ -104,6 +104,58 @@ class TestPlanValue(expecttest.TestCase):
         assert "every rank" in text and "forward activations (tp)" in text
 
 
+def _predicted(solver: str, status_last: bool) -> dict:
+    """A ``"predicted"`` object as plan files hold it: the forward collectives, the cost model's keys at the top
+    level, autodist's record (an ILP's names its status second, the enumeration's after its solve)."""
+    solve = {"objective": 0.25, "bound": 0.25, "gap": 0.0, "lp_integral": None if status_last else True}
+    head = {"chosen": "tp", "solver": solver, **solve, "status": "optimal"} if status_last else {
+        "chosen": "tp", "solver": solver, "status": "optimal", **solve}
+    return {
+        "forward_collectives": [{"at": "fc1:aten.mm.default:0", "kind": "all_reduce", "dim": "tp", "bytes": 128},
+                                {"at": "loss:aten.sum.default:0", "kind": "all_reduce", "dim": "tp", "bytes": 4,
+                                 "mirrored": False}],
+        "step_seconds": 0.25, "compute_seconds": 0.125, "communication_seconds": 0.125,
+        "tp_communication_seconds": 0.0625, "dp_communication_seconds": 0.0625,
+        **({"shared_gradient_seconds": 0.0} if status_last else {}), "bubble_seconds": 0.0,
+        "tp_collectives_per_micro_batch": {"count": 3, "bytes": 260},
+        **({"micro_batches_held": [2, 1]} if status_last else {}),
+        "bytes_per_rank": {"parameters": 1, "buffers": 2, "gradients": 3, "optimizer": 4, "gathered": 5,
+                           "activations": 6, "transient": 7, "peak": 28},
+        "autodist": {**head, "ilps": 2, "objective_seconds": 0.25, "mem_constraint_gb": None, "update_freq": 1,
+                     "device_profile": {"name": "cpu", "digest": "abc"}, "task_name": None,
+                     "candidates": [{"plan": "tp", "step_seconds": 0.25, "compute_seconds": 0.125,
+                                     "communication_seconds": 0.125, "bubble_seconds": 0.0, "peak_bytes": 28,
+                                     "fits": True, "estimated": False},
+                                    {"plan": "data", "step_seconds": 0.5, "peak_bytes": 56, "fits": False}]},
+    }
+
+
+@pytest.mark.parametrize("solver,status_last", [("HiGHS (scipy.optimize.milp)", False),
+                                                ("enumeration (pipelines: every schedule priced)", True)])
+def test_a_plans_prediction_is_typed_and_its_json_reads_back_to_the_same_bytes(solver, status_last):
+    import json
+
+    torch.manual_seed(0)
+    plan = plan_for(MLP(dim=8, hidden=16, layers=1), mlp_batch(4, 0, dim=8), policy="tp", plan_ngpus=2).plan
+    data = json.loads(plan.to_json())
+    data["predicted"] = _predicted(solver, status_last)
+    text = dynshard.planning.plan.format_json(data) + "\n"
+    read = Plan.from_json(text)
+    assert read.to_json() == text       # key order included: a file written before reads back to its bytes
+    p = read.predicted
+    assert [c.mirrored for c in p.forward_collectives] == [True, False]
+    assert p.cost.step_seconds == 0.25 and p.cost.bytes_per_rank.peak == 28
+    assert p.cost.tp_collectives_per_micro_batch.count == 3
+    assert p.cost.micro_batches_held == ((2, 1) if status_last else None)
+    assert p.autodist.device_profile.name == "cpu" and p.autodist.candidates[0].estimated is False
+    older = p.autodist.candidates[1]    # (a record from before the step's parts and estimates were kept)
+    assert older.compute_seconds is None and older.estimated is None and older.peak_bytes == 56
+    assert Plan.from_json(plan.to_json()).predicted.cost is None        # a plan its policy did not price
+    data["predicted"]["steps"] = 1
+    with pytest.raises(PlanFileError, match="predicted has no key 'steps'"):
+        Plan.from_json(json.dumps(data), "test.plan.json")
+
+
 _PIPELINE = {"schedule": "1f1b", "nmicros": 2, "nstages": 1, "nchunks": 1, "starts": []}    # (a hand edit's)
 
 

@@ -10,8 +10,9 @@ import torch
 import torch.distributed as dist
 
 import dynshard
-from dynshard.backend import autodist, offline
-from dynshard.backend.autodist import AutodistError, device_profile
+from dynshard.autodist import plan_search as autodist
+from dynshard.autodist.plan_search import AutodistError, device_profile
+from dynshard.backend import offline
 from models import GPT, MLP, GPTConfig, LlamaLM, gpt_batch, mlp_batch
 from workers import train_parity
 
@@ -40,8 +41,8 @@ def candidate_plans_beside_hand_plans(rank: int, world: int, world_size: int) ->
     config = dynshard.Config(policy="autodist", plan_ngpus=2, compiler="aot_eager")
     rows = []
 
-    def hand(gm, inputs, config, world, made_for, device_type):
-        units, _, estimated = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
+    def hand(gm, inputs, config, world, made_for, device_type, graphs):
+        units, _, estimated = autodist.planned_units(gm, inputs, config, world, made_for, device_type, graphs)
         units = [(p, *estimated[p.name]()) if p.name in estimated else (p, b, u) for p, b, u in units]   # (for real)
         rows.extend(autodist.hand_plans(units, config, world, device_profile(config, device_type)))
 
@@ -130,8 +131,8 @@ def planned_units_of(rank: int, world: int, model_name: str, world_size: int, pl
     config = dynshard.Config(policy="autodist", plan_ngpus=plan_ngpus)
     found = []
 
-    def units(gm, inputs, config, world, made_for, device_type):
-        found.extend(autodist.planned_units(gm, inputs, config, world, made_for, device_type)[0])
+    def units(gm, inputs, config, world, made_for, device_type, graphs):
+        found.extend(autodist.planned_units(gm, inputs, config, world, made_for, device_type, graphs)[0])
 
     with beside_the_search(units):
         dynshard.plan(model, batch, config, world_size=world_size)
@@ -143,7 +144,7 @@ def estimated_variants_beside_planned(rank: int, world: int, model_name: str) ->
     shards; ``model_name``'s 2-layer model, a unit of 2 ranks): its name, and for the estimate and for the
     plan as autodist plans it for real, the prediction (one micro-batch, no ZeRO, the CPU profile), the
     sorted forward collectives, the tensors' and the activations' placements."""
-    from dynshard.planning.cost_model import predict
+    from dynshard.autodist.cost_model import predict
 
     cfg = GPTConfig(layers=2)
     with torch.device("meta"):
@@ -153,12 +154,12 @@ def estimated_variants_beside_planned(rank: int, world: int, model_name: str) ->
 
     def described(plan, unit):
         predicted = predict(plan, unit, 1, device_profile(config, "cpu"), 1.0)
-        collectives = sorted(json.dumps(c, sort_keys=True) for c in plan.predicted["forward_collectives"])
+        collectives = sorted(json.dumps(c.to_dict(), sort_keys=True) for c in plan.predicted.collectives)
         return (predicted, collectives, {k: v.tp for k, v in plan.tensors.items()},
                 {k: (v.tp, v.readers) for k, v in plan.activations.items()})
 
-    def estimates(gm, inputs, config, world, made_for, device_type):
-        units, _, estimated = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
+    def estimates(gm, inputs, config, world, made_for, device_type, graphs):
+        units, _, estimated = autodist.planned_units(gm, inputs, config, world, made_for, device_type, graphs)
         for placement, plan, unit in units:
             if placement.name in estimated:
                 rows.append((placement.name, described(plan, unit), described(*estimated[placement.name]())))
@@ -216,11 +217,11 @@ def pipeline_candidates_beside_hand_plans(rank: int, world: int, world_size: int
                              pas_config={"explore_pipeline": True, "update_freq": 4})
     rows, exact = [], {}
 
-    def pipelines(gm, inputs, config, world, made_for, device_type):
-        units, whole, _ = autodist.planned_units(gm, inputs, config, world, made_for, device_type)
+    def pipelines(gm, inputs, config, world, made_for, device_type, graphs):
+        units, whole, _ = autodist.planned_units(gm, inputs, config, world, made_for, device_type, graphs)
         tp_unit = next((base, unit) for placement, base, unit in units if placement.name == "tp")
         found, real = autodist.pipeline_plans(gm, inputs, config, world, made_for, device_type,
-                                              device_profile(config, device_type), whole, tp_unit)
+                                              device_profile(config, device_type), whole, tp_unit, graphs)
         rows.extend(found)
         exact.update({name: plan_for_real()[1] for name, plan_for_real in real.items()})
 
@@ -235,13 +236,12 @@ def pipeline_candidates_beside_hand_plans(rank: int, world: int, world_size: int
             estimate = {n: t.tp for n, t in plan.tensors.items()} == {n: t.tp for n, t in made.tensors.items()} \
                 and _stage_collectives(plan) == _stage_collectives(made)
             plan = exact[candidate.name]
-        out.append((candidate.name, plan.to_json(), made.to_json(), predicted["bytes_per_rank"], estimate))
+        out.append((candidate.name, plan.to_json(), made.to_json(), predicted.bytes_per_rank, estimate))
     return out
 
 
 def _stage_collectives(plan) -> list[tuple]:
-    return sorted((c["at"].partition("/")[0], c["kind"], c["dim"], c["bytes"])
-                  for c in plan.predicted["forward_collectives"])
+    return sorted((c.at.partition("/")[0], c.kind, c.dim, c.bytes) for c in plan.predicted.collectives)
 
 
 def hand_predictions_beside_autodists(rank: int, world: int) -> dict:
@@ -255,8 +255,8 @@ def hand_predictions_beside_autodists(rank: int, world: int) -> dict:
                           "tp + recompute Block": {"policy": "tp", "recompute_modules": "Block"}}.items():
         plan, = dynshard.plan(model, batch, dynshard.Config(plan_ngpus=2, **options), world_size=4,
                               device_profile="cpu")
-        hand[name] = dict(plan.predicted)
-    return {"candidates": chosen.predicted["autodist"]["candidates"], "hand": hand}
+        hand[name] = plan.predicted
+    return {"candidates": chosen.predicted.autodist.candidates, "hand": hand}
 
 
 def why_not_pinned(rank: int, world: int, pins: dict, mem_constraint: float | None) -> str:
@@ -279,8 +279,7 @@ def hybrid_candidates(rank: int, world: int) -> dict:
     hybrid, = dynshard.plan(model, (make(2, 0),), dynshard.Config(
         policy="hybrid", plan_ngpus=4, use_end2end=True, pas_config={"pipeline_nstages": 2, "pipeline_nmicros": 4}),
         world_size=8, device_profile="cpu")
-    return {"candidates": plan.predicted["autodist"]["candidates"], "plan": plan.to_json(),
-            "hybrid": dict(hybrid.predicted)}
+    return {"candidates": plan.predicted.autodist.candidates, "plan": plan.to_json(), "hybrid": hybrid.predicted}
 
 
 def within_partition_degree(rank: int, world: int) -> dict:
@@ -291,7 +290,7 @@ def within_partition_degree(rank: int, world: int) -> dict:
     plan, = dynshard.plan(model, (make(2, 0),), dynshard.Config(
         policy="autodist", plan_ngpus=4, use_end2end=True,
         pas_config={"explore_pipeline": True, "update_freq": 4, "max_partition_degree": 2}), world_size=8)
-    return {"candidates": [c["plan"] for c in plan.predicted["autodist"]["candidates"]], "plan": plan.to_json()}
+    return {"candidates": [c.plan for c in plan.predicted.autodist.candidates], "plan": plan.to_json()}
 
 
 def measured_peaks(rank: int, world: int, mem_constraint: float | None) -> dict:
@@ -313,9 +312,9 @@ def measured_peaks(rank: int, world: int, mem_constraint: float | None) -> dict:
             opt.zero_grad()
         peaks.append((measured.at_start, measured.during))
     plan, = dynshard.explain(compiled).plans
-    fastest = min(plan.predicted["autodist"]["candidates"], key=lambda c: c["step_seconds"])
-    return {"peaks": peaks, "predicted": plan.predicted["bytes_per_rank"], "chosen": plan.predicted["autodist"]["chosen"],
-            "binds": not fastest["fits"]}
+    fastest = min(plan.predicted.autodist.candidates, key=lambda c: c.step_seconds)
+    return {"peaks": peaks, "predicted": plan.predicted.cost.bytes_per_rank, "chosen": plan.predicted.autodist.chosen,
+            "binds": not fastest.fits}
 
 
 class CutGPT:
@@ -347,7 +346,7 @@ def stage_cut_under_a_budget(rank: int, world: int, layers: int = 8) -> dict:
     with the stage cut before each layer."""
     autodist_plan, every = _cuts_beside_autodist("gpt8" if layers == 8 else "gpt", layers, "pp", 2)
     free = autodist_plan()
-    budget = free.predicted["bytes_per_rank"]["peak"] - 1
+    budget = free.predicted.cost.bytes_per_rank.peak - 1
     tight = autodist_plan(mem_constraint=budget / 1024 ** 3)
     return {"free": free.to_json(), "tight": tight.to_json(), "budget": budget, "every": every()}
 
@@ -358,8 +357,8 @@ def hybrid_stage_cut_under_a_budget(rank: int, world: int) -> dict:
     candidate's peak, the plan it chooses then, and the hybrid policy's plan cut by ``pipe_split()`` before
     each layer (priced by the same cost model)."""
     autodist_plan, every = _cuts_beside_autodist("gpt8", 8, "hybrid", 4)
-    free = {c["plan"]: c for c in autodist_plan().predicted["autodist"]["candidates"]}
-    budget = free["hybrid pp 2 x tp 2 1f1b"]["peak_bytes"] - 1
+    free = {c.plan: c for c in autodist_plan().predicted.autodist.candidates}
+    budget = free["hybrid pp 2 x tp 2 1f1b"].peak_bytes - 1
     tight = autodist_plan(mem_constraint=budget / 1024 ** 3)
     return {"free": free, "tight": tight.to_json(), "budget": budget, "every": every()}
 
@@ -387,7 +386,7 @@ def _cuts_beside_autodist(name: str, layers: int, policy: str, ranks: int, rows:
                 policy=policy, plan_ngpus=ranks, use_end2end=True, pas_config={
                     "pipeline_nstages": 2, "pipeline_nmicros": 4, "pipeline_scheduler": "1f1b"}),
                 world_size=ranks, device_profile="cpu")
-            found[f"blocks.{at}"] = (plan.predicted["step_seconds"], plan.predicted["bytes_per_rank"]["peak"])
+            found[f"blocks.{at}"] = (plan.predicted.cost.step_seconds, plan.predicted.cost.bytes_per_rank.peak)
         return found
 
     return autodist_plan, every
@@ -400,10 +399,10 @@ def interleaved_stage_cut_under_a_budget(rank: int, world: int) -> dict:
     moved candidate cuts."""
     autodist_plan, _ = _cuts_beside_autodist("gpt8", 8, "pp", 2, rows=16)
     interleaved = {"pipeline_scheduler": "1f1b_interleaved"}
-    free = {c["plan"]: c for c in autodist_plan(**interleaved).predicted["autodist"]["candidates"]}
-    budget = free["pp 1f1b_interleaved"]["peak_bytes"] - 1
+    free = {c.plan: c for c in autodist_plan(**interleaved).predicted.autodist.candidates}
+    budget = free["pp 1f1b_interleaved"].peak_bytes - 1
     tight = autodist_plan(mem_constraint=budget / 1024 ** 3, **interleaved)
-    rows = {c["plan"]: c for c in tight.predicted["autodist"]["candidates"]}
+    rows = {c.plan: c for c in tight.predicted.autodist.candidates}
     moved = next(name for name in rows if name.startswith("pp 1f1b_interleaved, stages at "))
     starts = tuple(int(s.split(".")[1]) for s in moved.split(" at ")[1].split(" (")[0].split(", "))
     from workers_pipeline import build
@@ -414,7 +413,7 @@ def interleaved_stage_cut_under_a_budget(rank: int, world: int) -> dict:
             "pipeline_nstages": 4, "pipeline_nchunks": 2, "pipeline_nmicros": 4,
             "pipeline_scheduler": "1f1b_interleaved"}), world_size=2, device_profile="cpu")
     return {"free": free, "tight": tight.to_json(), "budget": budget, "moved": moved,
-            "cut": [cut.predicted["step_seconds"], cut.predicted["bytes_per_rank"]["peak"]]}
+            "cut": [cut.predicted.cost.step_seconds, cut.predicted.cost.bytes_per_rank.peak]}
 
 
 _COUNTED_MODELS = {"gpt": GPT, "llama": LlamaLM}
@@ -440,8 +439,8 @@ def predicted_tp_collectives(rank: int, world: int) -> dict:
                 model = model_class(cfg)
             plan, = dynshard.plan(model, gpt_batch(cfg, 4, 0), dynshard.Config(plan_ngpus=2, **options),
                                   world_size=2, device_profile="cpu")
-            predicted = plan.predicted["tp_collectives_per_micro_batch"]
-            found[f"{model_name}, {name}"] = (predicted["count"], predicted["bytes"])
+            predicted = plan.predicted.cost.tp_collectives_per_micro_batch
+            found[f"{model_name}, {name}"] = (predicted.count, predicted.bytes)
     return found
 
 

@@ -14,10 +14,11 @@ import dynshard
 from dynshard.backend import offline
 from dynshard.backend.plan_graph import lower_graph, place_graph
 from dynshard.passes.propagate_sharding import reduced_placements
-from dynshard.planning.cost_model import DeviceProfile, load_profile, predict
-from dynshard.policies.autodist import op_placement
-from dynshard.policies.autodist.graph_costs import graph_costs, op_costs, repeated_blocks
-from dynshard.policies.autodist.space import placements
+from dynshard.autodist import op_placement
+from dynshard.autodist.cost_model import predict
+from dynshard.autodist.device_profile import DeviceProfile, load_profile
+from dynshard.autodist.graph_costs import graph_costs, op_costs, repeated_blocks
+from dynshard.autodist.space import placements
 from dynshard.runtime.mesh import planning_layout
 from models import GPT, GPTConfig, LlamaLM, gpt_batch
 
@@ -87,7 +88,7 @@ def _with_lowered(model, batch, world_size: int, look):
     planned for a ``world_size``-rank job with units of 2 (no search runs)."""
     found = {}
 
-    def search(gm, inputs, config, world, made_for, device_type):
+    def search(gm, inputs, config, world, made_for, device_type, graphs):
         config = config.resolve(world)
         layout = planning_layout(world, config.plan_ngpus, device_type)
         tp = next(p for p in placements(config) if p.name == "tp").config(config, 0, "")
@@ -102,7 +103,7 @@ def _with_lowered(model, batch, world_size: int, look):
         if "result" not in found:
             raise
     finally:
-        offline.search = dynshard.backend.autodist.search
+        offline.search = dynshard.autodist.search
     return found["result"]
 
 
@@ -143,7 +144,7 @@ def per_op_report(rank: int, world: int, model_name: str, profile_name: str, tie
         predicted = {}
         for label, made, made_ctx in (("tp", tp_plan, tp_ctx), ("per op", given, given_ctx)):
             unit = graph_costs(lowered, inputs, ops, layout.tp_size, made_ctx.propagation, blocks)
-            predicted[label] = predict(made, unit, 1, profile, 2.0)["step_seconds"]
+            predicted[label] = predict(made, unit, 1, profile, 2.0).step_seconds
         return {"objective": placed.solution.objective, "status": placed.solution.status,
                 "lp_integral": placed.solution.lp_integral, "nodes": placed.nodes, "edges": placed.edges,
                 "unsaid": unsaid, "mismatches": mismatches, "predicted": predicted, "plan": given.to_json(),
@@ -193,9 +194,9 @@ def autodist_candidates(rank: int, world: int, model_name: str, pas_config: dict
     model, batch = _model(model_name)
     plan, = dynshard.plan(model, batch, dynshard.Config(policy="autodist", plan_ngpus=2, pas_config=pas_config),
                           world_size=2)
-    record = plan.predicted["autodist"]
-    candidates = {c["plan"]: (c["step_seconds"], c["peak_bytes"], c["fits"]) for c in record["candidates"]}
-    return record["chosen"], candidates, plan.predicted.get("op_placement"), str(dynshard.explain([plan]))
+    record = plan.predicted.autodist
+    candidates = {c.plan: (c.step_seconds, c.peak_bytes, c.fits) for c in record.candidates}
+    return record.chosen, candidates, plan.predicted.op_placement, str(dynshard.explain([plan]))
 
 
 def _padded(batch):

@@ -91,7 +91,7 @@ def offline_choice(rank: int, world: int) -> dict:
         for name, o in options.items():
             seen[name] = planning.plan(**o)
         priced = {name: planning.plan(device_profile="cpu", **options[name]) for name in ("tp", "data")}
-        seen["priced"] = {name: p.predicted["step_seconds"] for name, p in priced.items()}
+        seen["priced"] = {name: p.predicted.cost.step_seconds for name, p in priced.items()}
         return seen["hybrid"]
 
     chosen, = dynshard.plan(model, (make(2, 0),), dynshard.Config(policy=hybrid_unless_cheaper, use_end2end=True),

@@ -30,7 +30,6 @@ from ..runtime.eager_guard import refuse_recompile_limit
 from ..runtime.sharding import is_sharded, present_global_shapes, restore_local_shards
 from ..runtime.unit_inputs import InputCheck
 from .agreement import agreed_compiles, ensure_ranks_agree, ensure_ranks_agree_on_source
-from .autodist import autodist_plan
 from .capture import describe_inputs, keep_floats_constant, raising_not_breaking
 from .compile import compile_program
 from .compiler import start_cpu_isa_probe
@@ -41,7 +40,7 @@ from .plan_cache import PLANS, modes_token, plan_key
 from .plan_files import PLAN_FILES
 from .plan_once import plan_once
 from .shapes import at_sizes, check_symbolic_shapes, compiles_per_size, limit_automatic_dynamic
-from .planner import planner_plan
+from .planner import autodist_plan, planner_plan
 
 log = logging.getLogger("dynshard")
 _logged_configs: set[str] = set()

@@ -17,18 +17,17 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from .. import compat
+from ..autodist import search, with_prediction
+from ..autodist.device_profile import DeviceProfile, load_profile
 from ..config import Config
 from ..config.planner import Planner
 from ..planning import Plan
-from ..planning.cost_model import DeviceProfile, load_profile
 from ..planning.plan import fingerprint
 from ..runtime import mesh
 from .capture import describe_inputs, raising_not_breaking
 from .plan_cache import modes_token
-from .autodist import search
 from .planner import run_planner
-from .plan_graph import plan_graph
-from .predict_plan import with_prediction
+from .plan_graph import GRAPHS, plan_graph
 
 
 def plan(model: torch.nn.Module, args: Sequence[Any], config: Config | Mapping[str, Any] | None = None,
@@ -78,12 +77,12 @@ def _plan_graph(gm: fx.GraphModule, example_inputs, config: Config, plans: list[
     layout = mesh.layout_for(config.plan_ngpus, "cpu", config.pipeline_ranks)
     made_for = fingerprint(gm.code, world, modes_token())
     if config.policy == "autodist":
-        plans.append(search(gm, inputs, config, world, made_for, "cpu"))
+        plans.append(search(gm, inputs, config, world, made_for, "cpu", GRAPHS))
     elif isinstance(config.policy, Planner):
         plans.append(run_planner(gm, inputs, config, world, made_for, "cpu"))
     else:
         made, ctx, graph = plan_graph(gm, inputs, config, layout, made_for)
-        plans.append(made if profile is None else with_prediction(gm, made, ctx, graph, profile))
+        plans.append(made if profile is None else with_prediction(gm, made, ctx, graph, profile, GRAPHS))
     return gm.forward
 
 

@@ -12,7 +12,7 @@ import torch.fx as fx
 from .. import compat
 from ..config import Config
 from ..config.planner import Planner, planner
-from ..passes import PassContext, cast_to_compute_dtype, run_passes
+from ..passes import PassContext, cast_to_compute_dtype, copy_graph, run_passes
 from ..passes.cut_stages import assign_stages, split_stages
 from ..passes.lower_to_aten import draws_random
 from ..planning import Plan, PlanFileError, TensorChoice
@@ -25,7 +25,6 @@ from ..runtime.graph_inputs import batch_size_inputs
 from ..runtime.pipeline.schedules import build_schedule
 from ..runtime.unit_inputs import InputCheck
 from ..runtime.materialize import default_device
-from .plan_and_compile import copy_graph
 from .plan_once import plan_once
 from .retrace import FrameCall, MicroBatchRetrace
 from .shapes import check_micro_batch_split

@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from .. import compat
 from ..config import Config
-from ..passes import LOWER, PLACE, PROPAGATE, REWRITE, PassContext, run_passes
+from ..passes import LOWER, PLACE, PROPAGATE, REWRITE, PassContext, copy_graph, run_passes
 from ..passes.lower_to_aten import lowers
 from ..runtime.graph_inputs import GraphInput
 from ..runtime.materialize import default_device
@@ -134,12 +134,6 @@ def _bucket_cap_mb(config: Config) -> float | None:
     if config.reducer_bucket_cap_mb:
         return config.reducer_bucket_cap_mb
     return ASYNC_BUCKET_CAP_MB if config.use_async_reducer else None
-
-
-def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
-    graph = fx.Graph()
-    graph.output(graph.graph_copy(gm.graph, {}))
-    return compat.graph_module(gm, graph)
 
 
 def _reshard_pass(ctx: PassContext):

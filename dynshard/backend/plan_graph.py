@@ -1,14 +1,16 @@
 """The Plan a configuration gives one captured graph on a layout, made as the backend makes it on the
-planning rank, without compiling anything: offline planning (:mod:`.offline`) and the candidates of an
-automatic policy (:mod:`.autodist`)."""
+planning rank, without compiling anything: offline planning (:mod:`.offline`), a planner's
+``planning.plan`` and the candidates of autodist's search, which gets these functions as ``GRAPHS``
+(:mod:`dynshard.autodist.graphs`)."""
 
 from __future__ import annotations
 
 import torch.fx as fx
 
 from .. import compat
+from ..autodist.graphs import Graphs
 from ..config import Config
-from ..passes import LOWER, PLACE, PROPAGATE, PassContext, run_passes
+from ..passes import LOWER, PLACE, PROPAGATE, PassContext, copy_graph, run_passes
 from ..passes.assign_placements import record_plan
 from ..planning import Plan
 from ..planning.costs import with_forward_collectives
@@ -17,7 +19,6 @@ from ..policies import place
 from ..runtime.mesh import Layout
 from ..runtime.pipeline.schedules import build_schedule
 from .pipeline import PIPELINE_CUT, PIPELINE_LOWER, pipeline_plan
-from .plan_and_compile import copy_graph
 
 
 def plan_graph(gm: fx.GraphModule, inputs, config: Config, layout: Layout, made_for,
@@ -61,3 +62,6 @@ def place_graph(lowered: fx.GraphModule, lowered_ctx: PassContext, config: Confi
                       op_memo=lowered_ctx.op_memo)
     graph = run_passes(run_passes(lowered, ctx, PLACE), ctx, PROPAGATE)
     return with_forward_collectives(ctx.plan, ctx.propagation, ctx.node_keys), ctx, graph
+
+
+GRAPHS = Graphs(plan=plan_graph, lower=lower_graph, place=place_graph)     # (what autodist plans candidates with)

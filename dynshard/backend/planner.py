@@ -1,6 +1,7 @@
 """A planner's plan (:mod:`dynshard.config.planner`): the planner runs on rank 0 before the layout exists,
 with a :class:`Planning` of the captured graph; the other ranks receive the Plan it returns (or its error).
-The Plan must be made for this graph and world; then it is executed as a loaded plan file is."""
+The Plan must be made for this graph and world; then it is executed as a loaded plan file is. autodist's
+search is chosen the same way (:func:`autodist_plan`)."""
 
 from __future__ import annotations
 
@@ -10,16 +11,15 @@ from typing import Any, Mapping
 
 import torch.fx as fx
 
+from ..autodist import AutodistError, search, with_prediction
+from ..autodist.device_profile import DeviceProfile, load_profile
 from ..config import Config
 from ..config.planner import Planner
 from ..planning import Plan, TensorChoice
-from ..planning.cost_model import DeviceProfile, load_profile
 from ..planning.plan import first_mismatch
 from ..runtime.mesh import planning_layout
 from .agreement import from_rank0
-from .autodist import search
-from .plan_graph import plan_graph
-from .predict_plan import with_prediction
+from .plan_graph import GRAPHS, plan_graph
 
 
 class PlannerError(ValueError):
@@ -52,12 +52,20 @@ class Planning:
                                "'data', 'pp', 'hybrid', 'autodist', ...), not a planner")
         chosen = dataclasses.replace(chosen, load_plan_path=None, save_plan_path=None).resolve(self.world_size)
         if chosen.policy == "autodist":
-            return search(self.graph, self.inputs, chosen, self.world_size, self.made_for, self.device_type)
+            return search(self.graph, self.inputs, chosen, self.world_size, self.made_for, self.device_type, GRAPHS)
         layout = planning_layout(self.world_size, chosen.plan_ngpus, self.device_type, pp_size=chosen.pipeline_ranks)
         made, ctx, graph = plan_graph(self.graph, self.inputs, chosen, layout, self.made_for)
         if device_profile is None:
             return made
-        return with_prediction(self.graph, made, ctx, graph, load_profile(device_profile, self.device_type))
+        return with_prediction(self.graph, made, ctx, graph, load_profile(device_profile, self.device_type), GRAPHS)
+
+
+def autodist_plan(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str) -> Plan:
+    """The plan autodist chooses for ``gm`` in a job of ``world`` ranks, the same on every rank: its search
+    (:func:`dynshard.autodist.search`) on rank 0, which the others receive."""
+    text = from_rank0(lambda: search(gm, inputs, config, world, made_for, device_type, GRAPHS).to_json(),
+                      AutodistError, "search a plan (autodist)")
+    return Plan.from_json(text, "the plan autodist chose on rank 0")
 
 
 def planner_plan(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str) -> Plan:

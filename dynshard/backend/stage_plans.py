@@ -16,13 +16,12 @@ import dataclasses
 import torch
 
 from .. import compat
-from ..passes import LOWER, PLACE, PROPAGATE, PassContext, run_passes
+from ..passes import LOWER, PLACE, PROPAGATE, PassContext, copy_graph, run_passes
 from ..planning import STAGE_SEPARATOR, ActivationChoice, Plan, TensorChoice
 from ..planning.costs import with_forward_collectives
 from ..planning.outline import stage_outline
 from ..policies import place_stage
 from ..runtime.graph_inputs import GraphInput
-from .plan_and_compile import copy_graph
 
 
 def stage_context(ctx: PassContext, inputs: list[GraphInput], fake_mode=None, layout=None, **fields) -> PassContext:
@@ -85,9 +84,9 @@ def merge_stage_plans(plan: Plan, stage_plans: dict[int, Plan]) -> Plan:
         for key, choice in stage_plan.activations.items():
             readers = None if choice.readers is None else tuple(f"{index}{STAGE_SEPARATOR}{r}" for r in choice.readers)
             activations[f"{index}{STAGE_SEPARATOR}{key}"] = ActivationChoice(choice.tp, readers)
-        for collective in (stage_plan.predicted or {}).get("forward_collectives", ()):
-            collectives.append({**collective, "at": f"{index}{STAGE_SEPARATOR}{collective['at']}"})
-    predicted = {**(plan.predicted or {}), "forward_collectives": collectives}
+        for collective in stage_plan.predicted.collectives:
+            collectives.append(dataclasses.replace(collective, at=f"{index}{STAGE_SEPARATOR}{collective.at}"))
+    predicted = dataclasses.replace(plan.predicted, forward_collectives=tuple(collectives))
     return dataclasses.replace(plan, tensors=tensors, activations=activations, predicted=predicted)
 
 

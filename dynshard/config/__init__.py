@@ -44,7 +44,7 @@ class Config:
     policy: "dp", "data", "tp", "pp" (pipeline stages inside a unit, see :mod:`dynshard.runtime.pipeline`),
         "hybrid" (pipeline stages, each split Megatron's way over plan_ngpus / stages ranks), "autodist"
         (the plan a cost model predicts fastest under ``pas_config["mem_constraint"]``, see
-        :mod:`dynshard.backend.autodist`), a callable ``policy(plan, config)`` that places parameters
+        :mod:`dynshard.autodist`), a callable ``policy(plan, config)`` that places parameters
         through :class:`dynshard.policies.PlanBuilder`, or a planner (``dynshard.planner(fn)``, see
         :mod:`dynshard.config.planner`) that returns the whole Plan: mesh, pipeline, ZeRO, recompute.
     pas_config: options for the policy (read by the policy itself).

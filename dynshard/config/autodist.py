@@ -1,7 +1,7 @@
 """``policy="autodist"``'s options: nnScaler's ``pas_config`` keys, typed and validated.
 
 autodist searches the plans dynshard executes for the one its cost model predicts fastest under a memory
-budget (:mod:`dynshard.backend.autodist`). Every key nnScaler's autodist reads is accepted; the ones this
+budget (:mod:`dynshard.autodist`). Every key nnScaler's autodist reads is accepted; the ones this
 version of the search cannot honour yet raise a :class:`ConfigError` that says so, rather than being
 ignored.
 

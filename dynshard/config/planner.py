@@ -12,7 +12,7 @@ it would a loaded plan file. autodist is such a search; a planner is the user's 
     @dynshard.planner
     def fastest(planning):
         plans = [planning.plan(policy=p, plan_ngpus=2, device_profile="cpu") for p in ("tp", "data")]
-        return min(plans, key=lambda p: p.predicted["step_seconds"])
+        return min(plans, key=lambda p: p.predicted.cost.step_seconds)
 
     torch.compile(model, backend="dynshard", options=dynshard.Config(policy=fastest))
 """

@@ -39,6 +39,14 @@ from .warn_gathered_outputs import warn_gathered_outputs
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
+
+def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm``'s graph the passes may edit (the captured graph serves another planning, or a variant)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return compat.graph_module(gm, graph)
+
+
 LOWER: list[Pass] = [
     cast_to_compute_dtype,  # mixed precision: parameters (and inputs) enter in param_dtype
     lower_to_aten,        # Dynamo graph -> ATen graph on FakeTensors (global shapes)

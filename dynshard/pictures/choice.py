@@ -1,7 +1,7 @@
 """autodist's choice against the hand plans: predicted step seconds (compute, communication, bubble) and
 peak bytes per rank, under the same cost model, with the budget and the solver's gap.
 
-The numbers are the plan's own record (``Plan.predicted["autodist"]``, what ``explain`` prints).
+The numbers are the plan's own record (``Plan.predicted.autodist``, what ``explain`` prints).
 """
 
 from __future__ import annotations
@@ -15,21 +15,21 @@ PARTS = ("compute", "communication", "bubble")
 
 def rows_of(plan: Plan) -> list[dict]:
     """The chosen plan first, then every hand plan by predicted step."""
-    p, record = plan.predicted, plan.predicted["autodist"]
-    chosen = {"plan": f"chosen: {record['chosen']}", "step_seconds": p["step_seconds"],
-              "compute_seconds": p["compute_seconds"], "communication_seconds": p["communication_seconds"],
-              "bubble_seconds": p.get("bubble_seconds", 0.0), "peak_bytes": p["bytes_per_rank"]["peak"], "fits": True}
-    return [chosen] + list(record["candidates"])
+    p, record = plan.predicted.cost, plan.predicted.autodist
+    chosen = {"plan": f"chosen: {record.chosen}", "step_seconds": p.step_seconds,
+              "compute_seconds": p.compute_seconds, "communication_seconds": p.communication_seconds,
+              "bubble_seconds": p.bubble_seconds, "peak_bytes": p.bytes_per_rank.peak, "fits": True}
+    return [chosen] + [c.to_dict() for c in record.candidates]
 
 
 def render(plan: Plan, measured_step: float | None = None) -> str:
     """``measured_step``: the chosen plan's step as a running job measured it, drawn under its prediction."""
-    record = plan.predicted["autodist"]
+    record = plan.predicted.autodist
     rows = rows_of(plan)
     if measured_step is not None:
-        rows.insert(1, {"plan": f"measured: {record['chosen']}", "step_seconds": measured_step,
+        rows.insert(1, {"plan": f"measured: {record.chosen}", "step_seconds": measured_step,
                         "measured_seconds": measured_step, "peak_bytes": None, "fits": True})
-    budget = record["mem_constraint_gb"]
+    budget = record.mem_constraint_gb
     limit = None if budget is None else budget * 1024 ** 3
     slowest = max(r["step_seconds"] for r in rows) * 1.1 or 1
     largest = max([r["peak_bytes"] or 0 for r in rows] + [limit or 0]) * 1.1 or 1
@@ -65,10 +65,10 @@ def render(plan: Plan, measured_step: float | None = None) -> str:
     if limit:
         x = right + limit / largest * 200
         body.append(line(x, 12, x, y, "#d00", dash="5,3", title=f"mem_constraint {budget} GB"))
-    gap = record["gap"]
-    head = (f'<p>autodist chose <b>{esc(record["chosen"])}</b>: {esc(record["solver"])}, {record["ilps"]} ILPs, '
-            f'{esc(record["status"])} (objective {record["objective"]:.6g} s, bound {record["bound"]:.6g} s, '
-            f'gap <b data-gap="{gap}">{gap:.2%}</b>); device profile {esc(record["device_profile"]["name"])}'
+    gap = record.gap
+    head = (f'<p>autodist chose <b>{esc(record.chosen)}</b>: {esc(record.solver)}, {record.ilps} ILPs, '
+            f'{esc(record.status)} (objective {record.objective:.6g} s, bound {record.bound:.6g} s, '
+            f'gap <b data-gap="{gap}">{gap:.2%}</b>); device profile {esc(record.device_profile.name)}'
             + (f"; mem_constraint {budget} GB" if budget is not None else "") + ". The hand plans are priced by the "
             "same cost model; hover a bar for its figure.</p>")
     return head + legend({**TIME_COLOURS, "measured": "#333"}) + svg(right + 300, y + 6, body, "autodist: the chosen plan against the hand plans")

@@ -23,7 +23,7 @@ import re
 from collections import defaultdict
 
 from ..planning import Plan
-from ..planning.costs import group_of, mirrored, step_collectives, tensor_collectives, whole_bytes
+from ..planning.costs import group_of, step_collectives, tensor_collectives, whole_bytes
 from .placements import block_of, module_block, rows_of
 from .svg import COMM_COLOURS, esc, human_bytes, legend, line, rect, svg, text
 
@@ -55,10 +55,10 @@ def tp_by_block(plan: Plan) -> dict[str, tuple[float, float]]:
     """Per block, per step: (wire bytes of its forward tp collectives and their backward mirrors; Megatron's
     minimum)."""
     found: dict[str, list[tuple[str, int]]] = defaultdict(list)
-    for c in (plan.predicted or {}).get("forward_collectives", ()):
-        if c["dim"] == "tp":
-            path = re.sub(r"^\d+/", "", c["at"].rsplit(":", 2)[0])     # a pipeline's keys start with their stage
-            found[module_block(path)[0]].append((c["kind"], c["bytes"], 2 if mirrored(c) else 1))
+    for c in plan.predicted.collectives:
+        if c.dim == "tp":
+            path = re.sub(r"^\d+/", "", c.at.rsplit(":", 2)[0])     # a pipeline's keys start with their stage
+            found[module_block(path)[0]].append((c.kind, c.bytes, 2 if c.mirrored else 1))
     result = {}
     n, micro_batches = plan.mesh.tp, plan.pipeline.nmicros if plan.pipeline is not None else 1
     for block, collectives in found.items():

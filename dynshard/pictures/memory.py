@@ -1,7 +1,7 @@
 """Memory per rank: a stacked bar per group of identical ranks, against the device limit or ``mem_constraint``.
 
 At rest the bars are ``planning.costs.memory_at_rest`` (what ``explain`` prints); during the step they
-add what a policy predicted (``Plan.predicted["bytes_per_rank"]``: gathered ZeRO-3 replicas, activations
+add what a policy predicted (``Plan.predicted.cost.bytes_per_rank``: gathered ZeRO-3 replicas, activations
 kept for the backward, transient buffers). From a running job a second bar shows this rank as measured.
 """
 
@@ -31,19 +31,20 @@ class Measured:
 def bars_of(plan: Plan) -> list[tuple[str, dict[str, int]]]:
     """(label, bytes by part) per bar: the plan's ranks at rest, extended by its predictions."""
     bars = []
-    predicted = dict((plan.predicted or {}).get("bytes_per_rank") or {})
+    cost = plan.predicted.cost
+    predicted = None if cost is None else cost.bytes_per_rank
     for row in memory_at_rest(plan):
         parts = {"parameters": row.parameters, "buffers": row.buffers, "gradients": row.gradients,
                  "optimizer": row.optimizer}
         label = row.ranks + ("" if row.exact else " (stage tensors counted whole)")
-        if predicted and plan.pipeline is None:
-            parts.update({k: predicted[k] for k in ("gathered", "activations", "transient")})
+        if predicted is not None and plan.pipeline is None:
+            parts.update({k: getattr(predicted, k) for k in ("gathered", "activations", "transient")})
             label += ", during the step (predicted)"
         else:
             label += ", at rest"
         bars.append((label, parts))
-    if predicted and plan.pipeline is not None:
-        bars.append(("busiest pipeline rank, during the step (predicted)", {k: predicted[k] for k in PARTS}))
+    if predicted is not None and plan.pipeline is not None:
+        bars.append(("busiest pipeline rank, during the step (predicted)", {k: getattr(predicted, k) for k in PARTS}))
     return bars
 
 
@@ -80,7 +81,7 @@ def render(plan: Plan, limit: int | None, measured: Measured | None = None) -> s
         body.append(line(x, 4, x, y, "#d00", dash="5,3", title=f"limit: {limit} bytes ({human_bytes(limit)})"))
         body.append(text(x, y + 12, f"limit {human_bytes(limit)}", anchor="middle", size=10))
     chart = svg(LABEL + WIDTH + 80, y + 18, body, "memory per rank")
-    note = "" if (plan.predicted or {}).get("bytes_per_rank") else (
+    note = "" if plan.predicted.cost is not None else (
         '<p class="note">This plan carries no prediction, so its bars are what it holds at rest (Adam\'s two fp32 '
         "moments per element as optimizer state). Activations and transient buffers are predicted by autodist, "
         "and for any policy by dynshard.plan(..., device_profile=\"cpu\" or \"cuda\").</p>")

@@ -82,9 +82,9 @@ def render(sections: Sequence[Section], title: str, limit: int | None = None, te
 
 def _section(index: int, section: Section, limit: int | None) -> str:
     plan = section.plan
-    record = (plan.predicted or {}).get("autodist")
-    if limit is None and record and record["mem_constraint_gb"] is not None:
-        limit = int(record["mem_constraint_gb"] * 1024 ** 3)
+    record = plan.predicted.autodist
+    if limit is None and record is not None and record.mem_constraint_gb is not None:
+        limit = int(record.mem_constraint_gb * 1024 ** 3)
     parts = [f'<section id="plan{index}" data-plan="{index}"><h2>plan {index}</h2><p class="summary">'
              f"{esc(headline(plan))}</p>",
              "<h3>placements</h3>", placements.render(plan),

@@ -2,6 +2,7 @@
 
 from .plan import (PLAN_VERSION, STAGE_SEPARATOR, ActivationChoice, MeshShape, PipelineChoice, Plan, PlanFileError,
                    TensorChoice, ZeroChoice, decode_placement, encode_placement)
+from .prediction import Prediction
 
 __all__ = ["PLAN_VERSION", "STAGE_SEPARATOR", "ActivationChoice", "MeshShape", "PipelineChoice", "Plan",
-           "PlanFileError", "TensorChoice", "ZeroChoice", "decode_placement", "encode_placement"]
+           "PlanFileError", "Prediction", "TensorChoice", "ZeroChoice", "decode_placement", "encode_placement"]

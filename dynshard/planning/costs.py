@@ -6,7 +6,7 @@ the optimizer state is Adam's two fp32 moments per element the rank updates (nnS
 A tied tensor read by two pipeline stages is held by both stages' ranks. Parameters count as trainable.
 
 Collectives per step, per rank, as payload bytes (what each rank puts in; a ring all-reduce moves about
-twice that): the forward collectives the propagation predicted (``Plan.predicted["forward_collectives"]``;
+twice that): the forward collectives the propagation predicted (``Plan.predicted.forward_collectives``;
 a pipeline's, once per micro-batch),
 and the data-parallel ones each parameter costs: an all-reduce of its gradient ("replicate"), or for ZeRO
 rows an all-gather of the parameter (level 3: two, forward and backward) and a reduce-scatter of the
@@ -23,6 +23,7 @@ from collections import Counter, defaultdict
 import torch
 
 from .plan import Plan, TensorChoice, decode_placement
+from .prediction import ForwardCollective
 
 ADAM_STATE_BYTES = 8         # two fp32 moments per element
 ADAM_STEP_BYTES = 80         # moved per element updated: torch's foreach AdamW reads or writes the parameter, its
@@ -124,8 +125,8 @@ def step_collectives(plan: Plan) -> list[StepCollective]:
     """The collectives of one training step on a rank, grouped by kind, dimension and what they move."""
     found: dict[tuple[str, str, str], list[int]] = defaultdict(list)
     micro_batches = plan.pipeline.nmicros if plan.pipeline is not None else 1   # a pipeline's programs run per micro-batch
-    for c in (plan.predicted or {}).get("forward_collectives", ()):
-        found[(c["kind"], c["dim"], "forward activations (tp)")] += [c["bytes"]] * micro_batches
+    for c in plan.predicted.collectives:
+        found[(c.kind, c.dim, "forward activations (tp)")] += [c.bytes] * micro_batches
     for tensor in plan.tensors.values():
         for kind, dim, size, what in tensor_collectives(plan, tensor):
             found[(kind, dim, what)].append(size)
@@ -169,19 +170,13 @@ def with_forward_collectives(plan: Plan, propagation, node_keys: dict[str, str])
     by node key, in ``predicted`` (other predictions kept)."""
     if propagation is None:
         return plan
-    collectives = [{"at": node_keys.get(c.node, c.node), "kind": c.kind, "dim": c.mesh_dim, "bytes": c.bytes,
-                    **({} if c.mirrored else {"mirrored": False})} for c in propagation.collectives]
-    return dataclasses.replace(plan, predicted={**(plan.predicted or {}), "forward_collectives": collectives})
-
-
-def mirrored(collective: dict) -> bool:
-    """Whether a forward collective of ``Plan.predicted`` has one of the same bytes in the backward
-    (``passes.propagate_sharding.Collective.mirrored``; those that do not are marked ``"mirrored": false``)."""
-    return collective.get("mirrored", True)
+    collectives = tuple(ForwardCollective(node_keys.get(c.node, c.node), c.kind, c.mesh_dim, c.bytes, c.mirrored)
+                        for c in propagation.collectives)
+    return dataclasses.replace(plan, predicted=dataclasses.replace(plan.predicted, forward_collectives=collectives))
 
 
 def tp_collectives(plan: Plan) -> tuple[int, int]:
     """(calls, bytes) of a micro-batch's forward tp collectives and their backward mirrors."""
-    found = (plan.predicted or {}).get("forward_collectives", ())
-    return (sum(2 if mirrored(c) else 1 for c in found),
-            sum((2 if mirrored(c) else 1) * c["bytes"] for c in found))
+    found = plan.predicted.collectives
+    return (sum(2 if c.mirrored else 1 for c in found),
+            sum((2 if c.mirrored else 1) * c.bytes for c in found))

@@ -15,7 +15,8 @@ A policy makes it (or a plan file gives it); the backend executes it. It says:
 - ``pipeline``: the stage cut (where each stage after the first starts), schedule, micro-batches, chunks
   and the pipeline ranks that run each stage;
 - ``made_for``: the graph, input shapes and world it fits (checked when a plan is loaded);
-- ``predicted``: costs, where a policy predicts them.
+- ``predicted``: what the plan is predicted to cost (:class:`.prediction.Prediction`: the forward
+  collectives the propagation found, the cost model's step and peak, autodist's record).
 
 JSON schema (``to_json``; version 1). Keys appear in this order, a tensor or activation per line::
 
@@ -34,7 +35,8 @@ JSON schema (``to_json``; version 1). Keys appear in this order, a tensor or act
      "pipeline": null or {"schedule": "1f1b", "nmicros": 4, "nstages": 2, "nchunks": 1,
                           "starts": ["layers.2"], "stage_ranks": [[0], [1]], "how": "...", "flops": [..],
                           "sequence_parallel": false},
-     "predicted": null or {...}}
+     "predicted": null or {"forward_collectives": [...], "step_seconds": ..., "bytes_per_rank": {...}, ...}}
+                  (:mod:`.prediction` has its keys)
 
 Placements: "R" (whole), "S<d>" (split along dim d), "S<d>x<b>" (a fused tensor split block by block, b
 blocks), "P<op>" (a partial value). A ``starts`` entry is a node key or a bare module path (the stage starts
@@ -54,6 +56,7 @@ from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from ..compat import StridedShard
 from ..config.pipeline import INFERENCE_SCHEDULES, TRAINING_SCHEDULES, broken_schedule_rule
+from .prediction import EMPTY, Prediction
 
 
 PLAN_VERSION = 1
@@ -164,15 +167,16 @@ class Plan:
     recompute: tuple[str, ...] = ()
     mixed_precision: Mapping[str, Any] | None = None
     pipeline: PipelineChoice | None = None
-    predicted: Mapping[str, Any] | None = None
+    predicted: Prediction = EMPTY        # (None or a mapping of its JSON given: read as one)
     version: int = PLAN_VERSION
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tensors", MappingProxyType(dict(self.tensors)))
         object.__setattr__(self, "activations", MappingProxyType(dict(self.activations)))
-        for name in ("mixed_precision", "predicted"):
-            if getattr(self, name) is not None:
-                object.__setattr__(self, name, MappingProxyType(dict(getattr(self, name))))
+        if self.mixed_precision is not None:
+            object.__setattr__(self, "mixed_precision", MappingProxyType(dict(self.mixed_precision)))
+        if not isinstance(self.predicted, Prediction):
+            object.__setattr__(self, "predicted", Prediction.from_dict(self.predicted))
 
     # -- editing --------------------------------------------------------------------------------------
     def with_tensor(self, name: str, **changes: Any) -> "Plan":
@@ -183,7 +187,7 @@ class Plan:
 
     def digest(self) -> str:
         """A short hash of the plan's decisions (not of its predictions)."""
-        decisions = dataclasses.replace(self, predicted=None)
+        decisions = dataclasses.replace(self, predicted=EMPTY)
         return hashlib.sha256(decisions.to_json().encode()).hexdigest()[:16]
 
     def __reduce__(self):
@@ -205,7 +209,7 @@ class Plan:
             "recompute": list(self.recompute),
             "mixed_precision": None if self.mixed_precision is None else dict(self.mixed_precision),
             "pipeline": None if self.pipeline is None else _pipeline_dict(self.pipeline),
-            "predicted": None if self.predicted is None else dict(self.predicted),
+            "predicted": self.predicted.to_dict(),
         }
 
     def to_json(self) -> str:

@@ -2,7 +2,7 @@
 rank's peak with the micro-batches it holds at once.
 
 A stage's share of the work is its share of the forward FLOPs the cut measured (``PipelineChoice.flops``);
-its forward takes that share of one micro-batch's forward on one rank (:mod:`dynshard.planning.cost_model`),
+its forward takes that share of one micro-batch's forward on one rank (:mod:`.cost_model`),
 its backward twice that (recompute adds its share of the recomputed blocks' time). The schedule is run by
 the executor's own simulator (:func:`dynshard.runtime.pipeline.simulate.simulate`) with the slowest stage's
 costs and the boundary's transfer time (``alpha + bytes / bandwidth`` of a point-to-point message, priced as
@@ -22,15 +22,17 @@ import functools
 import math
 from collections import defaultdict
 
-from ...planning import STAGE_SEPARATOR, Plan
-from ...planning.cost_model import (DeviceProfile, UnitCosts, forward_seconds, instance_seconds, parameter_seconds,
+from ..planning import STAGE_SEPARATOR, Plan
+from .device_profile import DeviceProfile
+from .cost_model import (UnitCosts, forward_seconds, instance_seconds, parameter_seconds,
                                     round_seconds, update_seconds)
-from ...planning.costs import memory_at_rest, mirrored, tensor_collectives, tp_collectives, whole_bytes
-from ...runtime.pipeline.schedules import build_schedule
-from ...runtime.pipeline.simulate import simulate
+from ..planning.costs import memory_at_rest, tensor_collectives, tp_collectives, whole_bytes
+from ..planning.prediction import Collectives, Cost, RankMemory
+from ..runtime.pipeline.schedules import build_schedule
+from ..runtime.pipeline.simulate import simulate
 
 
-def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transient_mem_coef: float) -> dict:
+def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transient_mem_coef: float) -> Cost:
     p = plan.pipeline
     total = sum(p.flops) or 1
     shares = [f / total for f in p.flops]
@@ -73,21 +75,19 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
         dp_comm += profile.meeting_seconds(1, busy)       # (see cost_model: one meeting after the step)
     dp_comm += shared
     peak = busiest.total + during + transient
-    return {
-        "step_seconds": round_seconds(simulated.makespan + updates + dp_comm),
-        "compute_seconds": round_seconds(busy),
-        "communication_seconds": round_seconds(dp_comm),      # (tp's is inside the stages' times, hence compute)
-        "tp_communication_seconds": round_seconds(p.nmicros * max(sum(stage) for stage in tp)),
-        "dp_communication_seconds": round_seconds(dp_comm - shared),
-        "shared_gradient_seconds": round_seconds(shared),
-        "bubble_seconds": round_seconds(simulated.makespan + updates - busy),
-        "tp_collectives_per_micro_batch": {
-            "count": tp_collectives(plan)[0], "bytes": int(tp_collectives(plan)[1])},
-        "micro_batches_held": list(held),
-        "bytes_per_rank": {"parameters": busiest.parameters, "buffers": busiest.buffers, "gradients": busiest.gradients,
-                           "optimizer": busiest.optimizer, "gathered": int(replicas), "activations": int(activations),
-                           "transient": int(transient), "peak": math.ceil(peak)},
-    }
+    return Cost(
+        step_seconds=round_seconds(simulated.makespan + updates + dp_comm),
+        compute_seconds=round_seconds(busy),
+        communication_seconds=round_seconds(dp_comm),      # (tp's is inside the stages' times, hence compute)
+        tp_communication_seconds=round_seconds(p.nmicros * max(sum(stage) for stage in tp)),
+        dp_communication_seconds=round_seconds(dp_comm - shared),
+        shared_gradient_seconds=round_seconds(shared),
+        bubble_seconds=round_seconds(simulated.makespan + updates - busy),
+        tp_collectives_per_micro_batch=Collectives(tp_collectives(plan)[0], int(tp_collectives(plan)[1])),
+        micro_batches_held=tuple(held),
+        bytes_per_rank=RankMemory(busiest.parameters, busiest.buffers, busiest.gradients, busiest.optimizer,
+                                  int(replicas), int(activations), int(transient), math.ceil(peak)),
+    )
 
 
 def shared_seconds(plan: Plan, profile: DeviceProfile, rank_stages: list[set[int]]) -> float:
@@ -127,11 +127,11 @@ def stage_tp_seconds(plan: Plan, profile: DeviceProfile, compute: list[float]) -
     the two by their calls."""
     nstages = plan.pipeline.nstages
     seconds, calls = [[0.0, 0.0] for _ in range(nstages)], [[0, 0] for _ in range(nstages)]
-    for c in (plan.predicted or {}).get("forward_collectives", ()):
-        stage, _, _ = c["at"].partition(STAGE_SEPARATOR)
-        if c["dim"] == "tp" and stage.isdigit() and int(stage) < nstages:
-            for phase in (0, 1) if mirrored(c) else (0,):
-                seconds[int(stage)][phase] += profile.collective_seconds(c["kind"], c["bytes"], plan.mesh.tp)
+    for c in plan.predicted.collectives:
+        stage, _, _ = c.at.partition(STAGE_SEPARATOR)
+        if c.dim == "tp" and stage.isdigit() and int(stage) < nstages:
+            for phase in (0, 1) if c.mirrored else (0,):
+                seconds[int(stage)][phase] += profile.collective_seconds(c.kind, c.bytes, plan.mesh.tp)
                 calls[int(stage)][phase] += 1
     found = []
     for (forward, backward), (f, b), spent in zip(seconds, calls, compute):

@@ -2,7 +2,7 @@
 parameters take ZeRO rows, for the fastest step under the memory budget (an ILP on HiGHS).
 
 For a candidate (a placement and a ZeRO level; ``base`` is its plan with every eligible parameter in ZeRO
-rows) and the cost model of :mod:`dynshard.planning.cost_model`:
+rows) and the cost model of :mod:`.cost_model`:
 
 Repeated layers are tied: instances of the repeated module with equal costs form one group ``g`` of ``n_g``,
 and parameters with equal costs (a layer's weight in every layer, or any of one shape and dtype) one group
@@ -39,11 +39,12 @@ import dataclasses
 
 import numpy as np
 
-from ...planning import Plan
-from ...planning.cost_model import (DeviceProfile, UnitCosts, dp_waits, gathered_bytes, instance_seconds,
+from ..planning import Plan
+from .device_profile import DeviceProfile
+from .cost_model import (UnitCosts, dp_waits, gathered_bytes, instance_seconds,
                                     parameter_seconds, predict, regions, rest_bytes, update_seconds)
-from ...planning.costs import tensor_collectives
-from ...planning.solver import NANOSECONDS, Solution, solve
+from ..planning.costs import tensor_collectives
+from .solver import NANOSECONDS, Solution, solve
 
 MEMORY_TIE = 1e-15          # seconds per byte of peak: breaks ties toward less memory, never more than 1 us/GB
 
@@ -62,7 +63,7 @@ def choose(base: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, tr
     rows_eligible = [name for name, t in base.tensors.items() if t.kind == "parameter" and t.dp == "zero"]
     replicated = _with_rows(base, set())
     replicated = dataclasses.replace(replicated, recompute=base.recompute if not search_recompute else ())
-    floor = predict(replicated, unit, nmicros, profile, transient_mem_coef)["bytes_per_rank"]["peak"]
+    floor = predict(replicated, unit, nmicros, profile, transient_mem_coef).bytes_per_rank.peak
     # each member's coefficients: (seconds, bytes) it adds when recomputed / in rows
     recomputed = [(nmicros * instance_seconds(i, profile), i.entry_bytes - i.saved_bytes, i.saved_bytes)
                   for i in instances]
@@ -131,7 +132,7 @@ def choose(base: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, tr
         return Choice(base, solution)
     # in step seconds: the objective is the step with nothing recomputed and every parameter replicated
     # (whose all-reduce latency the y_rep term carries) plus the chosen changes
-    offset = predict(replicated, unit, nmicros, profile, transient_mem_coef)["step_seconds"] - (
+    offset = predict(replicated, unit, nmicros, profile, transient_mem_coef).step_seconds - (
         cost[size - 2] if zero_vars else 0.0) - MEMORY_TIE * floor
     objective, bound = solution.objective / NANOSECONDS + offset, solution.bound / NANOSECONDS + offset
     solution = dataclasses.replace(solution, objective=objective, bound=bound,

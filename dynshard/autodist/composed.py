@@ -13,12 +13,12 @@ this makes ``2k + 2`` of them (tp, the batch base, each kind whole and on batch 
 of the ``2 * (2^k - 2)`` variants of ``k`` kinds.
 
 Summed term by term (each op's output too, whose largest is the transient), the estimate is what
-:func:`dynshard.planning.cost_model.predict` reads off the plan the tp policy makes, wherever the kinds'
+:func:`.cost_model.predict` reads off the plan the tp policy makes, wherever the kinds'
 changes are independent: on a GPT all 6 variants of two kinds (a test holds every estimate to the plan). A
 collective two kinds' changes each remove (at their boundary) is removed once. Where they interact
 otherwise the estimate can be wrong, so autodist plans the variant it would choose for real (one propagation,
 with the estimate's placements), prices it again and chooses again, as with a hybrid's stages
-(:func:`dynshard.backend.autodist.search`).
+(:func:`.plan_search.search`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from ...planning import Plan
-from ...planning.cost_model import UnitCosts
+from ..planning import Plan
+from .cost_model import UnitCosts
+from ..planning.prediction import ForwardCollective
 
 _ADDED = ("forward_flops", "forward_bytes", "saved_bytes", "replicated_grad_bytes", "replicated_grads")
 _ADDED_PER_INSTANCE = ("saved_bytes", "entry_bytes", "flops", "bytes", "input_bytes")
@@ -52,9 +53,9 @@ def _composed_plan(base: Plan, parts: list[Plan]) -> Plan | None:
         count.subtract(_key(c) for c in _collectives(base))
     if tensors is None or activations is None:
         return None
-    collectives = [found[key] for key in sorted(count) for _ in range(max(count[key], 0))]
+    collectives = tuple(found[key] for key in sorted(count) for _ in range(max(count[key], 0)))
     return dataclasses.replace(base, tensors=tensors, activations=activations,
-                               predicted={**(base.predicted or {}), "forward_collectives": collectives})
+                               predicted=dataclasses.replace(base.predicted, forward_collectives=collectives))
 
 
 def _changes(base, parts) -> dict | None:
@@ -77,12 +78,13 @@ def _changes(base, parts) -> dict | None:
     return out
 
 
-def _collectives(plan: Plan) -> list[dict]:
-    return list((plan.predicted or {}).get("forward_collectives", ()))
+def _collectives(plan: Plan) -> tuple[ForwardCollective, ...]:
+    return plan.predicted.collectives
 
 
-def _key(collective: dict) -> tuple:
-    return tuple(sorted(collective.items()))
+def _key(collective: ForwardCollective) -> tuple:
+    """(in the order of its JSON's fields by name: the composed plan's collectives are sorted by it)"""
+    return tuple(sorted(collective.to_dict().items()))
 
 
 def _composed_costs(base: UnitCosts, parts: list[UnitCosts]) -> UnitCosts:

@@ -68,16 +68,18 @@ import torch
 import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
-from ...compat import StridedShard
-from ...compat.op_strategies import OpStrategyChoice, op_strategies, tensor_arguments
-from ...passes.propagate_sharding import transition_kind
-from ...passes.split_fused_projections import param_block
-from ...passes.vocab_parallel_loss import loss_pairs
-from ...config.pins import pin_of
-from ...planning import ActivationChoice, Plan, decode_placement, encode_placement
-from ...planning.cost_model import BUCKET_BYTES, DeviceProfile, UnitCosts, forward_seconds, tp_calls
-from ...planning.solver import NANOSECONDS, Solution, solve
-from ...runtime.sharding import SHARDS
+from ..compat import StridedShard
+from ..compat.op_strategies import OpStrategyChoice, op_strategies, tensor_arguments
+from ..passes.propagate_sharding import transition_kind
+from ..passes.split_fused_projections import param_block
+from ..passes.vocab_parallel_loss import loss_pairs
+from ..config.pins import pin_of
+from ..planning import ActivationChoice, Plan, decode_placement, encode_placement
+from ..planning.prediction import EMPTY
+from .device_profile import DeviceProfile
+from .cost_model import BUCKET_BYTES, UnitCosts, forward_seconds, tp_calls
+from .solver import NANOSECONDS, Solution, solve
+from ..runtime.sharding import SHARDS
 
 MEMORY_TIE = 1e-15          # seconds per byte held: among equally fast options, the smaller
 BACKWARD = 2                # the backward's work, in forwards
@@ -474,7 +476,7 @@ def as_plan(base: Plan, placed: OpPlacements, graph: fx.Graph, inputs, keys: dic
         activations[value] = ActivationChoice(encode_placement(placement), tuple(keys[r] for r in sorted(readers)))
     order = {name: i for i, name in enumerate(n.name for n in graph.nodes)}
     activations = {keys[name]: choice for name, choice in sorted(activations.items(), key=lambda item: order[item[0]])}
-    return dataclasses.replace(base, tensors=tensors, activations=activations, predicted=None), unsaid
+    return dataclasses.replace(base, tensors=tensors, activations=activations, predicted=EMPTY), unsaid
 
 
 def _tied(graph: fx.Graph, blocks: dict[str, list[str]], fixed: dict[str, Placement]) -> dict[fx.Node, fx.Node]:

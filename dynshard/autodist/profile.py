@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from . import compat
+from .. import compat
 
 ROOT = ""
 

@@ -27,11 +27,11 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Shard
 from torch.utils.flop_counter import flop_registry
 
-from ...compat import pytree
-from ...planning.cost_model import InstanceCosts, UnitCosts
+from ..compat import pytree
+from .cost_model import InstanceCosts, UnitCosts
 from .fused_traffic import aliases_input, fused_traffic
-from ...passes.tag_recompute import is_rng
-from ...planning.node_keys import module_paths
+from ..passes.tag_recompute import is_rng
+from ..planning.node_keys import module_paths
 
 _ROOT_CLASS = ""
 

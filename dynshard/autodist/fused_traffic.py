@@ -29,8 +29,8 @@ import torch
 import torch.fx as fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from ...compat import OpOverload, pytree
-from ...passes.tag_recompute import is_rng
+from ..compat import OpOverload, pytree
+from ..passes.tag_recompute import is_rng
 
 
 def aliases_input(node: fx.Node, out, env: dict) -> bool:

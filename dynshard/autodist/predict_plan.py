@@ -1,6 +1,6 @@
 """What any policy's plan is predicted to cost: ``dynshard.plan(..., device_profile=...)``.
 
-The cost model autodist searches with (:mod:`planning.cost_model`, :mod:`policies.autodist.pipeline_costs`)
+The cost model autodist searches with (:mod:`.cost_model`, :mod:`.pipeline_costs`)
 applied to the plan a policy made, so that a hand plan and autodist's choice read alike in ``explain`` and
 on the plan page: step seconds (compute, communication, bubble) and bytes per rank at the peak
 (activations kept for the backward and transient buffers besides what is held at rest). One call is one
@@ -17,35 +17,37 @@ import dataclasses
 import torch.fx as fx
 
 from ..config.autodist import AutodistOptions
-from ..passes import PassContext, run_passes
+from ..passes import PassContext, copy_graph, run_passes
 from ..passes.cast_to_compute_dtype import cast_to_compute_dtype
 from ..passes.lower_to_aten import lower
 from ..planning import Plan
-from ..planning.cost_model import DeviceProfile, UnitCosts, predict
-from ..policies.autodist.graph_costs import graph_costs, op_costs
-from ..policies.autodist.pipeline_costs import predict_pipeline, unit_at
+from ..planning.prediction import ProfileName
 from ..runtime.mesh import planning_layout
-from .plan_and_compile import copy_graph
-from .plan_graph import lower_graph, place_graph
+from .cost_model import UnitCosts, predict
+from .device_profile import DeviceProfile
+from .graph_costs import graph_costs, op_costs
+from .graphs import Graphs
+from .pipeline_costs import predict_pipeline, unit_at
 
 TRANSIENT_MEM_COEF = AutodistOptions.transient_mem_coef     # nnScaler's default, as autodist's
 
 
 def with_prediction(gm: fx.GraphModule, plan: Plan, ctx: PassContext, graph: fx.GraphModule,
-                    profile: DeviceProfile) -> Plan:
-    """``plan`` (made by ``plan_graph`` from ``gm``, leaving ``ctx`` and ``graph``) with its predicted costs in
-    ``predicted`` (what was there kept)."""
+                    profile: DeviceProfile, graphs: Graphs) -> Plan:
+    """``plan`` (made by ``graphs.plan`` from ``gm``, leaving ``ctx`` and ``graph``) with its predicted costs in
+    ``predicted.cost`` (what was there kept)."""
     if plan.pipeline is not None:
         if any(t.tp is None for t in plan.tensors.values()):
             return plan
         unit = whole_graph_costs(gm, ctx)
         if plan.mesh.tp > 1:
-            unit = unit_at(unit, tp_unit_costs(gm, ctx, plan.mesh.plan_ngpus), plan.mesh.plan_ngpus, plan.mesh.tp)
+            unit = unit_at(unit, tp_unit_costs(gm, ctx, plan.mesh.plan_ngpus, graphs), plan.mesh.plan_ngpus,
+                           plan.mesh.tp)
         predicted = predict_pipeline(plan, unit, profile, TRANSIENT_MEM_COEF)
     else:
         predicted = predict(plan, unit_costs(gm, ctx, graph), 1, profile, TRANSIENT_MEM_COEF)
-    return dataclasses.replace(plan, predicted={**(plan.predicted or {}), **predicted,
-                                                "device_profile": {"name": profile.name, "digest": profile.digest()}})
+    return dataclasses.replace(plan, predicted=dataclasses.replace(
+        plan.predicted, cost=predicted, device_profile=ProfileName(profile.name, profile.digest())))
 
 
 def unit_costs(gm: fx.GraphModule, ctx: PassContext, graph: fx.GraphModule) -> UnitCosts:
@@ -56,14 +58,14 @@ def unit_costs(gm: fx.GraphModule, ctx: PassContext, graph: fx.GraphModule) -> U
                        ctx.propagation)
 
 
-def tp_unit_costs(gm: fx.GraphModule, ctx: PassContext, ranks: int) -> UnitCosts:
+def tp_unit_costs(gm: fx.GraphModule, ctx: PassContext, ranks: int, graphs: Graphs) -> UnitCosts:
     """What one rank computes, keeps and sends with the whole graph placed by the tp policy over ``ranks``
     (the stages' tp options), on a layout with no process group."""
     config = dataclasses.replace(ctx.config, policy="tp", use_zero=0, zero_ngroups=1, zero_use_reduce_scatter=False,
                                  pas_config={"sequence_parallel": ctx.outline.pipeline.sequence_parallel})
     layout = planning_layout(ctx.layout.world_size, ranks, ctx.layout.device_type)
-    lowered, lowered_ctx = lower_graph(gm, ctx.inputs, config, layout, ctx.made_for)
-    _, placed_ctx, placed = place_graph(lowered, lowered_ctx, config)
+    lowered, lowered_ctx = graphs.lower(gm, ctx.inputs, config, layout, ctx.made_for)
+    _, placed_ctx, placed = graphs.place(lowered, lowered_ctx, config)
     return graph_costs(placed, ctx.inputs, op_costs(placed, ctx.inputs, placed_ctx.fake_mode), ranks,
                        placed_ctx.propagation)
 

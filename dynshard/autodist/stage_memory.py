@@ -32,12 +32,12 @@ from __future__ import annotations
 import numpy as np
 import torch.fx as fx
 
-from ...passes import PassContext
-from ...passes.cut_stages import cut_space, input_read_positions, stage_start_names
-from ...planning import Plan
-from ...planning.cost_model import UnitCosts
-from ...planning.costs import tensor_bytes
-from ...planning.stage_cuts import balanced_cuts, fitting_cut
+from ..passes import PassContext
+from ..passes.cut_stages import cut_space, input_read_positions, stage_start_names
+from ..planning import Plan
+from .cost_model import UnitCosts
+from ..planning.costs import tensor_bytes
+from ..planning.stage_cuts import balanced_cuts, fitting_cut
 from .pipeline_costs import activation_terms, gathered_bytes
 
 

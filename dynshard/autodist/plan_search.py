@@ -1,18 +1,20 @@
 """``policy="autodist"``: the plan the cost model predicts fastest that fits ``mem_constraint``, chosen before
 the layout is built, and then executed as a given plan (a loaded plan file takes the same path).
 
-The search, on rank 0 (the others receive its plan, or its error), for one captured graph:
-1. each placement of :func:`policies.autodist.space.placements` is planned by its policy on a layout with no
+The search, on rank 0 (the others receive its plan, or its error: ``backend.planner.autodist_plan``), for one
+captured graph, its candidates planned as the backend plans a graph without compiling it (``graphs``, the
+backend's :mod:`dynshard.backend.plan_graph`, handed in: :mod:`.graphs`):
+1. each placement of :func:`.space.placements` is planned by its policy on a layout with no
    process group behind it (``runtime.mesh.PlanningLayout``), at ZeRO level 1 when there are several
    units (which tensors take ZeRO rows), and costed per micro-batch on one rank
-   (:mod:`policies.autodist.graph_costs`); tp + sequence parallel and tp's variants are read off tp's plan
+   (:mod:`.graph_costs`); tp + sequence parallel and tp's variants are read off tp's plan
    (the plans their policy makes, tested byte for byte, without planning tp again); a variant of several
    kinds of layer whole or on batch shards is priced from the variants of one kind each
-   (:mod:`policies.autodist.composed`), not planned;
-2. every ZeRO level and recompute choice of it is priced (:func:`planning.cost_model.predict`); with
+   (:mod:`.composed`), not planned;
+2. every ZeRO level and recompute choice of it is priced (:func:`.cost_model.predict`); with
    ``explore_pipeline``, every pipeline of the unit's ranks too, a hybrid's stages priced from the tp plan of
-   step 1 (:mod:`policies.autodist.hybrid_stages`), and a pipeline over ``mem_constraint`` again with the
-   stage cut that fits (:mod:`policies.autodist.stage_memory`);
+   step 1 (:mod:`.hybrid_stages`), and a pipeline over ``mem_constraint`` again with the
+   stage cut that fits (:mod:`.stage_memory`);
 3. the fastest candidate whose peak fits wins (ties: the smaller peak, then the name); a candidate whose price
    was estimated (a hybrid priced from the tp plan, a variant from its parts) is planned for real before it
    can win, and priced again. The space is enumerated whole, so
@@ -39,22 +41,23 @@ from ..config import Config
 from ..config.autodist import INTERLEAVED_CHUNKS
 from ..config.pipeline import broken_schedule_rule
 from ..planning import Plan
-from ..planning.cost_model import DeviceProfile, UnitCosts, load_profile, predict
-from ..policies.autodist.choices import choose
-from ..policies.autodist.composed import composed
-from ..policies.autodist.hybrid_stages import estimated_stages
-from ..policies.autodist.pipeline_costs import predict_pipeline, unit_at
-from ..policies.autodist.stage_memory import cut_for_memory
-from ..policies.autodist.graph_costs import graph_costs, op_costs, repeated_blocks
-from ..policies.autodist.op_placement import as_plan, per_op_problem
-from ..policies.autodist.space import (BATCH_PARALLEL, PER_OP, PER_OP_FITTING, SEQUENCE_PARALLEL, Candidate, Placement,
-                                       left_whole, on_batch_shards, placements, recompute_choices, tp_variants,
-                                       with_choices, with_sequence_parallel, zero_levels)
+from ..planning.prediction import AutodistRecord, Candidate as CandidateRecord, Cost, OpPlacementSolve, ProfileName
 from ..runtime.mesh import planning_layout
 from ..runtime.pipeline.schedules import build_schedule
-from .agreement import from_rank0
-from .plan_graph import lower_graph, place_graph, plan_graph
+from .choices import choose
+from .composed import composed
+from .cost_model import UnitCosts, predict
+from .device_profile import DeviceProfile, load_profile
+from .graph_costs import graph_costs, op_costs, repeated_blocks
+from .graphs import Graphs
+from .hybrid_stages import estimated_stages
+from .op_placement import as_plan, per_op_problem
+from .pipeline_costs import predict_pipeline, unit_at
 from .predict_plan import whole_graph_costs
+from .space import (BATCH_PARALLEL, PER_OP, PER_OP_FITTING, SEQUENCE_PARALLEL, Candidate, Placement, left_whole,
+                    on_batch_shards, placements, recompute_choices, tp_variants, with_choices, with_sequence_parallel,
+                    zero_levels)
+from .stage_memory import cut_for_memory
 
 log = logging.getLogger("dynshard")
 GB = 1024 ** 3
@@ -62,13 +65,6 @@ GB = 1024 ** 3
 
 class AutodistError(ValueError):
     """No plan autodist can build fits the memory budget, or its inputs are wrong."""
-
-
-def autodist_plan(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str) -> Plan:
-    """The plan autodist chooses for ``gm`` in a job of ``world`` ranks, the same on every rank."""
-    text = from_rank0(lambda: search(gm, inputs, config, world, made_for, device_type).to_json(), AutodistError,
-                      "search a plan (autodist)")
-    return Plan.from_json(text, "the plan autodist chose on rank 0")
 
 
 def device_profile(config: Config, device_type: str) -> DeviceProfile:
@@ -92,17 +88,21 @@ def _cycle_collector_paused():
             gc.enable()
 
 
-def search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str) -> Plan:
+def search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str,
+           graphs: Graphs) -> Plan:
+    """The plan autodist chooses for the captured graph ``gm`` (its ``inputs`` described by the backend) in a
+    job of ``world`` ranks, made for ``made_for``; its candidates planned by ``graphs``."""
     with _cycle_collector_paused():
-        return _search(gm, inputs, config, world, made_for, device_type)
+        return _search(gm, inputs, config, world, made_for, device_type, graphs)
 
 
-def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str) -> Plan:
+def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str,
+            graphs: Graphs) -> Plan:
     start = time.perf_counter()
     options = config.autodist
     profile = device_profile(config, device_type)
     budget = options.mem_constraint_bytes
-    units, whole, estimated = planned_units(gm, inputs, config, world, made_for, device_type)
+    units, whole, estimated = planned_units(gm, inputs, config, world, made_for, device_type, graphs)
     real = functools.cache(lambda name: estimated[name]())     # (an estimated placement planned: once)
     limit = options.max_partition_degree
     whole_unit = limit is None or limit >= config.plan_ngpus      # may a tensor split over the whole unit?
@@ -122,7 +122,8 @@ def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, de
                     exact[row[0]] = functools.partial(_planned_ilp_row, placement, real, zero, config, profile)
     if options.explore_pipeline and config.plan_ngpus > 1:
         tp_unit = next(((base, unit) for placement, base, unit in units if placement.name == "tp"), None)
-        pipelines, hybrids = pipeline_plans(gm, inputs, config, world, made_for, device_type, profile, whole, tp_unit)
+        pipelines, hybrids = pipeline_plans(gm, inputs, config, world, made_for, device_type, profile, whole, tp_unit,
+                                            graphs)
         exact.update(hybrids)
         hand += pipelines
         fine += [(c.name, plan, None, p) for c, plan, p in pipelines]
@@ -134,45 +135,47 @@ def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, de
     seconds = time.perf_counter() - start
     solved = [row[2] for row in fine if row[2] is not None]
     statuses = {s.status for s in solved}
-    record = {
-        "chosen": name, **(solution.record() if solution is not None else {
-            "solver": "enumeration (pipelines: every schedule priced)", "objective": predicted["step_seconds"],
-            "bound": predicted["step_seconds"], "gap": 0.0, "lp_integral": None}),
-        "status": "optimal" if statuses <= {"optimal"} else "time limit",
-        "ilps": len(solved), "objective_seconds": predicted["step_seconds"],
-        "mem_constraint_gb": options.mem_constraint, "update_freq": options.update_freq,
-        "device_profile": {"name": profile.name, "digest": profile.digest()},
-        "task_name": options.task_name,
-        "candidates": [{"plan": c.name, "step_seconds": p["step_seconds"], "compute_seconds": p["compute_seconds"],
-                        "communication_seconds": p["communication_seconds"], "bubble_seconds": p["bubble_seconds"],
-                        "peak_bytes": p["bytes_per_rank"]["peak"],
-                        "fits": budget is None or p["bytes_per_rank"]["peak"] <= budget,
-                        "estimated": c.name in exact or c.name in guessed}     # (priced from tp's plan, or parts)
-                       for c, _, p in sorted(hand, key=lambda row: (row[2]["step_seconds"], row[0].name))],
-    }
+    step = predicted.step_seconds
+    solve = solution.record() if solution is not None else {
+        "solver": "enumeration (pipelines: every schedule priced)", "objective": step, "bound": step, "gap": 0.0,
+        "lp_integral": None}
+    record = AutodistRecord(
+        chosen=name, solver=solve["solver"], status="optimal" if statuses <= {"optimal"} else "time limit",
+        objective=solve["objective"], bound=solve["bound"], gap=solve["gap"], lp_integral=solve["lp_integral"],
+        ilps=len(solved), objective_seconds=step, mem_constraint_gb=options.mem_constraint,
+        update_freq=options.update_freq, device_profile=ProfileName(profile.name, profile.digest()),
+        task_name=options.task_name,
+        candidates=tuple(CandidateRecord(
+            plan=c.name, step_seconds=p.step_seconds, compute_seconds=p.compute_seconds,
+            communication_seconds=p.communication_seconds, bubble_seconds=p.bubble_seconds,
+            peak_bytes=p.bytes_per_rank.peak, fits=budget is None or p.bytes_per_rank.peak <= budget,
+            estimated=c.name in exact or c.name in guessed)     # (priced from tp's plan, or parts)
+            for c, _, p in sorted(hand, key=lambda row: (row[2].step_seconds, row[0].name))),
+    )
     level = logging.INFO if options.verbose else logging.DEBUG    # (the search's time is logged, not kept: a plan
                                                                    # is the same bytes for the same inputs)
     log.log(level, "autodist: %d hand plans and %d ILPs in %.2fs, chose %s (%.4gs a step, %.3g GB peak)", len(hand),
-            len(solved), seconds, name, predicted["step_seconds"], predicted["bytes_per_rank"]["peak"] / GB)
-    return dataclasses.replace(plan, policy="autodist", predicted={**(plan.predicted or {}), **predicted,
-                                                                    "autodist": record})
+            len(solved), seconds, name, step, predicted.bytes_per_rank.peak / GB)
+    return dataclasses.replace(plan, policy="autodist", predicted=dataclasses.replace(
+        plan.predicted, cost=predicted, autodist=record))
 
 
-def beaten_placements(hand: list[tuple[Candidate, Plan, dict]], budget: int | None) -> set[str]:
+def beaten_placements(hand: list[tuple[Candidate, Plan, Cost]], budget: int | None) -> set[str]:
     """The placements whose ILPs cannot win: each ILP chooses ZeRO rows and recompute, and each of those only
     adds time, so none beats the placement's plain plan (no ZeRO, no recompute); when that is predicted
     slower than a hand plan that fits, the placement is beaten (its ILPs are skipped, exactly)."""
-    fitting = min((p["step_seconds"] for _, _, p in hand if budget is None or p["bytes_per_rank"]["peak"] <= budget),
+    fitting = min((p.step_seconds for _, _, p in hand if budget is None or p.bytes_per_rank.peak <= budget),
                   default=math.inf)
-    return {c.placement.name for c, _, p in hand if not c.zero and not c.recompute and p["step_seconds"] > fitting}
+    return {c.placement.name for c, _, p in hand if not c.zero and not c.recompute and p.step_seconds > fitting}
 
 
-def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str
+def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str, graphs: Graphs
                   ) -> tuple[list[tuple[Placement, Plan, UnitCosts]], UnitCosts, dict[str, Callable[[], tuple]]]:
     """Each placement's plan (its eligible parameters in ZeRO rows when there are several units) and what one
     rank of its unit computes, keeps and sends per micro-batch; what the whole graph costs one rank; and, for
-    each tp variant of several kinds priced from its parts (:mod:`policies.autodist.composed`) rather than
+    each tp variant of several kinds priced from its parts (:mod:`.composed`) rather than
     planned, how to plan it for real: (its plan, its costs)."""
+    plan_graph, lower_graph, place_graph = graphs.plan, graphs.lower, graphs.place
     options = config.autodist
     config = config.resolve(world)
     dp = world // config.plan_ngpus
@@ -190,15 +193,15 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
     ops = op_costs(lowered, inputs, lowered_ctx.fake_mode)       # (placement-free: once for every placement)
     blocks = repeated_blocks(lowered)
 
-    solves: dict[str, dict] = {}      # a per-op ILP's plan -> its solve, which the plan records
+    solves: dict[str, OpPlacementSolve] = {}      # a per-op ILP's plan -> its solve, which the plan records
 
     def planned(placement: Placement, edit: Plan | None):
         """(plan, costs, propagated graph, context) of ``placement``, ``edit`` its plan read off another's."""
         base, ctx, graph = place_graph(lowered, lowered_ctx, placement.config(config, 1 if dp > 1 else 0, forced),
                                        edit)
         if placement.name in solves:
-            solve = {"op_placement": solves[placement.name]}
-            base = dataclasses.replace(base, predicted={**(base.predicted or {}), **solve})
+            base = dataclasses.replace(base, predicted=dataclasses.replace(base.predicted,
+                                                                           op_placement=solves[placement.name]))
         return base, graph_costs(graph, inputs, ops, layout.tp_size, ctx.propagation, blocks), graph, ctx
 
     def on_batch(plan: Plan, graph: fx.GraphModule, ctx) -> Plan | None:
@@ -272,12 +275,12 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
 
 
 def placed_per_op(lowered: fx.GraphModule, inputs, ops, blocks, tp: Plan, unit: UnitCosts, keys, layout,
-                  config: Config) -> list[tuple[Placement, Plan, dict]]:
-    """The per-op ILP's plan (:mod:`policies.autodist.op_placement`), unless it splits nothing (a unit repeating
+                  config: Config) -> list[tuple[Placement, Plan, OpPlacementSolve]]:
+    """The per-op ILP's plan (:mod:`.op_placement`), unless it splits nothing (a unit repeating
     the whole graph on every rank: data's batch split beats it) or is tp's own plan; and when what it holds is
     over ``mem_constraint`` (less tp's transient), the ILP's plan with a row that holds it there too: ZeRO and
     recompute, chosen for every candidate afterwards, may make the first fit and keep it faster. Each with its
-    solve, as its plan records it (``predicted["op_placement"]``)."""
+    solve, as its plan records it (``predicted.op_placement``)."""
     options = config.autodist
     problem = per_op_problem(lowered.graph, inputs, ops, blocks, tp, unit, layout,
                              device_profile(config, layout.device_type), options.update_freq,
@@ -291,8 +294,8 @@ def placed_per_op(lowered: fx.GraphModule, inputs, ops, blocks, tp: Plan, unit: 
                   f"; not said: {unsaid}" if unsaid else "")
         splits = any(t.tp != "R" for t in plan.tensors.values()) or any(a.tp != "R" for a in plan.activations.values())
         keep = splits and (plan.tensors, plan.activations) != (tp.tensors, tp.activations)
-        solve = {**placed.solution.record(), "nodes": placed.nodes, "reads": placed.edges,
-                 "held_bytes": int(placed.held), "budget_bytes": None if budget is None else int(budget)}
+        solve = OpPlacementSolve(**placed.solution.record(), nodes=placed.nodes, reads=placed.edges,
+                                 held_bytes=int(placed.held), budget_bytes=None if budget is None else int(budget))
         return ([(placement, plan, solve)] if keep else []), placed.held
 
     found, held = solved(PER_OP, None)
@@ -306,7 +309,7 @@ def placed_per_op(lowered: fx.GraphModule, inputs, ops, blocks, tp: Plan, unit: 
     return found
 
 
-def hand_plans(units, config: Config, world: int, profile: DeviceProfile) -> list[tuple[Candidate, Plan, dict]]:
+def hand_plans(units, config: Config, world: int, profile: DeviceProfile) -> list[tuple[Candidate, Plan, Cost]]:
     """The plans the hand policies make in the same space (uniform choices), each with its prediction."""
     options = config.autodist
     rows = []
@@ -321,14 +324,14 @@ def hand_plans(units, config: Config, world: int, profile: DeviceProfile) -> lis
 
 
 def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str,
-                   profile: DeviceProfile, whole: UnitCosts, tp_unit: tuple[Plan, UnitCosts] | None = None
-                   ) -> tuple[list[tuple[Candidate, Plan, dict]], dict[str, Callable[[], tuple[Plan, dict]]]]:
+                   profile: DeviceProfile, whole: UnitCosts, tp_unit: tuple[Plan, UnitCosts] | None, graphs: Graphs
+                   ) -> tuple[list[tuple[Candidate, Plan, Cost]], dict[str, Callable[[], tuple[Plan, Cost]]]]:
     """The pipelines of a unit's ranks, with each schedule, at each ZeRO level across the units, with and
     without recompute: the pp policy's (every rank of a unit one stage) and, for each factorisation of
     ``plan_ngpus`` into pp x tp stages, the hybrid policy's (its stages tp-split; priced with the tp policy's
     plan and costs over ``plan_ngpus`` ranks, ``tp_unit``: its tensors' placements and collectives
-    (:mod:`policies.autodist.hybrid_stages`), its figures carried to the stages' tp by
-    :func:`policies.autodist.pipeline_costs.unit_at`).
+    (:mod:`.hybrid_stages`), its figures carried to the stages' tp by
+    :func:`.pipeline_costs.unit_at`).
 
     Also, by candidate name, how to plan a hybrid candidate whose stages were priced from the tp plan for
     real: its plan, as the hybrid policy makes it, and that plan's prediction."""
@@ -362,7 +365,7 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
             placement = Placement(f"pp {schedule}" if tp == 1 else f"hybrid pp {pp} x tp {tp} {schedule}",
                                   "pp" if tp == 1 else "hybrid", tuple(pas.items()))
             base = placement.config(config, 1 if dp > 1 else 0, options.recompute_modules or "")
-            stages = functools.partial(_staged_plan, gm, inputs, base, layout, made_for,
+            stages = functools.partial(_staged_plan, graphs.plan, gm, inputs, base, layout, made_for,
                                        tp_unit[0] if tp > 1 else None, instances)
             if planned is not None and _same_stages(planned, schedule, pas.get("pipeline_nstages", pp)):
                 plan = _rescheduled(planned, schedule)      # (the policy's plan with that schedule: tested equal)
@@ -382,11 +385,12 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                     rows.append((candidate, staged, predicted))
                     if estimated:
                         exact[candidate.name] = functools.partial(
-                            _planned_for_real, candidate.name, gm, inputs, base, layout, made_for, zero, recompute,
+                            _planned_for_real, graphs.plan, candidate.name, gm, inputs, base, layout, made_for, zero,
+                            recompute,
                             config, unit, profile)
-                    if budget is None or predicted["bytes_per_rank"]["peak"] <= budget:
+                    if budget is None or predicted.bytes_per_rank.peak <= budget:
                         continue
-                    found = cut_for_memory(staged, *cut[1:], unit, predicted["micro_batches_held"], budget,
+                    found = cut_for_memory(staged, *cut[1:], unit, predicted.micro_batches_held, budget,
                                            options.transient_mem_coef)
                     if found is None or tuple(found[0]) == plan.pipeline.starts:
                         continue
@@ -401,22 +405,23 @@ def pipeline_plans(gm: fx.GraphModule, inputs, config: Config, world: int, made_
                                                  profile)))
                     if moved_estimated:
                         exact[again.name] = functools.partial(
-                            _planned_for_real, again.name, gm, inputs, base, layout, made_for, zero, recompute,
+                            _planned_for_real, graphs.plan, again.name, gm, inputs, base, layout, made_for, zero,
+                            recompute,
                             config, unit, profile, given)
     return rows, exact
 
 
 def _priced(plan: Plan, zero: int, recompute, config: Config, unit: UnitCosts,
-            profile: DeviceProfile) -> tuple[Plan, dict]:
+            profile: DeviceProfile) -> tuple[Plan, Cost]:
     """A pipeline plan at a ZeRO level and recompute choice, and its prediction."""
     staged = with_choices(plan, zero, recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
     return staged, predict_pipeline(staged, unit, profile, config.autodist.transient_mem_coef)
 
 
-def _staged_plan(gm, inputs, base: Config, layout, made_for, tp_plan: Plan | None, instances: tuple[str, ...],
-                 given: Plan | None = None) -> tuple[Plan, bool, tuple]:
+def _staged_plan(plan_graph, gm, inputs, base: Config, layout, made_for, tp_plan: Plan | None,
+                 instances: tuple[str, ...], given: Plan | None = None) -> tuple[Plan, bool, tuple]:
     """A pipeline candidate's plan (its stage cut the policy's, or ``given``'s), whether a hybrid's stages were
-    priced from the tp plan ``tp_plan`` (:mod:`policies.autodist.hybrid_stages`) rather than planned, and the
+    priced from the tp plan ``tp_plan`` (:mod:`.hybrid_stages`) rather than planned, and the
     cut: (its stages' tensors unplaced, the cut graph, its context)."""
     plan, ctx, graph = plan_graph(gm, inputs, base, layout, made_for, place_stages=tp_plan is None,
                                   given_pipeline=given)
@@ -431,7 +436,7 @@ def _staged_plan(gm, inputs, base: Config, layout, made_for, tp_plan: Plan | Non
 
 def _with_starts(plan: Plan, starts: list[str], searched: str = "") -> Plan:
     """``plan`` (a pipeline, its hybrid stages unplaced) with its stages starting at ``starts``: a given plan
-    for :func:`.plan_graph.plan_graph`, as a plan file with that cut is. ``searched``: how near the best a
+    for :func:`dynshard.backend.plan_graph.plan_graph`, as a plan file with that cut is. ``searched``: how near the best a
     local search's cut is ('' for the best)."""
     how = plan.pipeline.how.replace(", balanced by FLOPs", "") + (
         f", within mem_constraint by {searched}" if searched else ", the slowest stage lightest within mem_constraint")
@@ -439,8 +444,8 @@ def _with_starts(plan: Plan, starts: list[str], searched: str = "") -> Plan:
                                                                   how=how))
 
 
-def _planned_for_real(name: str, gm, inputs, base: Config, layout, made_for, zero: int, recompute, config: Config,
-                      unit: UnitCosts, profile: DeviceProfile, given: Plan | None = None) -> tuple:
+def _planned_for_real(plan_graph, name: str, gm, inputs, base: Config, layout, made_for, zero: int, recompute,
+                      config: Config, unit: UnitCosts, profile: DeviceProfile, given: Plan | None = None) -> tuple:
     """A hybrid candidate's row (name, plan, solution, prediction) with its stages planned."""
     plan, predicted = _priced(plan_graph(gm, inputs, base, layout, made_for, given_pipeline=given)[0], zero,
                               recompute, config, unit, profile)
@@ -462,7 +467,7 @@ def _ilp_row(placement: Placement, base: Plan, unit: UnitCosts, zero: int, confi
 
 
 def _planned_ilp_row(placement: Placement, real, zero: int, config: Config, profile: DeviceProfile) -> tuple | None:
-    """:func:`_ilp_row` of an estimated placement (:mod:`policies.autodist.composed`), planned for real."""
+    """:func:`_ilp_row` of an estimated placement (:mod:`.composed`), planned for real."""
     return _ilp_row(placement, *real(placement.name), zero, config, profile)
 
 
@@ -474,10 +479,10 @@ def _fastest_fitting(rows: list, exact: dict, budget: float | None, hand: list, 
     plan's (or dropped when its ILP has no solution), and the choice made again."""
     rows = list(rows)
     while True:
-        fitting = [row for row in rows if budget is None or row[3]["bytes_per_rank"]["peak"] <= budget]
+        fitting = [row for row in rows if budget is None or row[3].bytes_per_rank.peak <= budget]
         if not fitting:
             raise _nothing_fits(hand, mem_constraint)
-        best = min(fitting, key=lambda row: (row[3]["step_seconds"], row[3]["bytes_per_rank"]["peak"]))
+        best = min(fitting, key=lambda row: (row[3].step_seconds, row[3].bytes_per_rank.peak))
         if best[0] not in exact:
             return best
         found = exact.pop(best[0])()
@@ -521,11 +526,11 @@ def _describe(placement: str, plan: Plan, unit: UnitCosts) -> str:
 
 
 def _nothing_fits(rows, mem_constraint: float) -> AutodistError:
-    candidate, _, predicted = min(rows, key=lambda row: (row[2]["bytes_per_rank"]["peak"], row[0].name))
-    parts = {k: v for k, v in predicted["bytes_per_rank"].items() if k != "peak"}
+    candidate, _, predicted = min(rows, key=lambda row: (row[2].bytes_per_rank.peak, row[0].name))
+    parts = predicted.bytes_per_rank.parts()
     largest = max(sorted(parts), key=lambda k: parts[k])
     return AutodistError(
         f"dynshard: no plan autodist can build fits pas_config['mem_constraint']={mem_constraint} GB per device: the "
-        f"smallest peak is {predicted['bytes_per_rank']['peak'] / GB:.3g} GB ({candidate.name}), most of it "
+        f"smallest peak is {predicted.bytes_per_rank.peak / GB:.3g} GB ({candidate.name}), most of it "
         f"{largest} ({parts[largest] / GB:.3g} GB). Raise mem_constraint, use more ranks per unit (plan_ngpus) or "
         "units (ZeRO splits over them), or a smaller micro-batch")

@@ -7,7 +7,7 @@ loss in the last), of the same bytes at any tp (an all-reduce moves the whole ac
 stage costs lowering its graph to ATen and the tp policy's trials on it: per factorisation about one more
 lowering of the whole graph. autodist therefore prices every hybrid candidate from the tp plan the search
 has already made over the unit, and plans for real only the candidate it would choose (then prices that
-plan again and chooses again: :func:`dynshard.backend.autodist.search`). A slow test holds the estimate to
+plan again and chooses again: :func:`.plan_search.search`). A slow test holds the estimate to
 the plan the hybrid policy makes.
 
 Where the stages do not start at instances of the repeated layer (``pipe_split`` markers, pivots), a
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ...planning import STAGE_SEPARATOR, Plan
+from ..planning import STAGE_SEPARATOR, Plan
 
 
 def estimated_stages(plan: Plan, tp_plan: Plan, instances: tuple[str, ...]) -> Plan | None:
@@ -32,12 +32,12 @@ def estimated_stages(plan: Plan, tp_plan: Plan, instances: tuple[str, ...]) -> P
                                          else t.tp if t.tp is not None else "R")
                for name, t in plan.tensors.items()}
     collectives, stage = [], 0
-    for collective in (tp_plan.predicted or {}).get("forward_collectives", ()):
-        layer = _instance_of(collective["at"].partition(":")[0], order)
+    for collective in tp_plan.predicted.collectives:
+        layer = _instance_of(collective.at.partition(":")[0], order)
         if layer is not None:
             stage = sum(1 for start in starts if start <= layer)
-        collectives.append({**collective, "at": f"{stage}{STAGE_SEPARATOR}{collective['at']}"})
-    predicted = {**(plan.predicted or {}), "forward_collectives": collectives}
+        collectives.append(dataclasses.replace(collective, at=f"{stage}{STAGE_SEPARATOR}{collective.at}"))
+    predicted = dataclasses.replace(plan.predicted, forward_collectives=tuple(collectives))
     return dataclasses.replace(plan, tensors=tensors, predicted=predicted)
 
 

@@ -14,13 +14,13 @@ import itertools
 
 import torch.fx as fx
 
-from ...config import Config
-from ...config.pins import pin_of
-from ...passes.propagation import Propagation
-from ...planning import ActivationChoice, Plan, encode_placement
-from ...planning.plan import ZeroChoice
-from ..megatron import sequence_parallel_activations
-from ..repeated_layers import layer_pattern
+from ..config import Config
+from ..config.pins import pin_of
+from ..passes.propagation import Propagation
+from ..planning import ActivationChoice, Plan, encode_placement
+from ..planning.plan import ZeroChoice
+from ..policies.megatron import sequence_parallel_activations
+from ..policies.repeated_layers import layer_pattern
 
 ZERO_LEVELS = (0, 1, 2, 3)
 WHOLE_KINDS = 4             # kinds of split layers up to which every subset left whole is a candidate
@@ -47,7 +47,7 @@ class Placement:
 
 SEQUENCE_PARALLEL = Placement("tp + sequence parallel", "tp", (("sequence_parallel", True),))
 BATCH_PARALLEL = Placement("tp + batch parallel", "tp", (("batch_parallel", True),))
-PER_OP = Placement("tp, placed per op", "tp")     # the per-op ILP's plan (policies.autodist.op_placement)
+PER_OP = Placement("tp, placed per op", "tp")     # the per-op ILP's plan (autodist.op_placement)
 PER_OP_FITTING = Placement("tp, placed per op within mem_constraint", "tp")     # (the same, with its memory row)
 
 
