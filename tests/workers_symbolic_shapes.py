@@ -154,13 +154,17 @@ def saved_then_loaded(rank: int, world: int, path: str, options: dict, load: boo
     return result
 
 
-def modes_and_ends(rank: int, world: int) -> list[tuple[str, int]]:
+def modes_and_ends(rank: int, world: int, options: dict | None = None) -> list[tuple[str, int]]:
     """Dynamo graphs after each phase: training over lengths, eval under no_grad and inference_mode at other
-    batch sizes and lengths, the ragged last batch of an epoch, a batch of one row."""
+    batch sizes and lengths, the ragged last batch of an epoch, a batch of one row; then, per program, whether
+    it was compiled on symbols and the sizes it was compiled at (a program per size). Under a unit of several
+    ranks (``options``' plan_ngpus) the unit's ranks read one batch (rank 0's)."""
     torch.manual_seed(0)
     model = TokenMLP()
-    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(compiler="aot_eager"), dynamic=True)
+    options = {"compiler": "aot_eager", **(options or {})}
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(**options), dynamic=True)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
+    rank = rank if options.get("plan_ngpus", 1) == 1 else 0
     seen = []
     for step in range(4):
         compiled(*_batch(step, rank, 5 + step + rank, rows=4)).backward()
@@ -179,6 +183,7 @@ def modes_and_ends(rank: int, world: int) -> list[tuple[str, int]]:
     seen.append(("ragged last batch", _graphs()))
     compiled(*_batch(21, rank, 6, rows=1)).backward()
     seen.append(("one row", _graphs()))
+    seen.append(tuple((p.symbolic, p.compiled_sizes) for p in dynshard.explain(compiled).programs))
     return seen
 
 
