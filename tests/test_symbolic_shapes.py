@@ -98,12 +98,14 @@ def test_accumulation_over_lengths_trains_like_one_process():
         assert result["graphs"] == 1
 
 
-def test_the_plan_names_symbolic_dimensions_and_a_loaded_plan_serves_other_lengths(tmp_path):
-    path, options = str(tmp_path / "plans.json"), {"compiler": "aot_eager", "use_zero": 1}
-    saving = run_ranks(saved_then_loaded, 2, path, options, False)
-    for rank, result in enumerate(run_ranks(saved_then_loaded, 2, path, options, True)):
+@pytest.mark.parametrize("options, plan_ngpus", [({"use_zero": 1}, 1), ({"policy": "tp"}, 2)], ids=["zero1", "tp"])
+def test_the_plan_names_symbolic_dimensions_and_a_loaded_plan_serves_other_lengths(tmp_path, options, plan_ngpus):
+    """Under tp the loaded plan's one program is compiled on symbols, as the saving job's was."""
+    path, options = str(tmp_path / "plans.json"), {"compiler": "aot_eager", **options}
+    saving = run_ranks(saved_then_loaded, 2, path, options, False, plan_ngpus)
+    for rank, result in enumerate(run_ranks(saved_then_loaded, 2, path, options, True, plan_ngpus)):
         assert_trains_like_one_process(result, f"rank {rank} (loaded plan)")
-        assert result["graphs"] == 1
+        assert result["graphs"] == 1 and result["symbolic"] == [True] and result["sizes"] == [()], result
     (plan,) = saving[0]["plans"]
     shapes = {name: t["shape"] for name, t in plan["tensors"].items() if t["kind"] == "input"}
     assert shapes == {"x": [2, "d0", 8], "target": [2, 8]}, shapes

@@ -142,13 +142,16 @@ def _train_over_lengths(rank: int, world: int, options: dict, per_step: list[lis
             "local": {k: tuple(v.shape) for k, v in model.state_dict().items()}}
 
 
-def saved_then_loaded(rank: int, world: int, path: str, options: dict, load: bool) -> dict:
-    """A symbolic dp job that saves its plans (``load`` False: 2 steps), or a later job that runs them
-    (``load`` True: 3 steps, other lengths than the saving job's first); the length marked dynamic."""
+def saved_then_loaded(rank: int, world: int, path: str, options: dict, load: bool, plan_ngpus: int = 1) -> dict:
+    """A symbolic job (units of ``plan_ngpus`` ranks) that saves its plans (``load`` False: 2 steps), or a later
+    job that runs them (``load`` True: 3 steps, other lengths than the saving job's first); the length marked
+    dynamic."""
+    steps, first = (3, 5) if load else (2, 0)
+    per_step = lengths(first + steps, world // plan_ngpus)[first:]
+    options = {**options, "plan_ngpus": plan_ngpus, ("load_plan_path" if load else "save_plan_path"): path}
+    result = _train_over_lengths(rank, world, options, per_step, plan_ngpus, "mark_dynamic", 1)
     if not load:
-        return train_lengths(rank, world, {**options, "save_plan_path": path}, steps=2, mark="mark_dynamic")
-    result = train_lengths(rank, world, {**options, "load_plan_path": path}, steps=3, mark="mark_dynamic",
-                           first_step=5)
+        return result
     with open(path) as f:
         result["saved"] = f.read()
     return result
