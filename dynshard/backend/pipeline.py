@@ -119,7 +119,7 @@ def pipeline_plan(ctx: PassContext, schedule, place_stages: bool = True) -> Plan
     unplaced (``tp`` None: each stage's tp policy decides when it compiles)."""
     outline, layout, given = ctx.outline, ctx.layout, ctx.given
     tensors = {}
-    input_stages = ctx.stage_info["input_stages"]
+    input_stages = ctx.stage_info.input_stages
     for inp in ctx.inputs:
         zero = bool(outline.zero.level) and layout.dp_size > 1 and inp.is_state and inp.requires_grad
         tensors[inp.name] = TensorChoice.of(inp, "R" if layout.tp_size == 1 or not inp.is_state else None,
@@ -135,7 +135,7 @@ def pipeline_plan(ctx: PassContext, schedule, place_stages: bool = True) -> Plan
                     "recompute, or a hybrid stage's tp placements)")
     info = ctx.stage_info
     pipeline = dataclasses.replace(
-        outline.pipeline, starts=tuple(info["starts"]), how=info["how"], flops=tuple(info["flops"]),
+        outline.pipeline, starts=tuple(info.starts), how=info.how, flops=tuple(info.flops),
         stage_ranks=tuple(schedule.ranks_of(s) for s in range(schedule.nstages)))
     plan = Plan(made_for=ctx.made_for, policy=outline.policy, mesh=mesh_of(layout), zero=outline.zero,
                 tensors=tensors, recompute=outline.recompute, mixed_precision=outline.mixed_precision,

@@ -20,7 +20,7 @@ from ..runtime.sharding import placements_for
 from ..runtime.zero import ZeroSpec
 from .op_memo import OpMemo
 from .propagation import Propagation
-from .stages import StagedGraph
+from .stages import StageCut, StagedGraph
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +50,7 @@ class PassContext:
     constraints: dict[str, ActivationPlacement] = dataclasses.field(default_factory=dict)
     split_outputs: dict[int, tuple] = dataclasses.field(default_factory=dict)  # output -> DTensor spec
     timings: list[tuple[str, float]] = dataclasses.field(default_factory=list)
-    stage_info: dict[str, Any] = dataclasses.field(default_factory=dict)   # pipeline: how stages were cut
+    stage_info: StageCut | None = None       # pipeline: how stages were cut
     staged: StagedGraph | None = None        # pipeline: the graph cut into stages
     outlined: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # blocks compiled once: (class, calls)
     made_for: MadeFor | None = None  # the graph, world and modes the plan is for

@@ -38,7 +38,7 @@ from ..planning import PlanFileError
 from ..planning.node_keys import find_position, module_paths, node_keys
 from ..planning.stage_cuts import balanced_cuts
 from .context import PassContext
-from .stages import Stage, StagedGraph
+from .stages import Stage, StageCut, StagedGraph
 
 _PIPE_SPLIT = "pippy._pipe_split"
 _LIST_CHILD = re.compile(r"\.\d+$|\[\d+\]$")
@@ -197,16 +197,16 @@ def assign_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     nodes = _compute_nodes(gm)
     keys = node_keys(gm.graph)
     given = ctx.given.pipeline if ctx.given is not None else None
-    if "cuts" not in ctx.stage_info:
+    if ctx.stage_info is None:
         ctx.stage_info = _cuts_of(given, nodes, keys, gm, ctx) if given is not None else _choose_cuts(gm, nodes, ctx)
-    cuts = ctx.stage_info["cuts"]
+    cuts = ctx.stage_info.cuts
     nstages = ctx.outline.pipeline.nsegments
     if len(cuts) != nstages - 1 or cuts != sorted(cuts) or not all(0 < c < len(nodes) for c in cuts) \
             or len(set(cuts)) != len(cuts):
-        raise PlanFileError(f"dynshard: the plan's pipeline stages start at {ctx.stage_info.get('starts')}, which "
+        raise PlanFileError(f"dynshard: the plan's pipeline stages start at {ctx.stage_info.starts}, which "
                             f"does not cut this graph ({len(nodes)} ops) into {nstages} stages in graph order")
-    ctx.stage_info["starts"] = [_start_name(nodes, cut, keys) for cut in cuts]
-    ctx.stage_info["input_stages"] = _input_stages(gm, cuts)
+    ctx.stage_info.starts = [_start_name(nodes, cut, keys) for cut in cuts]
+    ctx.stage_info.input_stages = _input_stages(gm, cuts)
     stage = 0
     for position, node in enumerate(nodes):
         while stage < len(cuts) and position >= cuts[stage]:
@@ -232,7 +232,7 @@ def _cuts_of(given, nodes: list[fx.Node], keys: dict, gm: fx.GraphModule, ctx: P
         node_flops = _node_flops(gm, ctx)
         bounds = [0, *cuts, len(nodes)]
         flops = [sum(node_flops.get(n, 0) for n in nodes[a:b]) for a, b in zip(bounds, bounds[1:])]
-    return {"cuts": cuts, "how": given.how or "as the plan says", "flops": flops, "starts": list(given.starts)}
+    return StageCut(cuts, given.how or "as the plan says", flops, list(given.starts))
 
 
 def _input_stages(gm: fx.GraphModule, cuts: list[int]) -> list[list[int]]:
@@ -313,7 +313,7 @@ def _choose_cuts(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> 
     flops = _node_flops(gm, ctx)
     bounds = [0, *cuts, len(nodes)]
     stage_flops = [sum(flops.get(n, 0) for n in nodes[a:b]) for a, b in zip(bounds, bounds[1:])]
-    return {"cuts": list(cuts), "how": how, "flops": stage_flops}
+    return StageCut(list(cuts), how, stage_flops)
 
 
 def stage_start_names(gm: fx.GraphModule, cuts: list[int]) -> list[str]:
@@ -384,7 +384,7 @@ def split_stages(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         stages.append(Stage(s, compat.graph_module(gm, graph), tuple(index_of[n] for n in read_inputs), tuple(received),
                             tuple(produced), _modules(own)))
     outputs = [_output_ref(v, index_of) for v in _flat_outputs(output.args[0])]
-    ctx.staged = StagedGraph(stages, boundaries, outputs, ctx.stage_info["flops"], ctx.stage_info["how"])
+    ctx.staged = StagedGraph(stages, boundaries, outputs, ctx.stage_info.flops, ctx.stage_info.how)
     return gm
 
 

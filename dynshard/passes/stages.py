@@ -20,6 +20,19 @@ class Stage:
 
 
 @dataclasses.dataclass
+class StageCut:
+    """Where a pipeline's graph is cut: the positions among its compute nodes where stages 1.. start, how they
+    were chosen, each stage's forward FLOPs; then (once checked against the graph) the node keys the stages
+    start at and, per graph input, the stages that read it."""
+
+    cuts: list[int]
+    how: str
+    flops: list[int]
+    starts: list[str] = dataclasses.field(default_factory=list)
+    input_stages: list[list[int]] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
 class StagedGraph:
     stages: list[Stage]
     boundaries: list[tuple[str, ...]]   # boundaries[s]: values stage s hands to stage s + 1
