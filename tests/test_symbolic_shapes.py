@@ -1,7 +1,7 @@
 """Graphs with symbolic sizes (``dynamic=True``, ``mark_dynamic``, automatic dynamic shapes): one plan and one
 Dynamo graph for every length, each unit holding its own lengths, training like one process (gloo). Units of
-one rank (dp, ZeRO) compile one program; units of several ranks (tp), recompute and pipeline stages a program
-per size, from the one plan."""
+one rank (dp, ZeRO) and of several (tp, data, sequence parallel) compile one program, on symbols; recompute
+alone, pipeline stages and a program DTensor cannot place on symbols a program per size, from the one plan."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ import pytest
 
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
-from workers_symbolic_shapes import (modes_and_ends, pipeline_duck_shaped, pipeline_lengths,
-                                     pipeline_then_eval_generate_and_save, saved_then_loaded, split_logits_over_lengths,
-                                     train_lengths, train_lengths_in_units, train_one_row_on_one_rank, trainer_padding,
-                                     BranchOnRows)
+from workers_symbolic_shapes import (llama_eval_at_other_batch_sizes, modes_and_ends, pipeline_duck_shaped,
+                                     pipeline_lengths, pipeline_then_eval_generate_and_save, saved_then_loaded,
+                                     split_logits_over_lengths, train_lengths, train_lengths_in_units,
+                                     train_one_row_on_one_rank, trainer_padding, BranchOnRows)
 
 STEPS = 12     # 24 distinct lengths over the two ranks
 
@@ -207,6 +207,17 @@ def test_tp_trains_every_length_like_one_process_from_one_graph_and_one_plan(wor
         assert (result["local"]["up.weight"][0] < 32) == (options.get("policy") != "data"), result["local"]
 
 
+def test_a_program_dtensor_cannot_place_on_symbols_compiles_per_size_on_every_rank_and_trains_like_one_process():
+    """An op whose sharding rule refuses symbolic sizes (a custom op, OpaqueToSymbols): the program on symbols
+    fails on every rank, which all learn it, and each compiles a program per length from the one graph and
+    plan (4 lengths, 4 programs' sizes), training like one process."""
+    for rank, result in enumerate(run_ranks(train_lengths_in_units, 2, TP, 4, 2, None, 1, "OpaqueToSymbols")):
+        assert result["error"] is None, result["error"]
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert result["graphs"] == 1 and len(result["plans"]) == 1, result
+        assert result["symbolic"] == [False] and len(result["sizes"][0]) == 4, result
+
+
 def test_a_split_value_with_symbolic_sizes_is_refused_on_every_rank_and_automatic_shapes_keep_it_static():
     """A graph that receives another program's split output (a DTensor) compiles static shapes only: with
     dynamic=True every rank raises SymbolicShapesError at its first compile; with torch.compile's default the
@@ -242,14 +253,24 @@ def test_sequence_parallel_over_lengths_it_does_not_divide_trains_like_one_proce
 def test_trainer_with_a_padding_collator_in_one_unit_of_two_ranks_trains_like_one_process(options, dynamic):
     """tp-automatic: torch.compile's default, the first length static and the second one program on symbols (the
     unit's ranks read one batch, so they compile at the same step). tp under dynamic=True: the batch is
-    symbolic too, which DTensor cannot place through Llama's flattened heads, so a program per length from the
-    one graph. pp: the padding mask transformers reads by the batch's positions splits into micro-batches, and
+    symbolic too, flattened with Llama's split heads (the math attention's batched matmul) into a
+    ``_StridedShard`` whose split factor is the batch: one program on symbols as well. pp: the padding mask transformers reads by the batch's positions splits into micro-batches, and
     Trainer's clipping (accelerate's get_total_norm) sees the global norm."""
     (result, _) = run_ranks(trainer_padding, 2, {"compiler": "aot_eager", **options}, 6, 2, dynamic)
     assert_trains_like_one_process(result)
     assert result["graphs"] == (1 if dynamic else 2) and len(set(result["lengths"])) == 6, result["lengths"]
     if options["policy"] == "tp":
-        assert result["symbolic"] == ([False] if dynamic else [False, True]), result["symbolic"]
+        assert result["symbolic"] == ([True] if dynamic else [False, True]), result["symbolic"]
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
+def test_a_tp_llama_evaluated_at_other_batch_sizes_runs_one_program_on_symbols_and_matches_one_process(dynamic):
+    """Eval under no_grad at 3 and 5 rows after training at 2: the symbolic batch meets Llama's split heads
+    flattened into it (a ``_StridedShard`` whose split factor is the batch), placed on symbols
+    (compat.strided_shards): one eval program for both batch sizes, exact."""
+    for result in run_ranks(llama_eval_at_other_batch_sizes, 2, dynamic):
+        assert max(result["differences"]) < 1e-5, result["differences"]
+        assert result["symbolic"] == ([False, True, True] if dynamic is None else [True, True]), result
 
 
 PP = {"policy": "pp", "plan_ngpus": 2, "compiler": "aot_eager", "use_end2end": True,

@@ -60,12 +60,13 @@ def train_lengths(rank: int, world: int, options: dict, steps: int, mark: str = 
 
 
 def train_lengths_in_units(rank: int, world: int, options: dict, steps: int, plan_ngpus: int,
-                           per_step: list[list[int]] | None = None, accumulation: int = 1) -> dict:
+                           per_step: list[list[int]] | None = None, accumulation: int = 1,
+                           model: str = "TokenMLP") -> dict:
     """Units of ``plan_ngpus`` ranks (tp): the ranks of a unit read one batch, the units their own lengths
     (``per_step``: each step's, per unit). A step that raises ends the run: its error is returned."""
     per_step = per_step or lengths(steps, world // plan_ngpus)
     return _train_over_lengths(rank, world, {"plan_ngpus": plan_ngpus, **options}, per_step, plan_ngpus,
-                               "dynamic", accumulation, stop_at_error=True)
+                               "dynamic", accumulation, stop_at_error=True, model_class=globals()[model])
 
 
 def train_one_row_on_one_rank(rank: int, world: int, options: dict, steps: int, alone_step: int,
@@ -76,6 +77,39 @@ def train_one_row_on_one_rank(rank: int, world: int, options: dict, steps: int, 
         return 1 if (step, unit) == (alone_step, world - 1) else 2
     return _train_over_lengths(rank, world, options, lengths(steps, world), 1, mark, 1, stop_at_error=True,
                                rows=rows, model_class=model_class)
+
+
+@torch.library.custom_op("dynshard_tests::doubled", mutates_args=())
+def doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+doubled.register_fake(torch.empty_like)
+doubled.register_autograd(lambda ctx, grad: doubled(grad))
+
+
+def _doubled_placements(x):
+    """DTensor's rule for ``doubled``: any placement, kept; a rule that cannot reason on symbolic sizes."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if any(isinstance(size, torch.SymInt) for size in x.shape):
+        raise NotImplementedError("doubled has no sharding rule for symbolic sizes")
+    return [([p], [p]) for p in (Replicate(), *(Shard(d) for d in range(len(x.shape))))]
+
+
+class OpaqueToSymbols(TokenMLP):
+    """TokenMLP with an op between its two layers (a custom op of this module) that DTensor places at
+    concrete sizes only: its program on symbols fails, and every rank compiles a program per size."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.distributed.tensor.experimental import register_sharding
+
+        register_sharding(torch.ops.dynshard_tests.doubled.default)(_doubled_placements)
+
+    def forward(self, x, target):
+        h = self.norm(x + self.down(doubled(torch.nn.functional.gelu(self.up(x)))))
+        return torch.nn.functional.mse_loss(h.mean(dim=1), target)
 
 
 class BranchOnRows(TokenMLP):
@@ -405,3 +439,36 @@ def split_logits_over_lengths(rank: int, world: int, dynamic: bool | None) -> di
         out["steps"] += 1
     out["graphs"] = _graphs()
     return out
+
+
+def llama_eval_at_other_batch_sizes(rank: int, world: int, dynamic: bool | None) -> dict:
+    """A tp Llama (one unit of both ranks) trained at 2 rows over three lengths, then evaluated under no_grad
+    at 3 and 5 rows: the eval graph's batch is symbolic, flattened with the split heads. Per call, the largest
+    difference to one process (loss, then logits in eval); per program, whether it was compiled on symbols."""
+    from workers_trainer import build_llama
+
+    model = build_llama()
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="dynshard", dynamic=dynamic,
+                             options=dynshard.Config(plan_ngpus=2, policy="tp", compiler="aot_eager"))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=LR, momentum=MOMENTUM) for m in (model, reference))
+    generator = torch.Generator().manual_seed(0)
+    differences = []
+    for length in (5, 9, 12):
+        ids = torch.randint(0, 100, (2, length), generator=generator)
+        losses = []
+        for m, o in ((compiled, opt), (reference, ref_opt)):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+        differences.append(abs(losses[0] - losses[1]))
+    with torch.no_grad():
+        for rows, length in ((3, 7), (5, 9)):
+            ids = torch.randint(0, 100, (rows, length), generator=generator)
+            out, ref = compiled(input_ids=ids, labels=ids), reference(input_ids=ids, labels=ids)
+            differences.append(max(abs(out.loss.item() - ref.loss.item()),
+                                   (out.logits - ref.logits).abs().max().item()))
+    return {"differences": differences, "symbolic": [p.symbolic for p in dynshard.explain(compiled).programs],
+            "graphs": _graphs()}

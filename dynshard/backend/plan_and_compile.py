@@ -9,6 +9,7 @@ from typing import Any, Sequence
 
 import dataclasses
 import logging
+import warnings
 
 import torch
 import torch.fx as fx
@@ -82,8 +83,10 @@ def _program_on_symbols(gm: fx.GraphModule, planned: PassContext, device_type: s
     try:
         with compat.dtensor_symbolic_tracing():
             rewritten = run_passes(run_passes(copy_graph(gm), ctx, LOWER), ctx, PLACE)
-            with compat.guards_left_out(ctx.fake_mode):     # a trial: where DTensor cannot place an op on
-                run_passes(rewritten, ctx, PROPAGATE)       # symbols, the frame keeps no guard of it
+            with compat.guards_left_out(ctx.fake_mode), warnings.catch_warnings():   # a trial: where DTensor
+                warnings.simplefilter("ignore")     # cannot place an op on symbols, the frame keeps no guard of it
+                run_passes(rewritten, ctx, PROPAGATE)
+                _check_no_new_fallbacks(ctx, planned)
             for phase in (PROPAGATE, REWRITE):
                 rewritten = run_passes(rewritten, ctx, phase)
             program = _compile(rewritten, ctx, device_type, backward, True, example_inputs, local_inputs)
@@ -96,6 +99,17 @@ def _program_on_symbols(gm: fx.GraphModule, planned: PassContext, device_type: s
         return None
     planned.timings.extend((f"{name} (on symbols)", t) for name, t in ctx.timings)
     return program
+
+
+def _check_no_new_fallbacks(on_symbols: PassContext, planned: PassContext) -> None:
+    """An op DTensor placed at the hints but runs whole (inputs gathered) on symbols would communicate what the
+    agreed plan does not: such a program is not made on symbols."""
+    new = {name: reason for name, reason in on_symbols.propagation.fallbacks.items()
+           if name not in planned.propagation.fallbacks}
+    if new:
+        name, reason = next(iter(new.items()))
+        raise NotImplementedError(f"{len(new)} op(s) DTensor places at the hints run whole on symbols, "
+                                  f"the first {name}: {reason}")
 
 
 def symbolic_inputs(gm: fx.GraphModule, inputs: Sequence[GraphInput]) -> list[GraphInput]:

@@ -16,9 +16,10 @@ only what the collectives carry (the parameters' gradients and shards) must agre
   program static), DTensor's propagation is asked uncached where a spec holds a symbol, collective bytes are
   read at the hints, a symbolic input's global shape is read from the local tensor, and torch's proxy tracer
   is mended while inside (``compat.dtensor_symbolic_tracing``). DTensor guards what its placements need (an
-  even split of a symbolic dimension: an odd size compiles another graph, planned at it). Where an op cannot
-  be placed on symbols (DTensor 2.13 refuses a symbolic ``_StridedShard`` split factor: a symbolic batch
-  flattened with split heads), every rank learns it and compiles a static program per size the unit meets,
+  even split of a symbolic dimension: an odd size compiles another graph, planned at it), and takes a
+  ``_StridedShard`` whose split factor is a symbol (a symbolic batch flattened with split heads,
+  ``compat.strided_shards``). Where an op cannot be placed on symbols, or would run whole there where the plan
+  splits it, every rank learns it and compiles a static program per size the unit meets,
   from the one plan (:func:`at_sizes`, ``CompiledPlan.build_sized``), logged; there, where the plan splits a
   dimension the size does not divide, ``propagate_sharding`` raises before the program is compiled, naming
   the value, the dimension, the size and the fix. ``recompute_modules`` alone (no unit of several ranks)

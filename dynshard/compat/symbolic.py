@@ -10,6 +10,8 @@ from typing import Any, Iterator, Sequence
 import torch
 import torch.fx as fx
 
+from .strided_shards import strided_shards_on_symbols
+
 _SYMBOL = re.compile(r"\b[su]\d+\b")
 
 
@@ -126,6 +128,8 @@ def dtensor_symbolic_tracing() -> Iterator[None]:
       backward) registers a thunk that reads its argument, and overwrites the tracer's entry for ``s`` with
       it: the argument then resolves through that entry to the thunk itself (``RecursionError`` in
       ``_compute_proxy``). Such a result is not registered: the tracer finds ``s`` as it knew it.
+
+    And DTensor's ``_StridedShard`` takes a split factor that is a symbol of Dynamo's (see :mod:`.strided_shards`).
     """
     import operator
 
@@ -146,7 +150,8 @@ def dtensor_symbolic_tracing() -> Iterator[None]:
 
     proxy_tensor._sym_register = _sym_register
     try:
-        yield
+        with strided_shards_on_symbols():
+            yield
     finally:
         proxy_tensor._sym_register = register
         if added_pow:
