@@ -53,9 +53,7 @@ def strided_shards_on_symbols() -> Iterator[None]:
     import torch.distributed.tensor._ops._view_ops as view_ops
     from torch.distributed.tensor.placement_types import _StridedShard
     from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
-    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
-
-    from .symbolic import size_hint
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols, guarding_hint_or_throw
 
     explicit_hint, matched_hint = view_ops._explicit_unbacked_hint, view_ops._split_factor_hint
     split_tensor, size_and_offset = _StridedShard._split_tensor, _StridedShard.local_shard_size_and_offset
@@ -63,7 +61,7 @@ def strided_shards_on_symbols() -> Iterator[None]:
     def backed_hint(value: object) -> int | None:
         hint = explicit_hint(value)
         if hint is None and _is_symbolic(value) and not free_unbacked_symbols(value.node.expr):
-            return size_hint(value)
+            return int(guarding_hint_or_throw(value))     # (read without a guard)
         return hint
 
     def matched_by_expression(value: object) -> int | None:
