@@ -64,7 +64,7 @@ def test_first_programs_that_would_communicate_otherwise_are_refused_on_every_ra
 @pytest.mark.parametrize("world, plan_ngpus, pp, options, stays_on", [
     (2, 1, 1, {}, True),                            # units of one rank: each compiles alone
     (2, 2, 1, {}, True),                            # one tp unit: its ranks read one batch
-    (4, 2, 1, {}, False),                           # dp x tp: the units meet new lengths at different steps
+    (4, 2, 1, {}, True),                            # dp x tp: each unit compiles alone, its ranks together
     (2, 2, 2, {}, False),                           # pp: a stage graph is traced again per micro-batch
     (2, 2, 1, {"gather_outputs": False}, False),    # a graph receiving a split value compiles static only
 ], ids=["dp", "tp", "dp-x-tp", "pp", "tp-split-outputs"])
@@ -207,6 +207,19 @@ def test_tp_trains_every_length_like_one_process_from_one_graph_and_one_plan(wor
         assert (result["local"]["up.weight"][0] < 32) == (options.get("policy") != "data"), result["local"]
 
 
+def test_automatic_dynamic_shapes_under_two_units_of_tp_compile_each_units_symbolic_program_at_its_own_step():
+    """torch.compile's default over 2 units of 2 tp ranks: unit 1's length does not change at step 1, so
+    unit 0 compiles its symbolic program at step 1, alone (its family agreed at step 0), and unit 1 at step 2;
+    their gradients' collectives are checked against the family's first program. 2 graphs per rank for 4
+    lengths per unit, exact."""
+    per_step = [[5, 6], [9, 6], [12, 13], [7, 4]]
+    for rank, result in enumerate(run_ranks(train_lengths_in_units, 4, TP, 4, 2, per_step, 1, "TokenMLP",
+                                            "automatic")):
+        assert result["error"] is None, result["error"]
+        assert_trains_like_one_process(result, f"rank {rank}")
+        assert result["graphs"] == 2 and result["symbolic"] == [False, True], result
+
+
 def test_a_program_dtensor_cannot_place_on_symbols_compiles_per_size_on_every_rank_and_trains_like_one_process():
     """An op whose sharding rule refuses symbolic sizes (a custom op, OpaqueToSymbols): the program on symbols
     fails on every rank, which all learn it, and each compiles a program per length from the one graph and
@@ -271,6 +284,16 @@ def test_a_tp_llama_evaluated_at_other_batch_sizes_runs_one_program_on_symbols_a
     for result in run_ranks(llama_eval_at_other_batch_sizes, 2, dynamic):
         assert max(result["differences"]) < 1e-5, result["differences"]
         assert result["symbolic"] == ([False, True, True] if dynamic is None else [True, True]), result
+
+
+@pytest.mark.slow
+def test_trainer_with_a_padding_collator_over_two_units_of_tp_trains_like_one_process_from_two_graphs():
+    """docs/transformers.md's unit recipe at torch.compile's default over 2 units of 2 tp ranks, each unit
+    padding its own rows: each unit compiles its first length static and its second on symbols, alone."""
+    results = run_ranks(trainer_padding, 4, {"compiler": "aot_eager", "policy": "tp"}, 6, 2, None)
+    for result in results:
+        assert_trains_like_one_process(result)
+        assert result["graphs"] == 2 and result["symbolic"] == [False, True], result["symbolic"]
 
 
 PP = {"policy": "pp", "plan_ngpus": 2, "compiler": "aot_eager", "use_end2end": True,

@@ -61,12 +61,12 @@ def train_lengths(rank: int, world: int, options: dict, steps: int, mark: str = 
 
 def train_lengths_in_units(rank: int, world: int, options: dict, steps: int, plan_ngpus: int,
                            per_step: list[list[int]] | None = None, accumulation: int = 1,
-                           model: str = "TokenMLP") -> dict:
+                           model: str = "TokenMLP", mark: str = "dynamic") -> dict:
     """Units of ``plan_ngpus`` ranks (tp): the ranks of a unit read one batch, the units their own lengths
     (``per_step``: each step's, per unit). A step that raises ends the run: its error is returned."""
     per_step = per_step or lengths(steps, world // plan_ngpus)
     return _train_over_lengths(rank, world, {"plan_ngpus": plan_ngpus, **options}, per_step, plan_ngpus,
-                               "dynamic", accumulation, stop_at_error=True, model_class=globals()[model])
+                               mark, accumulation, stop_at_error=True, model_class=globals()[model])
 
 
 def train_one_row_on_one_rank(rank: int, world: int, options: dict, steps: int, alone_step: int,

@@ -63,13 +63,16 @@ class _Agreement:
         self.compiles = 0
         self.generation = itertools.count()
 
-    def check(self, key: str, describe: Callable[[], dict], family: str | None = None) -> bool:
-        """Whether every rank compiles ``key``; where they do not, but every rank's ``family`` is the same,
-        False (each rank plans its own program, see .families); else raises."""
+    def check(self, key: str, describe: Callable[[], dict], family: str | None = None, unit: int = 1) -> bool:
+        """Whether every rank compiles ``key``; where they do not, but every rank's ``family`` is the same and
+        the ranks of each unit (``unit`` consecutive ranks, which read one batch) compile one key, False
+        (each unit plans its own program, see .families); else raises."""
         self.ensure_group()
         gathered = self.all_gather(key.encode().ljust(_KEY_BYTES, b"\0") + (family or "").encode(), 2 * _KEY_BYTES)
         keys, families = {g[:_KEY_BYTES] for g in gathered}, {g[_KEY_BYTES:] for g in gathered}
-        if len(keys) > 1 and family is not None and len(families) == 1:
+        units_agree = all(len({g[:_KEY_BYTES] for g in gathered[first:first + unit]}) == 1
+                          for first in range(0, len(gathered), unit))
+        if len(keys) > 1 and family is not None and len(families) == 1 and units_agree:
             self.compiles += 1
             return False
         if len(keys) > 1:
@@ -158,14 +161,16 @@ def _release_group() -> None:
 def ensure_ranks_agree(key: str, code: str, inputs: Sequence[GraphInput], config: Config,
                        layout: Layout, family: str | None = None) -> bool:
     """Raise PlanMismatchError on every rank unless all ranks compile the plan ``key``, or, given a
-    ``family`` (units of one rank, see .families), all ranks' programs are of that family: then returns
-    False where the keys differ (ranks holding batches of their own sizes plan their own programs).
+    ``family`` (see .families), all ranks' programs are of that family and each unit's ranks compile one key:
+    then returns False where the keys differ (units holding batches of their own sizes plan their own
+    programs).
 
     One all-gather of the key on a dynshard gloo group; nothing when this process is the whole job.
     """
     if not _checks_agreement():
         return True
-    return _AGREEMENT.check(key, lambda: describe_plan(key, code, inputs, config, layout), family)
+    return _AGREEMENT.check(key, lambda: describe_plan(key, code, inputs, config, layout), family,
+                            layout.plan_ngpus)
 
 
 def ensure_ranks_communicate_alike(what: str, describe: Callable[[], str]) -> None:
@@ -186,13 +191,16 @@ def ensure_ranks_communicate_alike(what: str, describe: Callable[[], str]) -> No
             "every rank batches of the same sizes (a collator's pad_to_multiple_of, drop_last=True)")
 
 
-def all_ranks_succeeded(succeeded: bool) -> bool:
-    """Whether every rank succeeded at a step they all take (a symbolic program's compile), so that every rank
-    goes on the same way."""
-    if not _checks_agreement():
+def unit_ranks_succeeded(succeeded: bool, layout: Layout) -> bool:
+    """Whether every rank of this plan unit succeeded at a step they take together (a symbolic program's
+    compile), so that they go on the same way: one byte over the unit's group. Only the unit's ranks take
+    it: another unit may compile the frame at another step, or not at all (see .families)."""
+    if not _checks_agreement() or layout.tp_mesh is None:
         return succeeded
-    _AGREEMENT.ensure_group()
-    return all(flag == b"\x01" for flag in _AGREEMENT.all_gather(b"\x01" if succeeded else b"\x00", 1))
+    device = torch.device("cuda", torch.cuda.current_device()) if layout.device_type == "cuda" else "cpu"
+    flag = torch.tensor([1 if succeeded else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=layout.tp_mesh.get_group())
+    return bool(flag.item())
 
 
 def ensure_ranks_agree_on_source(config: Config) -> None:

@@ -6,8 +6,13 @@ compile communicates (the plan key's agreement, rank 0's plan), so that rank wou
 are inside their step, waiting for its gradients.
 
 Where a plan unit is one rank (dp, ZeRO 1-3), what crosses ranks is the parameters' gradients and shards,
-which the batch's sizes do not change. Such a program's *family* is what decides its plan and collectives
-without the sizes: the frame Dynamo compiles, the config, the grad/autocast modes, the parameters and
+which the batch's sizes do not change. Where it is several (tp, sequence parallel, ``data``, styles), what
+crosses units is the same, and the unit's ranks read one batch, so they leave the frame's guards at the same
+call and compile together: what is alone then is the unit, whose ranks plan alike (the policy decides by the
+graph and its sizes, which they share) and tell each other only whether the program on symbols succeeded
+(``plan_and_compile``). The collectives checked are the ones that cross units; a unit's own (tp's, which
+carry activations: their bytes follow the sizes) are the unit's ranks' alike. A program's *family* is what
+decides its plan and cross-unit collectives without the sizes: the frame Dynamo compiles, the config, the grad/autocast modes, the parameters and
 buffers, and the user inputs' names, kinds, dtypes and ranks (not their sizes, nor the size inputs a
 symbolic graph has).
 
@@ -67,8 +72,9 @@ def family_key(inputs: Sequence[GraphInput], config: Config) -> str | None:
 
 
 def recorded_for(layout: Layout, outline) -> bool:
-    """Whether a program of this layout can be compiled alone: a plan unit of one rank, no pipeline."""
-    return layout.world_size > 1 and layout.plan_ngpus == 1 and outline.pipeline is None
+    """Whether a program of this layout can be compiled alone (by a rank, or a unit's ranks together): no
+    pipeline (a stage's graph is traced again per micro-batch, at its plan's inputs)."""
+    return layout.world_size > 1 and outline.pipeline is None
 
 
 def check_alone(compiled, family, family_index: int) -> None:
@@ -82,7 +88,8 @@ def check_alone(compiled, family, family_index: int) -> None:
     program = compiled.program
 
     def check(phase: str) -> None:
-        got, want = _sequence(program.collectives, phase), _sequence(family.program.collectives, phase)
+        got = _sequence(program.collectives, phase, compiled.layout)
+        want = _sequence(family.program.collectives, phase, compiled.layout)
         if phase == "backward" and "backward" not in family.program.graphs:
             # (the first program has not run a backward: this one's backward is the family's from now on)
             log.warning("dynshard: rank %d compiled a program alone whose backward cannot be checked: its family's "
@@ -109,7 +116,7 @@ def check_together(compiled) -> None:
 
     def check(phase: str) -> None:
         ensure_ranks_communicate_alike(f"the {phase}'s collectives",
-                                       lambda: repr(_sequence(program.collectives, phase)))
+                                       lambda: repr(_sequence(program.collectives, phase, compiled.layout)))
 
     ensure_ranks_communicate_alike("the parameters' and buffers' placements", lambda: repr(placements))
     for phase in program.graphs:
@@ -123,8 +130,9 @@ def _state_choices(compiled, plan) -> dict:
     return {name: choice for name, choice in plan.tensors.items() if name in state}
 
 
-def _sequence(collectives, phase: str) -> list[tuple[str, str, int]]:
-    return [(c.kind, c.group, c.bytes) for c in collectives if c.phase == phase]
+def _sequence(collectives, phase: str, layout: Layout) -> list[tuple[str, str, int]]:
+    """A phase's collectives that cross units (a unit's own are its ranks' alike, at sizes units differ in)."""
+    return [(c.kind, c.group, c.bytes) for c in collectives if c.phase == phase and c.group not in layout.placement_dims]
 
 
 def _describe(sequence: list[tuple[str, str, int]], at: int) -> str:
@@ -137,7 +145,7 @@ def _describe(sequence: list[tuple[str, str, int]], at: int) -> str:
 def _refuse(compiled, family_index: int, what: str) -> None:
     raise AloneCompileError(
         f"dynshard: rank {compiled.layout.rank} compiled a new program of a graph alone (Dynamo compiled the frame again "
-        f"for this rank's batch only: a batch of one row, or a size outside its guards), from the family every "
+        f"for this rank's (or unit's) batch only: a batch of one row, or a size outside its guards), from the family every "
         f"rank agreed on at compile #{family_index}, and it would not communicate as that family does: {what}. "
         "The other ranks' collectives would not match. Keep the model's code path the same for every batch size "
         "(no Python branch on a size), or give every rank batches of the same sizes (drop_last=True for the "

@@ -22,7 +22,7 @@ from ..runtime.graph_inputs import GraphInput
 from ..runtime.materialize import default_device
 from ..runtime.sharding import stored_shape
 from ..runtime.zero import zero_groups
-from .agreement import all_ranks_succeeded
+from .agreement import unit_ranks_succeeded
 from .compile import compile_program
 from .compiler import bucketing_patches
 from .plan_once import PlanAgreement
@@ -73,8 +73,9 @@ def _program_on_symbols(gm: fx.GraphModule, planned: PassContext, device_type: s
     the compile on Dynamo's examples: one program for every size the frame's guards admit. Where that fails
     (an op DTensor cannot place on symbolic sizes), None, logged: the program is compiled per size. The
     propagation is tried first with no guard recorded, so that such a failure does not specialize the frame
-    (a guard on the size it failed at would compile the next size again). Every rank of the job learns
-    whether every rank succeeded, so that all take the same path."""
+    (a guard on the size it failed at would compile the next size again). Every rank of the unit learns
+    whether every rank of it succeeded, so that they take the same path (another unit may take another:
+    both paths run the plan's collectives)."""
     tracing = compat.dynamo_tracing_context()
     ctx = PassContext(config=planned.config, layout=planned.layout, inputs=symbolic_inputs(gm, planned.inputs),
                       fake_mode=tracing.fake_mode, outline=planned.plan, made_for=planned.made_for,
@@ -93,7 +94,7 @@ def _program_on_symbols(gm: fx.GraphModule, planned: PassContext, device_type: s
     except Exception as error:       # noqa: BLE001 (logged, and the program is compiled per size instead)
         failure, program = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", None
         log.debug("dynshard: the program on symbolic sizes failed", exc_info=True)
-    if not all_ranks_succeeded(failure is None):
+    if not unit_ranks_succeeded(failure is None, ctx.layout):
         log.warning("dynshard: plan %s compiles a program per size: its program on symbolic sizes failed (%s)",
                     planned.made_for, failure or "on another rank")
         return None

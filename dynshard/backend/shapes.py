@@ -29,11 +29,10 @@ only what the collectives carry (the parameters' gradients and shards) must agre
   are the batch's symbol are divided with it, so the stage graphs run on micro-batches with no re-trace.
   :func:`check_micro_batch_split` refuses a batch symbol Dynamo also gave another dimension.
 - **Automatic dynamic shapes** (a size that changed once compiles symbolic) stay on, as torch.compile has them,
-  wherever the ranks that compile a frame again at the same step are the ranks that must agree on it: units
-  of one rank (each rank compiles alone, :mod:`.families`) and a job that is one unit of tp ranks (its ranks
-  read one batch). They are turned off at the first compile (:func:`limit_automatic_dynamic`) in a job of
-  several units of several ranks (dp x tp: one unit's lengths would change at another step than another's,
-  and a symbolic graph's first compile is agreed by every rank) and under a pipeline (a stage graph that holds
+  wherever the ranks that compile a frame again at the same step are the ranks that must agree on it: a unit
+  compiles its own programs of an agreed family alone (:mod:`.families`), a rank (dp, ZeRO) or a unit of tp
+  ranks (they read one batch, so they compile together), dp x tp too. They are turned off at the first
+  compile (:func:`limit_automatic_dynamic`) under a pipeline (a stage graph that holds
   its batch size is traced again per micro-batch, which must stay at the traced plan's inputs), and under a
   unit of several ranks whose outputs stay split (``gather_outputs=False``: the graph that receives a split
   value compiles static shapes only, below).
@@ -130,15 +129,12 @@ def at_sizes(inputs: Sequence[GraphInput], args: Sequence[Any]) -> list[GraphInp
 
 
 def limit_automatic_dynamic(layout: Layout, config: Config) -> None:
-    """Automatic dynamic shapes off for a job of several units of several ranks, a pipeline, or split outputs
-    under a unit of several ranks (see the module's notes)."""
+    """Automatic dynamic shapes off for a pipeline, or split outputs under a unit of several ranks (see the
+    module's notes)."""
     if not compat.automatic_dynamic_shapes():
         return
     if layout.pp_size > 1:
         why = f"a pipeline of {layout.pp_size} stages traces a graph again per micro-batch, at its plan's inputs"
-    elif layout.plan_ngpus > 1 and layout.world_size > layout.plan_ngpus:
-        why = (f"this job's {layout.dp_size} units of {layout.plan_ngpus} ranks meet new lengths at different "
-               "steps, and a symbolic graph is agreed by every rank")
     elif layout.plan_ngpus > 1 and not config.gather_outputs:
         why = "a graph that receives a split output (gather_outputs=False) compiles static shapes only"
     else:

@@ -71,8 +71,11 @@ class InputCheck:
     random numbers) on the first and every N-th one."""
 
     def __init__(self, names: Sequence[str], indices: Sequence[int], plan_ngpus: int, every: int,
-                 random_state: Callable[[], torch.Tensor] | None, peers: int):
+                 random_state: Callable[[], torch.Tensor] | None, peers: int,
+                 group: dist.ProcessGroup | None = None, first_rank: int = 0):
         self.names, self.indices = list(names), list(indices)
+        # the ranks compared: the unit's (its group; ``first_rank`` its first), or the job's (group None)
+        self.group, self.first_rank = group, first_rank
         self.plan_ngpus, self.every = plan_ngpus, every
         self.random_state = random_state
         self.peers = peers       # the consecutive ranks that run one program (and draw alike)
@@ -89,8 +92,11 @@ class InputCheck:
         random_state = generator_state(layout.device_type) if draws_random and layout.tp_size > 1 else None
         if every <= 0 or layout.plan_ngpus <= 1 or not (user or random_state) or not dist.is_initialized():
             return None
+        # a unit of tp ranks compares over its own group: a unit may run a program the others do not (one it
+        # compiled alone, see backend.families); a pipeline's unit has no group of its own, and compiles together
+        unit = layout.tp_mesh.get_group() if layout.pp_size == 1 and layout.tp_mesh is not None else None
         return cls([inp.name for inp in user], [inp.index for inp in user], layout.plan_ngpus, every, random_state,
-                   layout.tp_size)
+                   layout.tp_size, unit, layout.rank - layout.tp_rank if unit is not None else 0)
 
     def __call__(self, args: Sequence[Any]) -> None:
         due = self.calls % self.every == 0
@@ -105,9 +111,8 @@ class InputCheck:
             values.append(self.random_state())
         local = [digest(v).cpu() for v in values]
         mine = torch.stack(local).flatten().to(_collective_device())
-        world = dist.get_world_size()
-        gathered = [torch.empty_like(mine) for _ in range(world)]
-        dist.all_gather(gathered, mine)
+        gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(gathered, mine, group=self.group)
         digests = [g.cpu().view(-1, 2) for g in gathered]
         if self.random_state is not None:
             self._raise_on_random_mismatch([d[-1:] for d in digests])
@@ -116,6 +121,7 @@ class InputCheck:
 
     def _raise_on_random_mismatch(self, digests: list[torch.Tensor]) -> None:
         for first, rank in _differing(digests, self.peers):
+            first, rank = first + self.first_rank, rank + self.first_rank
             raise UnitInputMismatchError(
                 f"dynshard: ranks {first} and {rank} of plan unit {first // self.plan_ngpus} run one program that "
                 f"draws random numbers (dropout), but the random generator's state differs between them (call #{self.calls} of "
@@ -125,6 +131,7 @@ class InputCheck:
     def _raise_on_mismatch(self, digests: list[torch.Tensor]) -> None:
         for first, rank in _differing(digests, self.plan_ngpus):
             name = self.names[int((~_same(digests[rank], digests[first])).nonzero()[0])]
+            first, rank = first + self.first_rank, rank + self.first_rank
             raise UnitInputMismatchError(
                 f"dynshard: ranks {first} and {rank} of plan unit {first // self.plan_ngpus} "
                 f"(plan_ngpus={self.plan_ngpus}) were fed different values for input {name!r} "
