@@ -17,7 +17,7 @@ from workers_symbolic_shapes import (llama_eval_at_other_batch_sizes, modes_and_
                                      split_logits_over_lengths, train_lengths, train_lengths_in_units,
                                      train_one_row_on_one_rank, trainer_padding, BranchOnRows)
 
-STEPS = 12     # 24 distinct lengths over the two ranks
+STEPS = 25     # 50 distinct lengths over the two ranks
 
 
 @pytest.mark.parametrize("options", [
@@ -196,9 +196,9 @@ TP = {"policy": "tp", "compiler": "aot_eager"}
 ], ids=["one-unit", "two-units", "inductor", "two-units-zero3-accumulation", "data", "autodist"])
 def test_tp_trains_every_length_like_one_process_from_one_graph_and_one_plan(world, options, accumulation):
     """tp 2: one plan, made at the first call's sizes, and one program compiled on Dynamo's symbols for every
-    length (4 steps, 4 lengths per unit; two units hold different ones)."""
-    for rank, result in enumerate(run_ranks(train_lengths_in_units, world, {**TP, **options}, 4, 2, None,
-                                            accumulation)):
+    length (50 lengths: 50 steps of one unit, or 25 of two units holding different ones)."""
+    for rank, result in enumerate(run_ranks(train_lengths_in_units, world, {**TP, **options}, 100 // world, 2,
+                                            None, accumulation)):
         assert result["error"] is None, result["error"]
         assert_trains_like_one_process(result, f"rank {rank}")
         assert result["graphs"] == 1 and len(result["plans"]) == 1, result
