@@ -354,8 +354,13 @@ def why_not(plans: Sequence[Plan], name: str) -> str:
                       f"(+{other.step_seconds / step - 1:.0%})")
         elif other.step_seconds == step and other.peak_bytes >= peak:
             reason = f"it is as fast, and its peak ({other.peak_bytes} bytes) is not smaller than {peak}"
-        else:
-            reason = "it is no slower; the chosen plan refines a candidate further (recompute or ZeRO rows per part)"
+        elif other.estimated:
+            reason = (f"its {other.step_seconds:.4g} s a step is an estimate from other plans (marked * in explain's "
+                      "table), not its price planned for real")
+        else:       # (the search chooses the fastest fitting row it priced: a record that says otherwise is not its)
+            raise ValueError(f"dynshard.explain(...).why_not: {name} fits and is predicted faster than the chosen "
+                             f"{record.chosen} ({other.step_seconds:.4g} s against {step:.4g} s a step): this record's "
+                             "choice is not the fastest fitting plan it priced")
         lines.append(f"not {name}: {reason}. Chosen: {record.chosen}, {step:.4g} s a step, peak {peak} bytes.")
     return "\n".join(lines)
 

@@ -22,6 +22,7 @@ from parity import assert_trains_like_one_process
 from workers_pipeline import pipeline_parity
 from workers_transformers import train_transformers
 from workers_autodist import (candidate_plans_beside_hand_plans, estimated_variants_beside_planned,
+                              llama_with_zero_faster_than_without,
                               hand_predictions_beside_autodists, hybrid_candidates,
                               hybrid_stage_cut_under_a_budget, interleaved_stage_cut_under_a_budget, measured_peaks,
                               memory_budget_sweep, nothing_fits, offline_autodist, pruned_and_every_ilp,
@@ -389,6 +390,20 @@ def test_the_plan_predicts_the_tp_collectives_its_program_issues():
     predicted = run_ranks(predicted_tp_collectives, 1, timeout=600)[0]
     traced = run_ranks(traced_tp_collectives, 2, "inductor", timeout=900)[0]
     assert predicted == traced
+
+
+def test_the_chosen_plan_is_the_fastest_fitting_plan_it_priced_when_zero_beats_the_plain_plan():
+    """Issue 49: when ZeRO-2's rows are faster than no ZeRO, a placement's plain plan is not its fastest, and
+    skipping its ILPs (a beaten placement) left the choice to the ILPs of the rest: a plan slower than hand plans
+    the table lists as fitting, which why_not could not rule out. Every hand plan is a candidate itself."""
+    plan = Plan.from_json(run_ranks(llama_with_zero_faster_than_without, 1, timeout=300)[0])
+    record, step = plan.predicted.autodist, plan.predicted.cost.step_seconds
+    fitting = [c for c in record.candidates if c.fits]
+    assert step == min(c.step_seconds for c in fitting), (record.chosen, step)
+    explained = dynshard.explain([plan])
+    for c in fitting:
+        if c.plan != record.chosen and not c.estimated:
+            assert "predicted slower" in explained.why_not(c.plan) or "as fast" in explained.why_not(c.plan)
 
 
 def test_why_not_says_what_rules_a_hand_plan_out():

@@ -458,3 +458,14 @@ def traced_tp_collectives(rank: int, world: int, compiler: str) -> dict:
             traced = [c for c in dynshard.explain(compiled).collectives() if c.group == "tp"]
             found[f"{model_name}, {name}"] = (len(traced), sum(c.bytes for c in traced))
     return found
+
+
+def llama_with_zero_faster_than_without(rank: int, world: int) -> str:
+    """autodist over 64 ranks in units of 8 (the CUDA profile) for a 2-layer Llama with a long sequence, where
+    ZeRO-2's rows are faster than no ZeRO (a placement's plain plan is not its fastest): the plan's JSON."""
+    cfg = GPTConfig(vocab=32000, d_model=512, layers=2, heads=8, seq=1024)
+    with torch.device("meta"):
+        model = LlamaLM(cfg)
+    config = dynshard.Config(policy="autodist", plan_ngpus=8, pas_config={"device_profile": "cuda"})
+    plan, = dynshard.plan(model, gpt_batch(cfg, 1, 0), config, world_size=64)
+    return plan.to_json()

@@ -109,8 +109,8 @@ def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, de
     hand = hand_plans(units, config, world, profile) if whole_unit else []
     guessed = {c.name for c, _, _ in hand if c.placement.name in estimated}     # (hand rows priced from parts)
     exact = {}          # a row whose price was estimated -> its row planned for real
-    fine = []
     hopeless = beaten_placements([row for row in hand if row[0].name not in guessed], budget)
+    fine = []
     for placement, base, unit in units if whole_unit else ():
         if placement.name in hopeless:
             continue
@@ -120,6 +120,13 @@ def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, de
                 fine.append(row)
                 if placement.name in estimated:
                     exact[row[0]] = functools.partial(_planned_ilp_row, placement, real, zero, config, profile)
+    # every hand plan is a candidate too (after the ILPs' rows: a tie keeps the ILP's), so the choice is the
+    # fastest fitting plan that explain's table lists whatever the ILPs found or skipped; one priced from its
+    # parts is planned for real before it can win
+    fine += [(c.name, plan, None, p) for c, plan, p in hand]
+    for c, _, _ in hand:
+        if c.name in guessed:
+            exact[c.name] = functools.partial(_planned_hand_row, c, real, config, profile)
     if options.explore_pipeline and config.plan_ngpus > 1:
         tp_unit = next(((base, unit) for placement, base, unit in units if placement.name == "tp"), None)
         pipelines, hybrids = pipeline_plans(gm, inputs, config, world, made_for, device_type, profile, whole, tp_unit,
@@ -136,8 +143,10 @@ def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, de
     solved = [row[2] for row in fine if row[2] is not None]
     statuses = {s.status for s in solved}
     step = predicted.step_seconds
+    pipeline = plan.pipeline is not None
     solve = solution.record() if solution is not None else {
-        "solver": "enumeration (pipelines: every schedule priced)", "objective": step, "bound": step, "gap": 0.0,
+        "solver": "enumeration (pipelines: every schedule priced)" if pipeline else
+        "enumeration (a hand plan: uniform ZeRO and recompute, priced)", "objective": step, "bound": step, "gap": 0.0,
         "lp_integral": None}
     record = AutodistRecord(
         chosen=name, solver=solve["solver"], status="optimal" if statuses <= {"optimal"} else "time limit",
@@ -471,6 +480,15 @@ def _planned_ilp_row(placement: Placement, real, zero: int, config: Config, prof
     return _ilp_row(placement, *real(placement.name), zero, config, profile)
 
 
+def _planned_hand_row(candidate: Candidate, real, config: Config, profile: DeviceProfile) -> tuple:
+    """A hand plan's row (name, plan, solution, prediction) of a placement priced from its parts
+    (:mod:`.composed`), planned for real."""
+    base, unit = real(candidate.placement.name)
+    plan = with_choices(base, candidate.zero, candidate.recompute, config.zero_use_reduce_scatter, config.zero_ngroups)
+    return candidate.name, plan, None, predict(plan, unit, config.autodist.update_freq, profile,
+                                               config.autodist.transient_mem_coef)
+
+
 def _fastest_fitting(rows: list, exact: dict, budget: float | None, hand: list, mem_constraint: float,
                      guessed: set[str]):
     """The fastest row that fits (ties: the smaller peak), a candidate whose prediction was estimated (a hybrid
@@ -489,7 +507,7 @@ def _fastest_fitting(rows: list, exact: dict, budget: float | None, hand: list, 
         if found is None:
             rows.remove(best)
             continue
-        rows[rows.index(best)] = found
+        rows = [found if row[0] == best[0] else row for row in rows]     # (a hand plan and an ILP's of one name)
         for i, (candidate, _, _) in enumerate(hand):
             if candidate.name == best[0]:
                 hand[i] = (candidate, found[1], found[3])
