@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import unittest.mock
 
 import torch
 import torch.distributed as dist
@@ -66,14 +65,6 @@ def offline_autodist(rank: int, world: int, world_size: int, pas_config: dict) -
     except Exception as error:
         return _autodist_error(error)
     return plan.to_json()
-
-
-def pruned_and_every_ilp(rank: int, world: int, world_size: int, pas_config: dict) -> tuple[str, str]:
-    """autodist's plan JSON as it searches (the ILPs of beaten placements skipped), and with every ILP solved."""
-    pruned = offline_autodist(rank, world, world_size, pas_config)
-    with unittest.mock.patch.object(autodist, "beaten_placements", lambda hand, budget: set()):
-        every = offline_autodist(rank, world, world_size, pas_config)
-    return pruned, every
 
 
 def memory_budget_sweep(rank: int, world: int, world_size: int) -> list[str]:

@@ -31,7 +31,6 @@ import dataclasses
 import functools
 import gc
 import logging
-import math
 import time
 from typing import Callable
 
@@ -109,11 +108,8 @@ def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, de
     hand = hand_plans(units, config, world, profile) if whole_unit else []
     guessed = {c.name for c, _, _ in hand if c.placement.name in estimated}     # (hand rows priced from parts)
     exact = {}          # a row whose price was estimated -> its row planned for real
-    hopeless = beaten_placements([row for row in hand if row[0].name not in guessed], budget)
     fine = []
     for placement, base, unit in units if whole_unit else ():
-        if placement.name in hopeless:
-            continue
         for zero in zero_levels(world // config.plan_ngpus):
             row = _ilp_row(placement, base, unit, zero, config, profile)
             if row is not None:
@@ -167,15 +163,6 @@ def _search(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, de
             len(solved), seconds, name, step, predicted.bytes_per_rank.peak / GB)
     return dataclasses.replace(plan, policy="autodist", predicted=dataclasses.replace(
         plan.predicted, cost=predicted, autodist=record))
-
-
-def beaten_placements(hand: list[tuple[Candidate, Plan, Cost]], budget: int | None) -> set[str]:
-    """The placements whose ILPs cannot win: each ILP chooses ZeRO rows and recompute, and each of those only
-    adds time, so none beats the placement's plain plan (no ZeRO, no recompute); when that is predicted
-    slower than a hand plan that fits, the placement is beaten (its ILPs are skipped, exactly)."""
-    fitting = min((p.step_seconds for _, _, p in hand if budget is None or p.bytes_per_rank.peak <= budget),
-                  default=math.inf)
-    return {c.placement.name for c, _, p in hand if not c.zero and not c.recompute and p.step_seconds > fitting}
 
 
 def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_for, device_type: str, graphs: Graphs
