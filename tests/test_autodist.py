@@ -22,7 +22,7 @@ from parity import assert_trains_like_one_process
 from workers_pipeline import pipeline_parity
 from workers_transformers import train_transformers
 from workers_autodist import (candidate_plans_beside_hand_plans, estimated_variants_beside_planned,
-                              llama_with_zero_faster_than_without,
+                              llama3_8b_over_64_ranks, llama_with_zero_faster_than_without,
                               hand_predictions_beside_autodists, hybrid_candidates,
                               hybrid_stage_cut_under_a_budget, interleaved_stage_cut_under_a_budget, measured_peaks,
                               memory_budget_sweep, nothing_fits, offline_autodist,
@@ -478,3 +478,17 @@ def test_a_partition_degree_below_the_unit_leaves_only_pipelines_whose_stages_sp
     assert plan["pipeline"] is not None and plan["mesh"]["tp"] <= 2
     with pytest.raises(ConfigError, match="max_partition_degree.*explore_pipeline=True"):
         dynshard.Config(policy="autodist", plan_ngpus=4, pas_config={"max_partition_degree": 2})
+
+
+def test_at_llama3_8b_shapes_over_64_ranks_the_chosen_plan_is_the_fastest_fitting_plan_it_priced():
+    """Issue 49's report: units of 8 over 64 ranks chose a tp variant with recompute at 0.7712 s while the
+    table listed tp + sequence parallel + ZeRO-2 at 0.5782 s, fitting. The chosen plan is now the fastest
+    fitting row, and why_not names the number that rules each other fitting row out."""
+    plan = Plan.from_json(run_ranks(llama3_8b_over_64_ranks, 1, timeout=600)[0])
+    record, step = plan.predicted.autodist, plan.predicted.cost.step_seconds
+    fitting = [c for c in record.candidates if c.fits]
+    assert step == min(c.step_seconds for c in fitting), (record.chosen, step)
+    explained = dynshard.explain([plan])
+    for c in fitting:
+        if c.plan != record.chosen and not c.estimated:
+            assert "predicted slower" in explained.why_not(c.plan) or "as fast" in explained.why_not(c.plan)

@@ -460,3 +460,25 @@ def llama_with_zero_faster_than_without(rank: int, world: int) -> str:
     config = dynshard.Config(policy="autodist", plan_ngpus=8, pas_config={"device_profile": "cuda"})
     plan, = dynshard.plan(model, gpt_batch(cfg, 1, 0), config, world_size=64)
     return plan.to_json()
+
+
+def llama3_8b_over_64_ranks(rank: int, world: int) -> str:
+    """Issue 49's job, planned offline: transformers' Llama-3-8B shapes on the meta device, sequence 8192, one
+    row per unit, 64 ranks in units of 8, 80 GB, the CUDA profile. The plan's JSON."""
+    import transformers
+
+    class LM(transformers.LlamaForCausalLM):
+        def forward(self, idx, tgt):
+            logits = super().forward(input_ids=idx).logits
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt.reshape(-1))
+
+    cfg = transformers.LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                   num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                   max_position_embeddings=8192, use_cache=False)
+    with torch.device("meta"):
+        model = LM(cfg)
+    idx = torch.zeros(1, 8192, dtype=torch.long, device="meta")
+    config = dynshard.Config(policy="autodist", plan_ngpus=8,
+                             pas_config={"mem_constraint": 80, "device_profile": "cuda"})
+    plan, = dynshard.plan(model, (idx, idx.clone()), config, world_size=64)
+    return plan.to_json()
