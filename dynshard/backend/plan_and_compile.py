@@ -104,9 +104,14 @@ def _program_on_symbols(gm: fx.GraphModule, planned: PassContext, device_type: s
 
 def _check_no_new_fallbacks(on_symbols: PassContext, planned: PassContext) -> None:
     """An op DTensor placed at the hints but runs whole (inputs gathered) on symbols would communicate what the
-    agreed plan does not: such a program is not made on symbols."""
+    agreed plan does not: such a program is not made on symbols. Ops are matched by their node keys (the two
+    lowerings name their nodes apart)."""
+    def key(ctx: PassContext, name: str) -> str:
+        return ctx.node_keys.get(name, name)
+
+    before = {key(planned, name) for name in planned.propagation.fallbacks}
     new = {name: reason for name, reason in on_symbols.propagation.fallbacks.items()
-           if name not in planned.propagation.fallbacks}
+           if key(on_symbols, name) not in before}
     if new:
         name, reason = next(iter(new.items()))
         raise NotImplementedError(f"{len(new)} op(s) DTensor places at the hints run whole on symbols, "
