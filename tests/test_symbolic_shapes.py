@@ -12,10 +12,11 @@ import pytest
 
 from distributed import run_ranks
 from parity import assert_trains_like_one_process
-from workers_symbolic_shapes import (llama_eval_at_other_batch_sizes, modes_and_ends, pipeline_duck_shaped,
-                                     pipeline_lengths, pipeline_then_eval_generate_and_save, saved_then_loaded,
-                                     split_logits_over_lengths, train_lengths, train_lengths_in_units,
-                                     train_one_row_on_one_rank, trainer_padding, BranchOnRows)
+from workers_symbolic_shapes import (modes_and_ends, pipeline_duck_shaped, pipeline_lengths,
+                                     pipeline_then_eval_generate_and_save, saved_then_loaded,
+                                     split_logits_over_lengths, tp_lm_eval_at_other_batch_sizes, train_lengths,
+                                     train_lengths_in_units, train_one_row_on_one_rank, trainer_padding,
+                                     BranchOnRows)
 
 STEPS = 25     # 50 distinct lengths over the two ranks
 
@@ -276,12 +277,16 @@ def test_trainer_with_a_padding_collator_in_one_unit_of_two_ranks_trains_like_on
         assert result["symbolic"] == ([True] if dynamic else [False, True]), result["symbolic"]
 
 
-@pytest.mark.parametrize("dynamic", [None, True], ids=["automatic", "dynamic"])
-def test_a_tp_llama_evaluated_at_other_batch_sizes_runs_one_program_on_symbols_and_matches_one_process(dynamic):
-    """Eval under no_grad at 3 and 5 rows after training at 2: the symbolic batch meets Llama's split heads
+@pytest.mark.parametrize("dynamic, name", [(None, "llama"), (True, "llama"), (None, "gpt2")],
+                         ids=["automatic", "dynamic", "gpt2-automatic"])
+def test_a_tp_lm_trained_over_lengths_and_evaluated_at_other_batch_sizes_runs_on_symbols_like_one_process(
+        dynamic, name):
+    """Eval under no_grad at 3 and 5 rows after training at 2: the symbolic batch meets the split heads
     flattened into it (a ``_StridedShard`` whose split factor is the batch), placed on symbols
-    (compat.strided_shards): one eval program for both batch sizes, exact."""
-    for result in run_ranks(llama_eval_at_other_batch_sizes, 2, dynamic):
+    (compat.strided_shards): one eval program for both batch sizes, exact. GPT-2's repeated blocks are
+    outlined: a block's output that is a view of its input is re-applied outside it, sizes read from the
+    caller's inputs (outline_repeated_blocks.unalias_subgraph_outputs)."""
+    for result in run_ranks(tp_lm_eval_at_other_batch_sizes, 2, dynamic, name):
         assert max(result["differences"]) < 1e-5, result["differences"]
         assert result["symbolic"] == ([False, True, True] if dynamic is None else [True, True]), result
 

@@ -441,13 +441,24 @@ def split_logits_over_lengths(rank: int, world: int, dynamic: bool | None) -> di
     return out
 
 
-def llama_eval_at_other_batch_sizes(rank: int, world: int, dynamic: bool | None) -> dict:
-    """A tp Llama (one unit of both ranks) trained at 2 rows over three lengths, then evaluated under no_grad
-    at 3 and 5 rows: the eval graph's batch is symbolic, flattened with the split heads. Per call, the largest
-    difference to one process (loss, then logits in eval); per program, whether it was compiled on symbols."""
+def _gpt2() -> torch.nn.Module:
+    """transformers' GPT-2, tiny, no dropout: its blocks are repeated (compiled once, outlined)."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=128, n_embd=32, n_layer=2, n_head=4, n_positions=64, use_cache=False, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0))
+
+
+def tp_lm_eval_at_other_batch_sizes(rank: int, world: int, dynamic: bool | None, name: str = "llama") -> dict:
+    """A tp language model of transformers' (``name``: "llama" or "gpt2"; one unit of both ranks) trained at 2
+    rows over three lengths, then evaluated under no_grad at 3 and 5 rows: the eval graph's batch is symbolic,
+    flattened with the split heads. Per call, the largest difference to one process (loss, then logits in
+    eval); per program, whether it was compiled on symbols."""
     from workers_trainer import build_llama
 
-    model = build_llama()
+    model = build_llama() if name == "llama" else _gpt2()
     reference = copy.deepcopy(model)
     compiled = torch.compile(model, backend="dynshard", dynamic=dynamic,
                              options=dynshard.Config(plan_ngpus=2, policy="tp", compiler="aot_eager"))

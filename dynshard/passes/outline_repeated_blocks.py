@@ -244,10 +244,15 @@ def unalias_subgraph_outputs(gm: fx.GraphModule) -> int:
                 source = source.args[0]
             if not (isinstance(source, fx.Node) and source.op == "placeholder"):
                 continue
-            outer = node.args[2 + placeholders.index(source)]
+            # the body's inputs as the calling graph passes them (a view on symbolic sizes reads size inputs too);
+            # a view that reads a value computed inside the block stays there
+            outer_of = {p: node.args[2 + i] for i, p in enumerate(placeholders)}
+            if any(a not in outer_of and a not in views for view in views for a in view.all_input_nodes):
+                continue
+            outer = outer_of[source]
             for user in [u for u in node.users if u.target is operator.getitem and u.args[1] == k]:
                 with graph.inserting_before(user):
-                    env, value = {source: outer}, outer
+                    env, value = dict(outer_of), outer
                     for view in reversed(views):
                         value = env[view] = graph.node_copy(view, lambda a: env.get(a, a))
                 user.replace_all_uses_with(value)
