@@ -253,7 +253,8 @@ def test_a_recomputed_block_is_priced_as_the_forward_ops_its_backward_runs_again
     for name in ("dp", "tp"):
         assert len(units[name].instances) == cfg.layers
         for instance in units[name].instances:
-            assert instance.flops == again[name] > 0, name
+            assert again[name] > 0, name
+            assert instance.flop_seconds == pytest.approx(again[name] / DEFAULT_PROFILES["cpu"].flops_per_s, rel=1e-12), name
             assert instance.entry_bytes == kept[name], name
 
 
@@ -466,13 +467,13 @@ def test_a_hybrid_stages_costs_are_carried_from_one_rank_and_the_tp_unit_by_amda
     from dynshard.autodist.cost_model import UnitCosts
     from dynshard.autodist.pipeline_costs import unit_at
 
-    whole = UnitCosts(forward_flops=800.0, forward_bytes=100.0, saved_bytes=1000.0, largest_output=64.0,
+    whole = UnitCosts(forward_flop_seconds=800.0, forward_bytes=100.0, saved_bytes=1000.0, largest_output=64.0,
                       replicated_grad_bytes=0.0)
-    split = UnitCosts(forward_flops=100.0, forward_bytes=100.0, saved_bytes=400.0, largest_output=16.0,
+    split = UnitCosts(forward_flop_seconds=100.0, forward_bytes=100.0, saved_bytes=400.0, largest_output=16.0,
                       replicated_grad_bytes=12.0, replicated_grads=3)      # over 8 ranks
     assert unit_at(whole, split, 8, 1) is whole and unit_at(whole, split, 8, 8) is split
     four = unit_at(whole, split, 8, 4)
-    assert four.forward_flops == pytest.approx(200.0)       # all of it split: 800 / 4
+    assert four.forward_flop_seconds == pytest.approx(200.0)       # all of it split: 800 / 4
     assert four.forward_bytes == pytest.approx(100.0)       # none of it split
     kept = (400 / 1000 - 1 / 8) / (1 - 1 / 8)               # the activations' unsplit part
     assert four.saved_bytes == pytest.approx(1000 * (kept + (1 - kept) / 4))

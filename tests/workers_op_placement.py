@@ -107,18 +107,19 @@ def _with_lowered(model, batch, world_size: int, look):
     return found["result"]
 
 
-def _tp_of(lowered, ctx, inputs, config, layout):
+def _tp_of(lowered, ctx, inputs, config, layout, profile):
     """The ops' costs, the repeated blocks, and the tp policy's plan, its context and its unit's costs."""
     ops = op_costs(lowered, inputs, ctx.fake_mode)
     blocks = repeated_blocks(lowered)
     tp_plan, tp_ctx, _ = place_graph(lowered, ctx, config)
-    return ops, blocks, tp_plan, tp_ctx, graph_costs(lowered, inputs, ops, layout.tp_size, tp_ctx.propagation, blocks)
+    return ops, blocks, tp_plan, tp_ctx, graph_costs(lowered, inputs, ops, layout.tp_size, tp_ctx.propagation, blocks,
+                                                     profile=profile)
 
 
 def _per_op(lowered, ctx, inputs, config, layout, profile, tie: bool = True):
     """The per-op ILP's plan, its solve and what the plan cannot say; the tp policy's plan, context and costs;
     the per-op plan propagated, and its context."""
-    ops, blocks, tp_plan, tp_ctx, tp_unit = _tp_of(lowered, ctx, inputs, config, layout)
+    ops, blocks, tp_plan, tp_ctx, tp_unit = _tp_of(lowered, ctx, inputs, config, layout, profile)
     plan, placed, unsaid = op_placement.per_op_plan(
         lowered.graph, inputs, ops, blocks[1] if tie else {}, tp_plan, tp_unit, tp_ctx.node_keys, layout, profile,
         1, config.partition_constraints)
@@ -143,7 +144,7 @@ def per_op_report(rank: int, world: int, model_name: str, profile_name: str, tie
                 mismatches.append(f"{name}: planned {placement}, propagated {got}")
         predicted = {}
         for label, made, made_ctx in (("tp", tp_plan, tp_ctx), ("per op", given, given_ctx)):
-            unit = graph_costs(lowered, inputs, ops, layout.tp_size, made_ctx.propagation, blocks)
+            unit = graph_costs(lowered, inputs, ops, layout.tp_size, made_ctx.propagation, blocks, profile=profile)
             predicted[label] = predict(made, unit, 1, profile, 2.0).step_seconds
         return {"objective": placed.solution.objective, "status": placed.solution.status,
                 "lp_integral": placed.solution.lp_integral, "nodes": placed.nodes, "edges": placed.edges,
@@ -167,7 +168,7 @@ def per_op_budget_sweep(rank: int, world: int, model_name: str, profile_name: st
     model, batch = _model(model_name)
 
     def look(lowered, ctx, inputs, config, layout):
-        ops, blocks, tp_plan, tp_ctx, tp_unit = _tp_of(lowered, ctx, inputs, config, layout)
+        ops, blocks, tp_plan, tp_ctx, tp_unit = _tp_of(lowered, ctx, inputs, config, layout, profile)
         rows, free = [], None
         for fraction in (None, *fractions):
             budget = None if fraction is None else fraction * free

@@ -4,8 +4,10 @@
 Launch it as the job is launched (``torchrun --nproc-per-node N -m dynshard.calibrate --out ...``): every rank
 measures at once, so compute is timed under the contention the job runs in (ranks sharing a CPU's cores,
 or one GPU each), and the collectives over the job's backend (gloo on CPU, NCCL on CUDA):
-- ``flops_per_s``: fp32 square matmuls (and bf16 on CUDA is not used: the model's dtype decides, so the
-  profile is fp32's; run it under the dtype the job computes in with ``--dtype``);
+- ``flops_per_s``: fp32 square matmuls (``--dtype`` for another); on a GPU also each dtype's (``rates``: bf16
+  and fp16, fp32), at ``SUSTAINED`` of the rate measured alone as the built-in GPU profiles are, the rest
+  (flash attention's rate, the network, how collectives overlap) from the built-in profile the GPU's name
+  gives (``h100-sxm``, ``h200``, ``a100-80gb``; else ``cuda``);
 - ``bytes_per_s``: copies of a 64 MB tensor (read + write);
 - ``launch_s``: what a kernel costs beyond its work, 200 adds of one element issued in turn (on a GPU the
   host's issue rate: the kernels run faster than they are launched);
@@ -31,7 +33,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from .device_profile import DEFAULT_PROFILES, KINDS, DeviceProfile
+from .device_profile import DEFAULT_PROFILES, KINDS, SUSTAINED, DeviceProfile
 
 SIZES = [4096 * 4 ** k for k in range(7)]        # 4 KB ... 16 MB per rank's payload, x p for gathers
 REPEATS, WARMUP = 7, 3
@@ -199,10 +201,26 @@ def meeting_skew(device: torch.device, repeats: int = 5, meetings: int = 16) -> 
 __all__ = ["calibrate", "main"]
 
 
+def gpu_profile_name(device: torch.device) -> str:
+    """The built-in profile a GPU's calibration starts from (its links, how it runs attention and collectives),
+    by the device's name; the generic ``"cuda"`` for a GPU without one."""
+    name = torch.cuda.get_device_name(device).upper()
+    for marker, profile in (("H200", "h200"), ("H100", "h100-sxm"), ("A100", "a100-80gb")):
+        if marker in name:
+            return profile
+    return "cuda"
+
+
 def calibrate(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[DeviceProfile, dict]:
     """This machine's profile, and the fit errors per collective kind."""
     flops, bandwidth = compute_rates(device, dtype)
-    base = DEFAULT_PROFILES["cuda" if device.type == "cuda" else "cpu"]
+    base = DEFAULT_PROFILES[gpu_profile_name(device) if device.type == "cuda" else "cpu"]
+    rates = dict(base.rates)
+    if device.type == "cuda":      # (each dtype's matmuls measured; kept in a step at SUSTAINED of that, as the
+        rates["float32"] = SUSTAINED * compute_rates(device, torch.float32)[0]      # built-in profiles say)
+        rates["bfloat16"] = rates["float16"] = SUSTAINED * compute_rates(device, torch.bfloat16)[0]
+        rates = {k: float(f"{v:.4g}") for k, v in rates.items()}
+        flops = rates.get(str(dtype).removeprefix("torch."), flops)
     alpha, links, errors, skew = dict(base.alpha_s), dict(base.bandwidth), {}, base.skew
     table, table_ranks = {}, 0
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -215,7 +233,7 @@ def calibrate(device: torch.device, dtype: torch.dtype = torch.float32) -> tuple
     world = dist.get_world_size() if dist.is_initialized() else 1
     backend = dist.get_backend() if dist.is_initialized() else "none"
     name = f"calibrated {device.type}/{backend}, {world} rank(s), {str(dtype).replace('torch.', '')}"
-    return dataclasses.replace(base, name=name, flops_per_s=float(f"{flops:.4g}"),
+    return dataclasses.replace(base, name=name, flops_per_s=float(f"{flops:.4g}"), rates=rates,
                                bytes_per_s=float(f"{bandwidth:.4g}"), launch_s=float(f"{launch_seconds(device):.3g}"),
                                alpha_s={k: float(f"{v:.4g}") for k, v in alpha.items()},
                                bandwidth={k: float(f"{v:.4g}") for k, v in links.items()},

@@ -41,8 +41,8 @@ import numpy as np
 
 from ..planning import Plan
 from .device_profile import DeviceProfile
-from .cost_model import (UnitCosts, dp_waits, gathered_bytes, instance_seconds,
-                                    parameter_seconds, predict, regions, rest_bytes, update_seconds)
+from .cost_model import (REDUCTIONS, UnitCosts, dp_waits, gathered_bytes, hidden_share, instance_seconds,
+                         parameter_seconds, predict, regions, rest_bytes, update_seconds)
 from ..planning.costs import tensor_collectives
 from .solver import NANOSECONDS, Solution, solve
 
@@ -68,12 +68,13 @@ def choose(base: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, tr
     recomputed = [(nmicros * instance_seconds(i, profile), i.entry_bytes - i.saved_bytes, i.saved_bytes)
                   for i in instances]
     in_rows = []
+    hidden = hidden_share(profile, unit)
     for name in rows_eligible:
         rows, whole = base.tensors[name], dataclasses.replace(base.tensors[name], dp="replicate")
-        in_rows.append((parameter_seconds(base, rows, profile) + update_seconds(base, rows, profile)
-                        - parameter_seconds(replicated, whole, profile) - update_seconds(replicated, whole, profile),
+        in_rows.append((_dp_seconds(base, rows, profile, hidden) + update_seconds(base, rows, profile)
+                        - _dp_seconds(replicated, whole, profile, hidden) - update_seconds(replicated, whole, profile),
                         rest_bytes(base, rows) + gathered_bytes(base, rows, nmicros, unit.blocks)
-                        - rest_bytes(replicated, whole)))
+                        - rest_bytes(replicated, whole) - gathered_bytes(replicated, whole, nmicros, unit.blocks)))
     r_groups, z_groups = _tied(recomputed, tie), _tied(in_rows, tie)
     shared = [g for g, members in enumerate(r_groups) if len(members) > 1]   # (their indicator u_g)
     zero_vars = bool(z_groups)
@@ -112,9 +113,9 @@ def choose(base: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, tr
     if zero_vars:
         y_rep, y_zero = size - 2, size - 1
         cost[y_rep] = regions(unit) * _latency(
-            replicated, dataclasses.replace(base.tensors[rows_eligible[0]], dp="replicate"), profile)
+            replicated, dataclasses.replace(base.tensors[rows_eligible[0]], dp="replicate"), profile, hidden)
         # (the gathers' phases: their meetings beyond the reduction's, which every choice has)
-        cost[y_zero] = regions(unit) * _latency(base, base.tensors[rows_eligible[0]], profile) + dp_waits(
+        cost[y_zero] = regions(unit) * _latency(base, base.tensors[rows_eligible[0]], profile, hidden) + dp_waits(
             base, unit, nmicros, profile, True) - dp_waits(base, unit, nmicros, profile, False)
         for g, members in enumerate(z_groups):
             add({n_r + g: 1.0, y_zero: -float(len(members))}, 0.0)            # some in rows -> y_zero
@@ -169,5 +170,15 @@ def _with_rows(plan: Plan, rows: set[str]) -> Plan:
         for name, t in plan.tensors.items()})
 
 
-def _latency(plan: Plan, tensor, profile: DeviceProfile) -> float:
-    return sum(profile.alpha_s[kind] for kind, _, _, _ in tensor_collectives(plan, tensor))
+def _latency(plan: Plan, tensor, profile: DeviceProfile, hidden: float) -> float:
+    return sum(profile.alpha_s[kind] * (hidden if kind in REDUCTIONS else 1.0)
+               for kind, _, _, _ in tensor_collectives(plan, tensor))
+
+
+def _dp_seconds(plan: Plan, tensor, profile: DeviceProfile, hidden: float) -> float:
+    """A parameter's data-parallel bandwidth seconds, its reductions' share ``hidden`` of them (see
+    :func:`.cost_model.hidden_share`)."""
+    if hidden == 1.0:
+        return parameter_seconds(plan, tensor, profile)
+    return parameter_seconds(plan, tensor, profile) - (1 - hidden) * parameter_seconds(plan, tensor, profile,
+                                                                                         reductions=True)

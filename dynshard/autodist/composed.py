@@ -30,8 +30,8 @@ from ..planning import Plan
 from .cost_model import UnitCosts
 from ..planning.prediction import ForwardCollective
 
-_ADDED = ("forward_flops", "forward_bytes", "saved_bytes", "replicated_grad_bytes", "replicated_grads")
-_ADDED_PER_INSTANCE = ("saved_bytes", "entry_bytes", "flops", "bytes", "input_bytes")
+_ADDED = ("forward_flop_seconds", "backward_extra_seconds", "forward_bytes", "saved_bytes", "replicated_grad_bytes", "replicated_grads")
+_ADDED_PER_INSTANCE = ("saved_bytes", "entry_bytes", "flop_seconds", "bytes", "input_bytes")
 
 
 def composed(base: tuple[Plan, UnitCosts], parts: list[tuple[Plan, UnitCosts]]) -> tuple[Plan, UnitCosts] | None:

@@ -4,11 +4,13 @@ Inputs: a :class:`~dynshard.planning.Plan` (mesh, ZeRO, each tensor's placement,
 its propagation found), what one rank computes, keeps and writes for one micro-batch (``UnitCosts``, read
 from the graph), the micro-batches per step, and a :class:`.device_profile.DeviceProfile`.
 
-Time, per step and rank (nothing overlapped: on CPU/gloo ranks and collectives share the cores; on GPUs
-this is an upper bound):
-- compute: per micro-batch, forward FLOPs / ``flops_per_s`` + bytes moved once fused / ``bytes_per_s`` +
-  kernels * ``launch_s`` (:mod:`.fused_traffic`); the backward twice the forward (two matmuls
-  per matmul); a recomputed module's forward ops once more, those on a path to a value its backward reads;
+Time, per step and rank (nothing overlapped where collectives and compute share the cores: CPU/gloo; where
+they do not, ``DeviceProfile.overlap``, the gradients' reductions overlap the backward: see below):
+- compute: per micro-batch, forward FLOPs at the rate of their class (their dtype; a GPU's fused attention,
+  :mod:`.fused_attention`; ``DeviceProfile.flop_seconds``) + bytes moved once fused / ``bytes_per_s`` +
+  kernels * ``launch_s`` (:mod:`.fused_traffic`); the backward twice the forward (two matmuls per matmul;
+  fused attention 2.5x: it recomputes its scores); a recomputed module's forward ops once more, those on a
+  path to a value its backward reads;
   per step, the optimizer's update of the rank's share of each parameter (``update_seconds``: Adam, memory
   bound; ZeRO's rows update a 1/dp share);
 - tp communication, per micro-batch: the forward collectives of the plan, each mirrored in the backward by
@@ -25,7 +27,15 @@ this is an upper bound):
   ``BUCKET_BYTES`` (Inductor's buckets).
 A collective of ``kind`` over ``p`` ranks moving ``n`` bytes (the whole buffer) costs what the profile's
 table measured for ``n`` over ``p`` ranks (interpolated), or without one ``alpha + ring(kind, p) * n /
-bandwidth``: ring = 2(p-1)/p for an all-reduce, (p-1)/p otherwise.
+bandwidth``: ring = 2(p-1)/p for an all-reduce, (p-1)/p otherwise; the bandwidth the network's where the
+group's ranks span hosts (``DeviceProfile.bus_bandwidth``). ZeRO gathers in mixed precision's
+``param_dtype`` and reduces in ``reduce_dtype`` (``planning.costs.tensor_collectives``).
+
+Where collectives run beside compute (NCCL's streams), the gradients' reductions, issued region by region as
+the last micro-batch's backward proceeds, overlap the backward of the regions before them: a step pays
+``max(R / regions, R - B (regions - 1) / regions)`` of their ``R`` seconds over a backward of ``B``
+(:func:`exposed_reduction_seconds`); ZeRO's gathers are paid whole (the program issues a block's gather where
+the block starts), and so are tp collectives (on the critical path).
 
 Every collective is also a meeting point: it waits for the slowest rank, and ranks that ran the same work
 since the last one arrive apart by their jitter, which grows with that work. Measured on this project's
@@ -35,8 +45,8 @@ spread over ``C`` seconds of compute then cost ``skew * sqrt(k * C)`` (k gaps of
 measures ``skew``; it is 0 for a device that does not share its cores (the built-in CUDA profile).
 
 Memory, per rank, at the step's peak (docs/design.md "ZeRO rows"): parameters, buffers, gradients and
-Adam's state at rest; ZeRO levels 1-2 add the gathered parameters (kept through the step), level 3 one
-block's; accumulating under ZeRO adds whole replicas and their gradients; activations saved for the backward
+Adam's state at rest; ZeRO levels 1-2 add the gathered parameters (kept through the step, in ``param_dtype``),
+level 3 one block's; under mixed precision a replicated parameter's compute copy (the backward keeps it); accumulating under ZeRO adds whole replicas and their gradients; activations saved for the backward
 (with recompute: each block's inputs and one block's own); transient: ``transient_mem_coef`` times the
 largest tensor one op writes.
 
@@ -53,12 +63,14 @@ import math
 from collections import Counter
 
 from ..planning.costs import (ADAM_STATE_BYTES, ADAM_STEP_BYTES, group_of, itemsize, local_numel, memory_at_rest,
-                              tensor_collectives, tp_collectives, whole_bytes)
+                              compute_itemsize, gathered_replica_bytes, tensor_collectives, tp_collectives,
+                              whole_bytes)
 from ..planning.plan import Plan
 from ..planning.prediction import Collectives, Cost, RankMemory
 from .device_profile import DeviceProfile
 
 BUCKET_BYTES = 25 * 1024 ** 2
+REDUCTIONS = ("all_reduce", "reduce_scatter")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,8 +80,9 @@ class InstanceCosts:
     saved_bytes: float          # what its forward keeps for the backward
     entry_bytes: float          # what a recompute keeps instead: its inputs from outside, and the outputs of
                                 # the tp reductions inside it (collectives are not recomputed)
-    flops: float                # FLOPs run again when recomputed: the forward ops on a path to a value the
-                                # backward reads (matmuls and attention too; not one that feeds only its output)
+    flop_seconds: float         # of the FLOPs run again when recomputed, at the device's rates: the forward
+                                # ops on a path to a value the backward reads (matmuls and attention too; not
+                                # one that feeds only its output)
     bytes: float                # bytes those of them that are memory bound move again
     input_bytes: float = 0.0    # its activations from outside it (what a pipeline stage boundary sends)
     kernels: float = 0.0        # launched again when recomputed
@@ -78,7 +91,7 @@ class InstanceCosts:
 @dataclasses.dataclass(frozen=True)
 class UnitCosts:
     """One micro-batch on one rank of a unit (:mod:`.graph_costs` measures it)."""
-    forward_flops: float
+    forward_flop_seconds: float     # the forward's FLOPs at the device's rate for each (its dtype, fused attention)
     forward_bytes: float            # moved by the ops that compute nothing (memory bound)
     saved_bytes: float
     largest_output: float
@@ -88,6 +101,7 @@ class UnitCosts:
     replicated_grads: int = 0       # how many such gradients (one all-reduce each, per micro-batch)
     outputs: tuple[float, ...] = ()  # each op's output bytes on the rank, in the graph's order (largest_output's)
     kernels: float = 0.0            # the forward's, once fused (the backward's: twice as many)
+    backward_extra_seconds: float = 0.0     # the backward's FLOPs beyond twice the forward's (fused attention)
 
     def recomputed(self, recompute: tuple[str, ...]) -> list[InstanceCosts]:
         return [i for i in self.instances if i.path in recompute or self.recompute_class in recompute]
@@ -102,12 +116,19 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
     recomputed = unit.recomputed(plan.recompute)
     forward = forward_seconds(unit, profile)
     parameters = Counter(t for t in plan.tensors.values() if t.kind == "parameter")     # (repeated layers': once)
-    compute = nmicros * (3 * forward + sum(instance_seconds(i, profile) for i in recomputed)) + sum(
+    compute = nmicros * (3 * forward + unit.backward_extra_seconds + sum(instance_seconds(i, profile)
+                                                                           for i in recomputed)) + sum(
         n * update_seconds(plan, t, profile) for t, n in parameters.items())
     tp_comm = tp_seconds(plan, unit, profile)
     dp_kinds = {(k, w) for t in parameters for k, _, _, w in tensor_collectives(plan, t)}
     dp_comm = sum(n * parameter_seconds(plan, t, profile) for t, n in parameters.items()) + regions(unit) * sum(
         profile.alpha_s[kind] for kind, what in dp_kinds)
+    if profile.overlap:     # the gradients' reductions run beside the backward of the regions before them
+        reductions = sum(n * parameter_seconds(plan, t, profile, reductions=True) for t, n in parameters.items()) + \
+            regions(unit) * sum(profile.alpha_s[kind] for kind, what in dp_kinds if kind in REDUCTIONS)
+        backward = 3 * forward - forward + unit.backward_extra_seconds + sum(instance_seconds(i, profile)
+                                                                            for i in recomputed)
+        dp_comm -= reductions - exposed_reduction_seconds(reductions, backward, regions(unit))
     # waiting for the slowest rank: the tp collectives spread over each micro-batch, the data-parallel ones
     # region by region (dp_waits). Priced on the compute without recompute, so that the ILP's choices leave
     # it a constant
@@ -139,13 +160,11 @@ def predict(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, t
 def forward_seconds(unit: UnitCosts, profile: DeviceProfile) -> float:
     """One micro-batch's forward on one rank: its FLOPs at the device's rate, its memory-bound bytes at its
     bandwidth, its kernels' launches."""
-    return (unit.forward_flops / profile.flops_per_s + unit.forward_bytes / profile.bytes_per_s
-            + unit.kernels * profile.launch_s)
+    return unit.forward_flop_seconds + unit.forward_bytes / profile.bytes_per_s + unit.kernels * profile.launch_s
 
 
 def instance_seconds(instance: InstanceCosts, profile: DeviceProfile) -> float:
-    return (instance.flops / profile.flops_per_s + instance.bytes / profile.bytes_per_s
-            + instance.kernels * profile.launch_s)
+    return instance.flop_seconds + instance.bytes / profile.bytes_per_s + instance.kernels * profile.launch_s
 
 
 def tp_calls(plan: Plan, unit: UnitCosts) -> int:
@@ -181,18 +200,43 @@ def dp_waits(plan: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, 
         1, (nmicros - 1) * 3 * forward)
 
 
-def parameter_seconds(plan: Plan, tensor, profile: DeviceProfile) -> float:
+def hidden_share(profile: DeviceProfile, unit: UnitCosts) -> float:
+    """The share of the gradients' reductions a step pays where the backward hides the rest (the regime of
+    :func:`exposed_reduction_seconds` that :mod:`.choices`' ILP prices, linear in its choices; the plan it
+    chooses is priced again, exactly): 1 where collectives do not run beside compute."""
+    return 1 / regions(unit) if profile.overlap else 1.0
+
+
+def exposed_reduction_seconds(reductions: float, backward: float, regions: int) -> float:
+    """What the gradients' reductions (``reductions`` seconds, issued region by region as the last micro-batch's
+    backward of ``backward`` seconds proceeds) add to the step where collectives run beside compute: each
+    region's overlaps the backward of the regions after it; the last region's, and what exceeds the rest
+    of the backward, does not."""
+    return max(reductions / regions, reductions - backward * (regions - 1) / regions)
+
+
+def dp_stride(plan: Plan, what: str) -> int:
+    """How many ranks apart a data-parallel collective's ranks are (a unit's ranks are consecutive)."""
+    if "across ZeRO groups" in what:
+        return plan.mesh.plan_ngpus * (plan.mesh.dp // plan.zero.ngroups)
+    return plan.mesh.plan_ngpus
+
+
+def parameter_seconds(plan: Plan, tensor, profile: DeviceProfile, reductions: bool = False) -> float:
     """The bandwidth part of a parameter's data-parallel collectives per step (their latency is paid once
-    per bucket: ``alpha`` per ``BUCKET_BYTES``, and once per kind and region in :func:`predict`)."""
+    per bucket: ``alpha`` per ``BUCKET_BYTES``, and once per kind and region in :func:`predict`); only its
+    gradient's reductions with ``reductions``."""
     seconds = 0.0
     for kind, _, size, what in tensor_collectives(plan, tensor):
-        group = group_of(plan, "dp", what)
+        if reductions and kind not in REDUCTIONS:
+            continue
+        group, stride = group_of(plan, "dp", what), dp_stride(plan, what)
         whole = size * group if kind == "all_gather" else size
         if kind in profile.table and group == profile.table_ranks:      # (its share of a bucket's call)
             seconds += whole * profile.collective_seconds(kind, BUCKET_BYTES, group) / BUCKET_BYTES
             continue
         ring = 2 * (group - 1) / group if kind == "all_reduce" else (group - 1) / group
-        seconds += whole * (ring / profile.bandwidth[kind] + profile.alpha_s[kind] / BUCKET_BYTES)
+        seconds += whole * (ring / profile.bus_bandwidth(kind, group, stride) + profile.alpha_s[kind] / BUCKET_BYTES)
     return seconds
 
 
@@ -204,11 +248,14 @@ def update_seconds(plan: Plan, tensor, profile: DeviceProfile) -> float:
 
 def gathered_bytes(plan: Plan, tensor, nmicros: int, blocks: int) -> float:
     """Bytes a ZeRO parameter is whole for during a step: kept through it (levels 1-2), one block's worth
-    (level 3), and as a replica with its gradient while accumulating."""
+    (level 3), and as a replica with its gradient while accumulating; a replicated parameter's copy in mixed
+    precision's compute dtype (the backward keeps it)."""
     if tensor.dp != "zero" or not plan.zero.level:
+        if tensor.kind == "parameter" and compute_itemsize(plan, tensor) != itemsize(tensor.dtype):
+            return float(gathered_replica_bytes(plan, tensor))
         return 0.0
-    whole = whole_bytes(plan, tensor)
-    gathered = whole if plan.zero.level in (1, 2) else whole / blocks
+    whole, replica = whole_bytes(plan, tensor), gathered_replica_bytes(plan, tensor)
+    gathered = replica if plan.zero.level in (1, 2) else replica / blocks
     return gathered + (2 * whole if nmicros > 1 else 0.0)
 
 

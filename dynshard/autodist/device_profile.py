@@ -28,18 +28,43 @@ class DeviceProfile:
     table: dict = dataclasses.field(default_factory=dict)   # collective kind -> ((whole bytes, seconds a call), ...)
     table_ranks: int = 0    # the group size ``table`` was measured over (other sizes: alpha-beta)
     launch_s: float = 0.0   # seconds a kernel costs beyond its work: its launch and the host's work around it
+    rates: dict = dataclasses.field(default_factory=dict)   # FLOPs' class -> FLOP/s where not flops_per_s (RATES)
+    fused_attention: bool = False   # F.scaled_dot_product_attention runs as one fused kernel (a GPU's flash or
+                                    # memory-efficient attention), priced as :mod:`.fused_attention` says
+    node_ranks: int = 0     # ranks on one host; a group spanning hosts moves its bytes at ``inter_node_bandwidth``
+    inter_node_bandwidth: dict = dataclasses.field(default_factory=dict)   # collective kind -> bus bandwidth
+    overlap: bool = False   # collectives run beside compute (NCCL's own streams): see the cost model
+    source: str = ""        # where the constants come from (the profile's documentation)
 
-    def collective_seconds(self, kind: str, whole_bytes: float, group: int, calls: int = 1) -> float:
-        """``calls`` calls of ``kind`` over ``group`` ranks moving ``whole_bytes`` between them: measured per size
-        where the profile has a table for that group (gloo's bandwidth falls by half beyond a few MB, as the
-        buffers leave the caches: no one line fits 4 KB and 16 MB), else ``alpha + ring * bytes / bandwidth``."""
+    def flop_seconds(self, flops: float, rate: str = "") -> float:
+        """``flops`` of the class ``rate`` (:data:`RATES`) at the rate this device runs them."""
+        return flops / self.rates.get(rate, self.flops_per_s) if flops else 0.0
+
+    def spans_hosts(self, group: int, stride: int = 1) -> bool:
+        """Whether a group of ``group`` ranks, ``stride`` apart, holds ranks of more than one host (ranks are
+        numbered host by host, as torchrun numbers them)."""
+        return self.node_ranks > 0 and (group - 1) * stride >= self.node_ranks
+
+    def collective_seconds(self, kind: str, whole_bytes: float, group: int, calls: int = 1, stride: int = 1) -> float:
+        """``calls`` calls of ``kind`` over ``group`` ranks ``stride`` apart moving ``whole_bytes`` between them:
+        measured per size where the profile has a table for that group (gloo's bandwidth falls by half beyond a
+        few MB, as the buffers leave the caches: no one line fits 4 KB and 16 MB), else ``alpha + ring * bytes /
+        bandwidth``, at the inter-node bandwidth where the group spans hosts (a ring is as fast as its slowest
+        link)."""
         if group <= 1 or whole_bytes <= 0:
             return 0.0
         points = self.table.get(kind) if group == self.table_ranks else None
         if points:
             return calls * _interpolated(points, whole_bytes / calls)
         ring = 2 * (group - 1) / group if kind == "all_reduce" else (group - 1) / group
-        return calls * self.alpha_s[kind] + ring * whole_bytes / self.bandwidth[kind]
+        return calls * self.alpha_s[kind] + ring * whole_bytes / self.bus_bandwidth(kind, group, stride)
+
+    def bus_bandwidth(self, kind: str, group: int, stride: int = 1) -> float:
+        """A collective's bus bandwidth over ``group`` ranks ``stride`` apart: NVLink's inside a host, the
+        network's across hosts."""
+        if self.inter_node_bandwidth and self.spans_hosts(group, stride):
+            return self.inter_node_bandwidth[kind]
+        return self.bandwidth[kind]
 
     def meeting_seconds(self, meetings: float, compute_seconds: float) -> float:
         """What ``meetings`` collectives spread over ``compute_seconds`` of compute wait for the slowest rank."""
@@ -51,19 +76,32 @@ class DeviceProfile:
             del data["table"], data["table_ranks"]
         if not self.launch_s:       # (likewise)
             del data["launch_s"]
+        for name, default in _LATER_FIELDS.items():     # (likewise)
+            if data[name] == default:
+                del data[name]
         return json.dumps(data, sort_keys=True, indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "DeviceProfile":
         data = json.loads(text)
         table = {k: tuple((float(b), float(t)) for b, t in data["table"][k]) for k in KINDS if k in data.get("table", {})}
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown fields {sorted(unknown)}")
         return cls(data["name"], float(data["flops_per_s"]), float(data["bytes_per_s"]),
                    {k: float(data["alpha_s"][k]) for k in KINDS}, {k: float(data["bandwidth"][k]) for k in KINDS},
                    float(data.get("skew", 0.0)), table, int(data.get("table_ranks", 0)) if table else 0,
-                   float(data.get("launch_s", 0.0)))
+                   float(data.get("launch_s", 0.0)), {str(k): float(v) for k, v in data.get("rates", {}).items()},
+                   bool(data.get("fused_attention", False)), int(data.get("node_ranks", 0)),
+                   {k: float(data["inter_node_bandwidth"][k]) for k in KINDS} if data.get("inter_node_bandwidth")
+                   else {}, bool(data.get("overlap", False)), str(data.get("source", "")))
 
     def digest(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+
+_LATER_FIELDS = {"rates": {}, "fused_attention": False, "node_ranks": 0, "inter_node_bandwidth": {}, "overlap": False,
+                 "source": ""}
 
 
 def _interpolated(points, size: float) -> float:
@@ -102,6 +140,48 @@ DEFAULT_PROFILES = {
                        (4194304, 0.0013), (16777216, 0.0052))}, launch_s=3e-6),
     "cuda": dataclasses.replace(_uniform("cuda-nccl (built-in)", 4e14, 2e12, 2e-5, 1.5e11), launch_s=1e-5),
 }
+
+
+# What a training step sustains of the kernels' rates measured alone (clocks under sustained power, NCCL's
+# kernels sharing the SMs while they overlap compute): fitted on MosaicML's MPT-7B runs on 8 A100s (0.78) and
+# 8 H100s (0.69), their geometric mean; checked against torchtitan's runs (docs/device-profiles.md)
+SUSTAINED = 0.74
+
+
+def _gpu(name: str, *, bf16: float, fp32: float, attention: float, hbm: float, all_reduce: float, ring: float,
+         network: float, source: str) -> DeviceProfile:
+    """A GPU of an 8-GPU host (NVLink inside, one NIC per GPU across hosts) with NCCL, from its kernels' rates
+    measured alone: ``bf16`` large matmuls, ``fp32`` matmuls at torch's default precision (no TF32: the CUDA
+    cores' peak times the matmuls' achieved share), ``attention`` flash attention's forward and backward (each
+    at ``SUSTAINED`` of it in a step), ``hbm`` the memory's bandwidth, ``all_reduce`` and ``ring`` NCCL's bus
+    bandwidth over the host's 8 GPUs (all-reduce; the ring collectives), ``network`` per GPU across hosts."""
+    bf16, fp32, attention = SUSTAINED * bf16, SUSTAINED * fp32, SUSTAINED * attention
+    return DeviceProfile(
+        name, fp32, hbm, {k: 2e-5 for k in KINDS},
+        {"all_reduce": all_reduce, "all_gather": ring, "reduce_scatter": ring, "all_to_all": ring},
+        launch_s=1e-5, rates={"bfloat16": bf16, "float16": bf16, "float32": fp32, "attention.bfloat16": attention,
+                              "attention.float16": attention, "attention.float32": fp32},
+        fused_attention=True, node_ranks=8, inter_node_bandwidth={k: network for k in KINDS}, overlap=True,
+        source=source)
+
+
+# Each constant's source is in docs/device-profiles.md. Achieved, not datasheet peaks: matmuls at the best
+# shape's measured rate (ml-engineering's "maximum achievable matmul FLOPS"); flash attention 2 (what torch's
+# SDPA runs) at its published forward + backward rate, head dimension 128, sequence 8K; memory at 85% of the
+# datasheet (an assumption); NCCL's bus bandwidth as nccl-tests measures it; the network at 400 Gb/s (NDR)
+# or 200 Gb/s (HDR) a GPU as NCCL achieves it.
+GPU_PROFILES = {
+    "h100-sxm": _gpu("h100-sxm-nccl (built-in)", bf16=794.5e12, fp32=66.9e12 * 0.803, attention=3.2e14,
+                     hbm=3.35e12 * 0.85, all_reduce=4.8e11, ring=3.7e11, network=4.7e10,
+                     source="H100 SXM5 80 GB, 8 a host, NVLink 4, ConnectX-7 400 Gb/s a GPU"),
+    "h200": _gpu("h200-nccl (built-in)", bf16=794.5e12, fp32=66.9e12 * 0.803, attention=3.2e14,
+                 hbm=4.8e12 * 0.85, all_reduce=4.8e11, ring=3.614e11, network=4.7e10,
+                 source="H200 SXM 141 GB, 8 a host, NVLink 4, ConnectX-7 400 Gb/s a GPU"),
+    "a100-80gb": _gpu("a100-80gb-nccl (built-in)", bf16=271.2e12, fp32=19.5e12 * 0.869, attention=1.9e14,
+                      hbm=2.039e12 * 0.85, all_reduce=2.35e11, ring=2.35e11, network=2.4e10,
+                      source="A100 SXM 80 GB, 8 a host, NVLink 3, HDR 200 Gb/s a GPU"),
+}
+DEFAULT_PROFILES.update(GPU_PROFILES)
 
 
 def load_profile(source: "str | os.PathLike | DeviceProfile | None", device_type: str) -> DeviceProfile:

@@ -29,6 +29,7 @@ from torch.utils.flop_counter import flop_registry
 
 from ..compat import pytree
 from .cost_model import InstanceCosts, UnitCosts
+from .device_profile import DeviceProfile
 from .fused_traffic import aliases_input, fused_traffic
 from ..passes.tag_recompute import is_rng
 from ..planning.node_keys import module_paths
@@ -47,12 +48,14 @@ class OpCost:
     saves: tuple[str, ...] = ()     # the ops whose outputs this op saves for its backward (not graph inputs)
     kernels: int = 0         # launched, once fused (0 for a view or an op fused into another's kernel)
     touched: int = 0         # read and written op by op, views too, global (how the per-op ILP ranks options)
+    rate: str = ""           # the class of its FLOPs, the rate they run at (``DeviceProfile.rates``): its dtype
+    backward_extra_flops: int = 0   # its backward's FLOPs beyond twice its forward's (a fused attention's)
 
 
 def op_costs(gm: fx.GraphModule, inputs, fake_mode) -> list[OpCost]:
     """Each op of the ATen graph ``gm`` (placeholders in the order of ``inputs``) with its global costs."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    held = {n.name for n in placeholders}
+    held = {n.name for n in placeholders} | _parameter_copies(gm, inputs)
     producer: dict[int, str] = {}
     saved: dict[str, dict[int, int]] = defaultdict(dict)
     saves: dict[str, set[str]] = defaultdict(set)       # the op saving -> the ops whose outputs it saves
@@ -91,7 +94,17 @@ def op_costs(gm: fx.GraphModule, inputs, fake_mode) -> list[OpCost]:
                             {name for name, count in flops.items() if count})
     return [OpCost(node.name, flops[node.name], traffic[node.name][0], _nbytes(node.meta.get("val")),
                    sum(saved[node.name].values()), tuple(module_paths(node)), tuple(sorted(saves[node.name])),
-                   traffic[node.name][1], _touched(node)) for node in calls]
+                   traffic[node.name][1], _touched(node), _rate(node) if flops[node.name] else "") for node in calls]
+
+
+def _parameter_copies(gm: fx.GraphModule, inputs) -> set[str]:
+    """The ops that cast a parameter to mixed precision's compute dtype: what the backward keeps of them is the
+    parameter's copy, which the cost model counts per parameter (``cost_model.gathered_bytes``: a ZeRO
+    parameter's gathered replica, a replicated one's copy), not as activations."""
+    parameters = {n for n, inp in zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs)
+                  if inp.kind == "parameter"}
+    return {n.name for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten._to_copy.default
+            and n.args and n.args[0] in parameters}
 
 
 def repeated_blocks(gm: fx.GraphModule) -> tuple[str | None, dict[str, list[str]]]:
@@ -102,13 +115,15 @@ def repeated_blocks(gm: fx.GraphModule) -> tuple[str | None, dict[str, list[str]
 
 
 def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int, propagation=None,
-                blocks: tuple[str | None, dict[str, list[str]]] | None = None) -> UnitCosts:
+                blocks: tuple[str | None, dict[str, list[str]]] | None = None, *, profile: DeviceProfile) -> UnitCosts:
     """``ops`` (of ``gm``, whose placeholders are ``inputs``) on one rank of a unit of ``tp`` ranks placed
     as ``propagation`` found, with the instances of the repeated module class a search may recompute
-    (``blocks``: :func:`repeated_blocks` of ``gm`` or of the graph it copies)."""
+    (``blocks``: :func:`repeated_blocks` of ``gm`` or of the graph it copies), their FLOPs at the rates of
+    ``profile``."""
     split = {op.name: _split(op.name, tp, propagation) for op in ops}
     written = {op.name: _written(op.name, tp, propagation) for op in ops}
-    flops = sum(op.flops * split[op.name] for op in ops)
+    flops = flop_seconds([(op, split[op.name]) for op in ops], profile)
+    backward_extra = flop_seconds([(op, split[op.name]) for op in ops], profile, backward_extra=True)
     moved = sum(op.bytes * split[op.name] for op in ops if not op.flops)     # (a roofline per op: see above)
     saved = sum(op.saved_bytes * written[op.name] for op in ops)
     outputs = tuple(op.out_bytes * written[op.name] for op in ops)
@@ -124,12 +139,21 @@ def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int, propagat
             instances.append(InstanceCosts(
                 path, sum(op.saved_bytes * written[op.name] for op in inside),
                 entry + sum(_kept_bytes(by_op[n], tp, propagation) for n in kept),
-                sum(by_op[n].flops * split[n] for n in again),
+                flop_seconds([(by_op[n], split[n]) for n in again], profile),
                 sum(by_op[n].bytes * split[n] for n in again if not by_op[n].flops), entry,
                 sum(by_op[n].kernels for n in again)))
     grads = _replicated_grads(gm, inputs, tp, propagation)
     return UnitCosts(flops, moved, saved, max(outputs, default=0), sum(grads), recompute, tuple(instances), len(grads),
-                     outputs, sum(op.kernels for op in ops))
+                     outputs, sum(op.kernels for op in ops), backward_extra)
+
+
+def flop_seconds(ops: list[tuple[OpCost, float]], profile: DeviceProfile, backward_extra: bool = False) -> float:
+    """The seconds of the FLOPs of ``ops`` (each with the share a rank does) at ``profile``'s rate for each
+    class (their forward's, or their backward's beyond twice that): summed by class, then divided."""
+    by_rate: dict[str, float] = defaultdict(float)
+    for op, share in ops:
+        by_rate[op.rate] += (op.backward_extra_flops if backward_extra else op.flops) * share
+    return sum(profile.flop_seconds(flops, rate) for rate, flops in by_rate.items())
 
 
 def _flops(node: fx.Node) -> int:
@@ -141,6 +165,12 @@ def _flops(node: fx.Node) -> int:
         return int(formula(*args, **kwargs, out_val=node.meta.get("val")))
     except Exception:       # (a formula that does not take these arguments counts nothing)
         return 0
+
+
+def _rate(node: fx.Node) -> str:
+    """The class of an op's FLOPs: the dtype it computes in (its output's)."""
+    value = next((t for t in pytree.tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)), None)
+    return "" if value is None else str(value.dtype).removeprefix("torch.")
 
 
 def _touched(node: fx.Node) -> int:

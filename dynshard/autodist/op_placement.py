@@ -253,7 +253,7 @@ class PlacementProblem:
         # cost model prices a unit: a view's placement decides where the ops around it run, and priced at what
         # it moves, nothing, its placements tie; the plans the ILP then chose included ones the runtime cannot
         # run, docs/design.md "Cost model")
-        seconds = op.flops / self.profile.flops_per_s if op.flops else op.touched / self.profile.bytes_per_s
+        seconds = self.profile.flop_seconds(op.flops, op.rate) if op.flops else op.touched / self.profile.bytes_per_s
         return self.micro((1 + BACKWARD) * seconds / (self.tp if split else 1))
 
     def collective(self, kind: str | None, whole_bytes: float, forward: bool = False) -> float:

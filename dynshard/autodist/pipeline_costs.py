@@ -26,7 +26,8 @@ from ..planning import STAGE_SEPARATOR, Plan
 from .device_profile import DeviceProfile
 from .cost_model import (UnitCosts, forward_seconds, instance_seconds, parameter_seconds,
                                     round_seconds, update_seconds)
-from ..planning.costs import memory_at_rest, tensor_collectives, tp_collectives, whole_bytes
+from ..planning.costs import (compute_itemsize, gathered_replica_bytes, itemsize, memory_at_rest, tensor_collectives,
+                              tp_collectives, whole_bytes)
 from ..planning.prediction import Collectives, Cost, RankMemory
 from ..runtime.pipeline.schedules import build_schedule
 from ..runtime.pipeline.simulate import simulate
@@ -42,7 +43,7 @@ def predict_pipeline(plan: Plan, unit: UnitCosts, profile: DeviceProfile, transi
     tp = stage_tp_seconds(plan, profile, [share * 3 * forward for share in shares])  # (hybrid) forward, backward
     boundary = max((i.input_bytes for i in unit.instances), default=0.0)
     f = max(share * forward + tp[s][0] for s, share in enumerate(shares))
-    b = max(share * (2 * forward + again) + tp[s][1] for s, share in enumerate(shares))
+    b = max(share * (2 * forward + unit.backward_extra_seconds + again) + tp[s][1] for s, share in enumerate(shares))
     # a transfer meets the neighbouring stage: it waits for its skew over the action before it
     transfer = profile.alpha_s["all_to_all"] + boundary / profile.bandwidth["all_to_all"] + \
         profile.meeting_seconds(1, f) if len(shares) > 1 else 0.0
@@ -116,8 +117,13 @@ def activation_terms(plan: Plan, unit: UnitCosts) -> tuple[float, float]:
 
 def gathered_bytes(plan: Plan, tensor) -> int:
     """ZeRO under a pipeline: a parameter in rows is gathered whole once per step, and its gradient
-    accumulated whole over the micro-batches before the reduce-scatter at the step's end."""
-    return 2 * whole_bytes(plan, tensor) if tensor.kind == "parameter" and tensor.dp == "zero" else 0
+    accumulated whole over the micro-batches before the reduce-scatter at the step's end; a replicated one's
+    copy in mixed precision's compute dtype."""
+    if tensor.kind != "parameter":
+        return 0
+    if tensor.dp == "zero":
+        return 2 * whole_bytes(plan, tensor)
+    return gathered_replica_bytes(plan, tensor) if compute_itemsize(plan, tensor) != itemsize(tensor.dtype) else 0
 
 
 def stage_tp_seconds(plan: Plan, profile: DeviceProfile, compute: list[float]) -> list[tuple[float, float]]:
@@ -159,10 +165,11 @@ def unit_at(whole: UnitCosts, split: UnitCosts, ranks: int, tp: int) -> UnitCost
     others = {i.path: i for i in split.instances}
     instances = tuple(dataclasses.replace(
         i, saved_bytes=at(i.saved_bytes, others[i.path].saved_bytes),
-        entry_bytes=at(i.entry_bytes, others[i.path].entry_bytes), flops=at(i.flops, others[i.path].flops),
+        entry_bytes=at(i.entry_bytes, others[i.path].entry_bytes), flop_seconds=at(i.flop_seconds, others[i.path].flop_seconds),
         bytes=at(i.bytes, others[i.path].bytes)) if i.path in others else i for i in whole.instances)
     return dataclasses.replace(
-        whole, forward_flops=at(whole.forward_flops, split.forward_flops),
+        whole, forward_flop_seconds=at(whole.forward_flop_seconds, split.forward_flop_seconds),
+        backward_extra_seconds=at(whole.backward_extra_seconds, split.backward_extra_seconds),
         forward_bytes=at(whole.forward_bytes, split.forward_bytes), saved_bytes=at(whole.saved_bytes, split.saved_bytes),
         largest_output=at(whole.largest_output, split.largest_output), instances=instances,
         replicated_grad_bytes=split.replicated_grad_bytes, replicated_grads=split.replicated_grads)

@@ -47,7 +47,8 @@ from .choices import choose
 from .composed import composed
 from .cost_model import UnitCosts, predict
 from .device_profile import DeviceProfile, load_profile
-from .graph_costs import graph_costs, op_costs, repeated_blocks
+from .fused_attention import op_costs_on
+from .graph_costs import graph_costs, repeated_blocks
 from .graphs import Graphs
 from .hybrid_stages import estimated_stages
 from .op_placement import as_plan, per_op_problem
@@ -179,14 +180,15 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
     units = []
     forced = options.recompute_modules or ""
     choices = placements(config)
+    profile = device_profile(config, device_type)
     if layout.tp_mesh is None:          # a unit of one rank: one placement, lowered here only to be costed
         (placement,) = choices
         base, ctx, _ = plan_graph(gm, inputs, placement.config(config, 1 if dp > 1 else 0, forced), layout, made_for)
-        units.append((placement, base, whole_graph_costs(gm, ctx)))
+        units.append((placement, base, whole_graph_costs(gm, ctx, profile)))
         return units, units[0][2], {}
     lowered, lowered_ctx = lower_graph(gm, inputs, choices[0].config(config, 1 if dp > 1 else 0, forced), layout,
                                        made_for)
-    ops = op_costs(lowered, inputs, lowered_ctx.fake_mode)       # (placement-free: once for every placement)
+    ops = op_costs_on(profile, lowered, inputs, lowered_ctx.fake_mode)   # (placement-free: once for every placement)
     blocks = repeated_blocks(lowered)
 
     solves: dict[str, OpPlacementSolve] = {}      # a per-op ILP's plan -> its solve, which the plan records
@@ -198,7 +200,7 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
         if placement.name in solves:
             base = dataclasses.replace(base, predicted=dataclasses.replace(base.predicted,
                                                                            op_placement=solves[placement.name]))
-        return base, graph_costs(graph, inputs, ops, layout.tp_size, ctx.propagation, blocks), graph, ctx
+        return base, graph_costs(graph, inputs, ops, layout.tp_size, ctx.propagation, blocks, profile=profile), graph, ctx
 
     def on_batch(plan: Plan, graph: fx.GraphModule, ctx) -> Plan | None:
         batch = with_sequence_parallel(plan, graph.graph, ctx.propagation, layout.tp_size, ctx.node_keys, dim=0)
@@ -267,7 +269,7 @@ def planned_units(gm: fx.GraphModule, inputs, config: Config, world: int, made_f
                     log.info("autodist: no %s plan for this graph: %s", variant.name, error)
                     continue
             units.append((variant, *found))
-    return units, graph_costs(lowered, inputs, ops, 1, None, blocks), estimated
+    return units, graph_costs(lowered, inputs, ops, 1, None, blocks, profile=profile), estimated
 
 
 def placed_per_op(lowered: fx.GraphModule, inputs, ops, blocks, tp: Plan, unit: UnitCosts, keys, layout,

@@ -25,7 +25,8 @@ from ..planning.prediction import ProfileName
 from ..runtime.mesh import planning_layout
 from .cost_model import UnitCosts, predict
 from .device_profile import DeviceProfile
-from .graph_costs import graph_costs, op_costs
+from .fused_attention import op_costs_on
+from .graph_costs import graph_costs
 from .graphs import Graphs
 from .pipeline_costs import predict_pipeline, unit_at
 
@@ -39,26 +40,27 @@ def with_prediction(gm: fx.GraphModule, plan: Plan, ctx: PassContext, graph: fx.
     if plan.pipeline is not None:
         if any(t.tp is None for t in plan.tensors.values()):
             return plan
-        unit = whole_graph_costs(gm, ctx)
+        unit = whole_graph_costs(gm, ctx, profile)
         if plan.mesh.tp > 1:
-            unit = unit_at(unit, tp_unit_costs(gm, ctx, plan.mesh.plan_ngpus, graphs), plan.mesh.plan_ngpus,
+            unit = unit_at(unit, tp_unit_costs(gm, ctx, plan.mesh.plan_ngpus, graphs, profile), plan.mesh.plan_ngpus,
                            plan.mesh.tp)
         predicted = predict_pipeline(plan, unit, profile, TRANSIENT_MEM_COEF)
     else:
-        predicted = predict(plan, unit_costs(gm, ctx, graph), 1, profile, TRANSIENT_MEM_COEF)
+        predicted = predict(plan, unit_costs(gm, ctx, graph, profile), 1, profile, TRANSIENT_MEM_COEF)
     return dataclasses.replace(plan, predicted=dataclasses.replace(
         plan.predicted, cost=predicted, device_profile=ProfileName(profile.name, profile.digest())))
 
 
-def unit_costs(gm: fx.GraphModule, ctx: PassContext, graph: fx.GraphModule) -> UnitCosts:
+def unit_costs(gm: fx.GraphModule, ctx: PassContext, graph: fx.GraphModule, profile: DeviceProfile) -> UnitCosts:
     """What one rank of the plan's unit computes, keeps and sends per call (``graph``: the placed ATen graph)."""
     if ctx.layout.tp_mesh is None:          # a unit of one rank is not lowered by the passes: lower it here
-        return whole_graph_costs(gm, ctx)
-    return graph_costs(graph, ctx.inputs, op_costs(graph, ctx.inputs, ctx.fake_mode), ctx.layout.tp_size,
-                       ctx.propagation)
+        return whole_graph_costs(gm, ctx, profile)
+    return graph_costs(graph, ctx.inputs, op_costs_on(profile, graph, ctx.inputs, ctx.fake_mode), ctx.layout.tp_size,
+                       ctx.propagation, profile=profile)
 
 
-def tp_unit_costs(gm: fx.GraphModule, ctx: PassContext, ranks: int, graphs: Graphs) -> UnitCosts:
+def tp_unit_costs(gm: fx.GraphModule, ctx: PassContext, ranks: int, graphs: Graphs, profile: DeviceProfile
+                  ) -> UnitCosts:
     """What one rank computes, keeps and sends with the whole graph placed by the tp policy over ``ranks``
     (the stages' tp options), on a layout with no process group."""
     config = dataclasses.replace(ctx.config, policy="tp", use_zero=0, zero_ngroups=1, zero_use_reduce_scatter=False,
@@ -66,11 +68,12 @@ def tp_unit_costs(gm: fx.GraphModule, ctx: PassContext, ranks: int, graphs: Grap
     layout = planning_layout(ctx.layout.world_size, ranks, ctx.layout.device_type)
     lowered, lowered_ctx = graphs.lower(gm, ctx.inputs, config, layout, ctx.made_for)
     _, placed_ctx, placed = graphs.place(lowered, lowered_ctx, config)
-    return graph_costs(placed, ctx.inputs, op_costs(placed, ctx.inputs, placed_ctx.fake_mode), ranks,
-                       placed_ctx.propagation)
+    return graph_costs(placed, ctx.inputs, op_costs_on(profile, placed, ctx.inputs, placed_ctx.fake_mode), ranks,
+                       placed_ctx.propagation, profile=profile)
 
 
-def whole_graph_costs(gm: fx.GraphModule, ctx: PassContext) -> UnitCosts:
+def whole_graph_costs(gm: fx.GraphModule, ctx: PassContext, profile: DeviceProfile) -> UnitCosts:
     """What the whole graph costs one rank that runs all of it."""
     lowered = lower(run_passes(copy_graph(gm), ctx, [cast_to_compute_dtype]), ctx)
-    return graph_costs(lowered, ctx.inputs, op_costs(lowered, ctx.inputs, ctx.fake_mode), 1, None)
+    return graph_costs(lowered, ctx.inputs, op_costs_on(profile, lowered, ctx.inputs, ctx.fake_mode), 1, None,
+                       profile=profile)

@@ -80,8 +80,33 @@ def local_numel(plan: Plan, tensor: TensorChoice, rows: bool = True) -> tuple[in
 
 
 def whole_bytes(plan: Plan, tensor: TensorChoice) -> int:
-    """Bytes of this rank's tp shard of ``tensor`` before ZeRO splits it into rows (a gathered replica)."""
+    """Bytes of this rank's tp shard of ``tensor`` before ZeRO splits it into rows (a replica)."""
     return local_numel(plan, tensor, rows=False)[0] * itemsize(tensor.dtype)
+
+
+def gathered_replica_bytes(plan: Plan, tensor: TensorChoice) -> int:
+    """Bytes of ``tensor``'s tp shard as ZeRO gathers it: in the dtype the program computes in."""
+    return local_numel(plan, tensor, rows=False)[0] * compute_itemsize(plan, tensor)
+
+
+def compute_itemsize(plan: Plan, tensor: TensorChoice) -> int:
+    """A parameter's element in the program: mixed precision's ``param_dtype`` for a floating one (its ZeRO
+    rows are cast before they are gathered, as FSDP2 does), else its own."""
+    return _mixed_itemsize(plan, tensor, ("param_dtype",))
+
+
+def reduced_itemsize(plan: Plan, tensor: TensorChoice) -> int:
+    """A parameter's gradient element as it is reduced: ``reduce_dtype``, else ``param_dtype``, else its own."""
+    return _mixed_itemsize(plan, tensor, ("reduce_dtype", "param_dtype"))
+
+
+def _mixed_itemsize(plan: Plan, tensor: TensorChoice, fields: tuple[str, ...]) -> int:
+    policy = plan.mixed_precision or {}
+    if tensor.kind == "parameter" and getattr(torch, tensor.dtype).is_floating_point:
+        for field in fields:
+            if policy.get(field):
+                return itemsize(str(policy[field]).removeprefix("torch."))
+    return itemsize(tensor.dtype)
 
 
 def memory_at_rest(plan: Plan) -> list[RankBytes]:
@@ -138,12 +163,12 @@ def tensor_collectives(plan: Plan, tensor: TensorChoice) -> list[tuple[str, str,
     if plan.mesh.dp == 1 or tensor.kind != "parameter" or tensor.dp not in ("replicate", "zero"):
         return []
     numel, _ = local_numel(plan, tensor)
-    size = numel * itemsize(tensor.dtype)
+    size, gathered = numel * reduced_itemsize(plan, tensor), numel * compute_itemsize(plan, tensor)
     if tensor.dp == "replicate":
         return [("all_reduce", "dp", size, "gradients")]
-    found = [("all_gather", "dp", size, "parameters (ZeRO rows)")]
+    found = [("all_gather", "dp", gathered, "parameters (ZeRO rows)")]
     if plan.zero.level == 3:
-        found.append(("all_gather", "dp", size, "parameters again in the backward (ZeRO-3)"))
+        found.append(("all_gather", "dp", gathered, "parameters again in the backward (ZeRO-3)"))
     whole = size * (plan.mesh.dp // plan.zero.ngroups)
     if plan.zero.level == 1 and not plan.zero.reduce_scatter:
         found.append(("all_reduce", "dp", whole, "gradients, then sliced (ZeRO-1)"))
