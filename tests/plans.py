@@ -4,7 +4,9 @@ on a process group that never communicates: the ``fake_world`` fixture)."""
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from dynshard import compat
 from dynshard.backend import dynshard_backend
 
 
@@ -19,3 +21,11 @@ def plan_for(model, inputs, **options):
 
     torch.compile(model, backend=backend, fullgraph=True)(*inputs)
     return plans[0]
+
+
+def restart_fake_world() -> None:
+    """This process as after a restart: a new process group of the same size, so a new dynshard job (the
+    plans it keeps in memory gone)."""
+    world = dist.get_world_size()
+    dist.destroy_process_group()
+    compat.fake_process_group(world)

@@ -17,7 +17,7 @@ import dynshard
 from dynshard.backend.capture import fqn_from_source
 from dynshard.explain import format_plan
 from models import GPT, MLP, GPT2StyleBlock, GPTConfig, LayerStack, gpt_batch, mlp_batch
-from plans import plan_for
+from plans import plan_for, restart_fake_world
 
 
 class TestPlans(expecttest.TestCase):
@@ -150,19 +150,19 @@ forward communication (predicted)
     def test_plans_are_stored_on_disk_for_a_restart(self):
         import tempfile
 
-        from dynshard.backend import PLANS
+        from dynshard.backend.plan_cache import load_plan
         from dynshard.policies import BUILTIN
 
         with tempfile.TemporaryDirectory() as cache_dir:
             plan = plan_for(MLP(dim=8), mlp_batch(4, 0, dim=8), policy="tp", plan_ngpus=2, cache_dir=cache_dir)
             config = dynshard.Config(policy="tp", plan_ngpus=2, compiler="aot_eager", cache_dir=cache_dir)
-            stored = PLANS.load_plan(config, plan.key)
+            stored = load_plan(config, plan.key)
             assert stored == plan.plan and stored.tensors["blocks.0.0.weight"].tp == "S0"
 
             def must_not_run(plan, config):
                 raise AssertionError("the stored plan should have been used")
 
-            PLANS.clear()     # as after a restart: nothing in memory
+            restart_fake_world()     # a new job: nothing in memory
             torch._dynamo.reset()
             with unittest.mock.patch.dict(BUILTIN, {"tp": must_not_run}):
                 again = plan_for(MLP(dim=8), mlp_batch(4, 0, dim=8), policy="tp", plan_ngpus=2,
@@ -228,7 +228,7 @@ def test_a_policys_trials_run_only_what_they_change_and_plan_the_same(fake_world
     propagating everything every time, asking DTensor at every node, gives."""
     import sys
 
-    from dynshard.backend import PLANS
+    from dynshard.runtime.job import new_job
 
     propagation = sys.modules["dynshard.passes.propagate_sharding"]
     memo = sys.modules["dynshard.passes.op_memo"]
@@ -242,7 +242,7 @@ def test_a_policys_trials_run_only_what_they_change_and_plan_the_same(fake_world
 
     def plan(*patches):
         torch._dynamo.reset()
-        PLANS.clear()
+        new_job()           # planned again, not served from the job's plans
         torch.manual_seed(0)
         with contextlib.ExitStack() as stack:
             for patch in patches:

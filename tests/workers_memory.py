@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import dynshard
-from dynshard.runtime.accumulation import ACCUMULATION
+from dynshard.runtime.accumulation import job_accumulation
 from workers import _unit_rows, build
 
 LR = 0.05
@@ -79,7 +79,7 @@ def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: 
     for step in range(steps):
         global_batch = make_batch(batch * dp_size, step)
         unit = _unit_rows(global_batch, dp_rank, batch)
-        before = ACCUMULATION.reducer.buckets_reduced
+        before = job_accumulation().reducer.buckets_reduced
         total = 0.0
         for micro in range(accumulate):
             rows = tuple(t[micro * batch // accumulate:(micro + 1) * batch // accumulate] for t in unit)
@@ -107,7 +107,7 @@ def train_case(rank: int, world: int, model_name: str, policy: str, plan_ngpus: 
         if clip is not None:
             norms.append((norm.item(), torch.nn.utils.clip_grad_norm_(reference.parameters(), clip).item()))
         opt.step()
-        flushes.append(ACCUMULATION.reducer.buckets_reduced - before)
+        flushes.append(job_accumulation().reducer.buckets_reduced - before)
         bytes_at_rest.append(_state_bytes(model, opt))
         opt.zero_grad()
         mean = total.clone()

@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import dynshard
 from dynshard import compat
-from dynshard.backend import PLANS
+from dynshard.backend import job_plans
 from models import GPT, GPTConfig, gpt_batch
 
 TABLE_ROWS = (8, 7, 3, 1)     # even, uneven, and a table with fewer rows than ranks (empty shards)
@@ -64,4 +64,4 @@ def tp_programs(rank: int, world: int, compiler: str) -> dict:
                              options=dynshard.Config(policy="tp", plan_ngpus=world, compiler=compiler))
     compiled(*gpt_batch(cfg, 2, 0)).backward()
     report = dynshard.explain(compiled)
-    return dict(PLANS.get(report.programs[0].key).program.graphs)
+    return dict(job_plans().get(report.programs[0].key).program.graphs)

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import dynshard
-from dynshard.backend import PLAN_FILES, PLANS
+from dynshard.runtime.job import new_job
 from models import GPT, MLP, GPTConfig, gpt_batch, mlp_batch
 from workers import train_parity
 from workers_pipeline import build, pipeline_parity
@@ -37,9 +37,9 @@ def _train(case: dict, options: dict, load: bool) -> dict:
 
 
 def _fresh() -> None:
+    """As in new processes on the same group: Dynamo's programs and the job's state gone."""
     torch._dynamo.reset()
-    PLANS.clear()
-    PLAN_FILES.clear()
+    new_job()
 
 
 def save_then_load(rank: int, world: int, case: dict, folder: str) -> dict:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dynshard import passes
-from dynshard.backend import PLANS, dynshard_backend
+from dynshard.backend import dynshard_backend, job_plans
 from dynshard.policies import PlanError, tp
 from models import GPT, MLP, GPTConfig, gpt_batch, mlp_batch
 from workers import train_parity
@@ -32,7 +32,7 @@ def tp_job(rank: int, world: int, steps: int) -> dict:
     environment): the parity report, the policy's runs on this rank, and the plan's pass timings."""
     result = train_parity(rank, world, "gpt", counted_tp, 2, "aot_eager", steps)
     result["policy_calls"] = CALLS["counted_tp"]
-    result["pass_timings"] = [plan.pass_timings for plan in PLANS._memory.values()]   # this job's plans
+    result["pass_timings"] = [plan.pass_timings for plan in job_plans().programs()]   # this job's plans
     return result
 
 
@@ -111,5 +111,5 @@ def pipeline_job(rank: int, world: int) -> dict:
     finally:
         cut_stages._choose_cuts = choose
     result["cuts_made"] = len(calls)
-    result["pass_timings"] = [dict(plan.pass_timings) for plan in PLANS._memory.values()]
+    result["pass_timings"] = [dict(plan.pass_timings) for plan in job_plans().programs()]
     return result

@@ -10,7 +10,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 import dynshard
-from dynshard.backend import PLANS
+from dynshard.backend import job_plans
 from models import GPT, Block, GPTConfig, gpt_batch
 
 LR = 1e-3
@@ -62,7 +62,7 @@ def train(recompute: str = "", user_checkpoint: bool = False, **options) -> dict
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
     report = dynshard.explain(compiled)
-    backward = PLANS.get(report.programs[0].key).program.graphs["backward"]
+    backward = job_plans().get(report.programs[0].key).program.graphs["backward"]
     return {
         "losses": losses, "ref_losses": ref_losses,
         "saved_bytes": report.saved_bytes(), "programs": len(report.programs),

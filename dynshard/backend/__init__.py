@@ -36,8 +36,8 @@ from .compiler import start_cpu_isa_probe
 from .families import check_alone, check_together, family_key, recorded_for
 from .pipeline import plan_pipeline
 from .plan_and_compile import local_example, plan_and_compile
-from .plan_cache import PLANS, modes_token, plan_key
-from .plan_files import PLAN_FILES
+from .plan_cache import job_plans, modes_token, plan_key
+from .plan_files import job_plan_files
 from .plan_once import plan_once
 from .shapes import at_sizes, check_symbolic_shapes, compiles_per_size, limit_automatic_dynamic
 from .planner import autodist_plan, planner_plan
@@ -58,7 +58,8 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     inputs = describe_inputs(gm, example_inputs)
     made_for = fingerprint(gm.code, world_size(), modes_token())
     family = family_key(inputs, config) if world_size() > 1 else None
-    known = PLANS.family(family)         # (first program, compile #): this one is compiled alone, see .families
+    plans = job_plans()
+    known = plans.family(family)         # (first program, compile #): this one is compiled alone, see .families
     if known is None:
         ensure_ranks_agree_on_source(config)                # rank 0 sends a file's plan or a search's
     given = _given_plan(gm, inputs, config, made_for, device_type)
@@ -82,7 +83,7 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
                                        family if recorded_for(layout, outline) else None)
     if outline.pipeline is not None:
         return _pipeline_program(gm, example_inputs, config, outline, layout, inputs, key, device_type, made_for, given)
-    plan = PLANS.get(key)
+    plan = plans.get(key)
     if plan is not None:
         plan.hits += 1
         log.debug("plan %s served from cache (hit %d)", key, plan.hits)
@@ -121,12 +122,12 @@ def dynshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options:
     elif alone:       # the first programs, at each rank's own sizes
         check_together(plan)
     if known is None and family is not None and recorded_for(layout, outline):
-        PLANS.add_family(family, plan, agreed_compiles() - 1)
-    PLAN_FILES.record(config, ctx.plan, layout.rank)
+        plans.add_family(family, plan, agreed_compiles() - 1)
+    job_plan_files().record(config, ctx.plan, layout.rank)
     _drop_guards_on_sharded(gm, plan)
     log.info("compiled plan %s in %.2fs (passes: %s)", key, plan.program.seconds,
              ", ".join(f"{name} {t:.2f}s" for name, t in plan.pass_timings))
-    PLANS.put(key, plan)
+    plans.put(key, plan)
     return ShardedProgram(plan)
 
 
@@ -144,7 +145,7 @@ def _hook_into_dynamo() -> None:
 def _given_plan(gm: fx.GraphModule, inputs, config: Config, made_for, device_type: str) -> Plan | None:
     """The plan that runs without a policy: a plan file's (load_plan_path), or the one autodist or the user's
     planner chooses before the layout (rank 0 searches, the others receive it); None: the policy places."""
-    given = PLAN_FILES.given(config, made_for, inputs)
+    given = job_plan_files().given(config, made_for, inputs)
     if given is None and config.policy == "autodist":
         given = autodist_plan(gm, inputs, config, world_size(), made_for, device_type)
     if given is None and isinstance(config.policy, Planner):
@@ -154,11 +155,12 @@ def _given_plan(gm: fx.GraphModule, inputs, config: Config, made_for, device_typ
 
 def _pipeline_program(gm, example_inputs, config, outline, layout, inputs, key, device_type, made_for,
                       given) -> PipelineProgram:
-    plan = PLANS.get(key)
+    plans = job_plans()
+    plan = plans.get(key)
     if plan is None or not plan.serves(example_inputs):     # (a second model of the same graph: its own)
         plan = plan_pipeline(gm, example_inputs, config, outline, layout, inputs, key, device_type, made_for, given)
-        PLANS.put(key, plan)
-        PLAN_FILES.record(config, plan.plan, layout.rank)
+        plans.put(key, plan)
+        job_plan_files().record(config, plan.plan, layout.rank)
         log.info("planned pipeline %s (passes: %s)", key, ", ".join(f"{n} {t:.2f}s" for n, t in plan.pass_timings))
     else:
         plan.hits += 1

@@ -11,10 +11,8 @@ broadcasts it on the same group; the other ranks install it as a stored plan (:c
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import hashlib
-import itertools
 import json
 import pickle
 from typing import Any, Callable, Sequence
@@ -26,6 +24,7 @@ from .. import compat
 from ..config import Config
 from ..config.planner import Planner
 from ..planning import PlanFileError
+from ..runtime.job import current_job
 from ..runtime.mesh import Layout
 from .capture import GraphInput
 from .plan_cache import modes_token
@@ -52,16 +51,14 @@ class PlanningFailedError(PlanMismatchError):
     """Rank 0 failed while planning (its policy raised): what the other ranks raise instead of waiting."""
 
 
-class _Agreement:
-    """The gloo group the keys travel on (made at the first compile of each default process group) and
-    the count of compiles checked on it."""
+class Agreement:
+    """The gloo group the keys travel on (made at the job's first compile that checks them) and the count
+    of compiles checked on it: a part of the job (:func:`_agreement`), as both belong to its default group."""
 
     def __init__(self) -> None:
-        self.world: Any = None                  # the default group the state below belongs to
         self.store: dist.Store | None = None
         self.group: dist.ProcessGroupGloo | None = None
         self.compiles = 0
-        self.generation = itertools.count()
 
     def check(self, key: str, describe: Callable[[], dict], family: str | None = None, unit: int = 1) -> bool:
         """Whether every rank compiles ``key``; where they do not, but every rank's ``family`` is the same and
@@ -84,10 +81,9 @@ class _Agreement:
         return True
 
     def ensure_group(self) -> None:
-        """The group of this default process group, made at its first use; notes how far this rank got."""
-        if self.world is not dist.group.WORLD:
-            self.world, self.group, self.compiles = dist.group.WORLD, None, 0
-            self.store = dist.PrefixStore(f"dynshard/agreement/{next(self.generation)}", compat.default_store())
+        """The group of this job, made at its first use; notes how far this rank got."""
+        if self.store is None:      # (keyed by the job: a later job of this process may share the store)
+            self.store = dist.PrefixStore(f"dynshard/agreement/{current_job().number}", compat.default_store())
         # how far this rank got, so that a rank left waiting can name the ranks that did not come
         self.store.set(f"reached/{dist.get_rank()}", str(self.compiles))
         if self.group is None:
@@ -147,15 +143,13 @@ class _Agreement:
                 f"their collectives. {_FIX}. To wait longer, set dynshard.backend.agreement.TIMEOUT "
                 "(a timedelta)")
 
+    def end_job(self) -> None:
+        self.group = None
 
-_AGREEMENT = _Agreement()
 
-
-@atexit.register
-def _release_group() -> None:
-    """Destroy the gloo group before interpreter shutdown: destroyed during static destruction, its
-    threads abort the process ("terminate called without an active exception", seen once in CI)."""
-    _AGREEMENT.group = None
+def _agreement() -> Agreement:
+    """The current job's agreement."""
+    return current_job().part(Agreement)
 
 
 def ensure_ranks_agree(key: str, code: str, inputs: Sequence[GraphInput], config: Config,
@@ -169,7 +163,7 @@ def ensure_ranks_agree(key: str, code: str, inputs: Sequence[GraphInput], config
     """
     if not _checks_agreement():
         return True
-    return _AGREEMENT.check(key, lambda: describe_plan(key, code, inputs, config, layout), family,
+    return _agreement().check(key, lambda: describe_plan(key, code, inputs, config, layout), family,
                             layout.plan_ngpus)
 
 
@@ -178,10 +172,11 @@ def ensure_ranks_communicate_alike(what: str, describe: Callable[[], str]) -> No
     collectives carry) is the same: programs the ranks planned on their own, at their own sizes."""
     if not _checks_agreement():
         return
-    _AGREEMENT.ensure_group()
+    agreement = _agreement()
+    agreement.ensure_group()
     mine = describe()
     digest = hashlib.sha256(mine.encode()).hexdigest()[:_KEY_BYTES].encode()
-    digests = _AGREEMENT.all_gather(digest, _KEY_BYTES)
+    digests = agreement.all_gather(digest, _KEY_BYTES)
     if len(set(digests)) > 1:
         others = [r for r, d in enumerate(digests) if d != digests[0]]
         raise PlanMismatchError(
@@ -212,8 +207,9 @@ def ensure_ranks_agree_on_source(config: Config) -> None:
         return
     source = "file" if config.load_plan_path else "autodist" if config.policy == "autodist" else \
         "planner" if isinstance(config.policy, Planner) else "policy"
-    _AGREEMENT.ensure_group()
-    sources = [s.rstrip(b"\0").decode() for s in _AGREEMENT.all_gather(source.encode(), 8)]
+    agreement = _agreement()
+    agreement.ensure_group()
+    sources = [s.rstrip(b"\0").decode() for s in agreement.all_gather(source.encode(), 8)]
     if len(set(sources)) > 1:
         what = {"file": "from the plan file load_plan_path (DYNSHARD_LOAD_PLAN_PATH)",
                 "autodist": "from autodist's search (policy='autodist')", "planner": "from a planner (rank 0's)",
@@ -231,17 +227,18 @@ def from_rank0(read: Callable[[], str], raises: type[Exception] = PlanFileError,
     message."""
     if not _checks_agreement():
         return read()
-    _AGREEMENT.ensure_group()
+    agreement = _agreement()
+    agreement.ensure_group()
     if dist.get_rank() == 0:
         try:
             text = read()
         except Exception as error:
-            _AGREEMENT.broadcast(b"E" + str(error).encode(), TIMEOUT)
+            agreement.broadcast(b"E" + str(error).encode(), TIMEOUT)
             raise
-        _AGREEMENT.broadcast(b"T" + text.encode(), TIMEOUT)
+        agreement.broadcast(b"T" + text.encode(), TIMEOUT)
         return text
     try:
-        message = _AGREEMENT.broadcast(None, TIMEOUT)
+        message = agreement.broadcast(None, TIMEOUT)
     except RuntimeError as error:
         raise PlanMismatchError(f"dynshard: rank {dist.get_rank()} waited for rank 0 to {what} and it did "
                                 f"not send it (gloo: {_first_line(error)}). {_FIX}") from error
@@ -262,7 +259,7 @@ class PlanChannel:
 
     _PLAN, _ERROR = b"P", b"E"
 
-    def __init__(self, agreement: _Agreement) -> None:
+    def __init__(self, agreement: Agreement) -> None:
         self._agreement = agreement
         self.compile = agreement.compiles - 1      # the compile the agreement check just counted
         self.planner = dist.get_rank() == 0
@@ -319,16 +316,17 @@ class PlanChannel:
 
 
 def agreed_compiles() -> int:
-    """How many compiles the ranks have agreed on so far (in this default process group)."""
-    return _AGREEMENT.compiles if _AGREEMENT.world is dist.group.WORLD else 0
+    """How many compiles the ranks have agreed on so far (in this job)."""
+    return _agreement().compiles
 
 
 def plan_channel() -> PlanChannel | None:
     """The channel of the compile whose keys :func:`ensure_ranks_agree` just checked; None when this process
     plans alone (no process group, one process, or a group that never communicates)."""
-    if not _checks_agreement() or _AGREEMENT.group is None or _AGREEMENT.world is not dist.group.WORLD:
+    agreement = _agreement()
+    if not _checks_agreement() or agreement.group is None:
         return None
-    return PlanChannel(_AGREEMENT)
+    return PlanChannel(agreement)
 
 
 def _checks_agreement() -> bool:

@@ -64,7 +64,6 @@ def plan(model: torch.nn.Module, args: Sequence[Any], config: Config | Mapping[s
         compiled(*args, **(kwargs or {}))
     finally:
         dist.destroy_process_group()
-        mesh.forget_layouts()
         torch._dynamo.reset()
     return plans
 

@@ -17,6 +17,7 @@ import torch
 from .. import compat
 from ..config import Config
 from ..planning import Plan
+from ..runtime.job import current_job
 from ..runtime.mesh import Layout
 from .capture import GraphInput
 
@@ -37,6 +38,9 @@ def modes_token() -> str:
 
 
 class PlanCache:
+    """The job's programs by plan key, and its families' first programs: a part of the job (:func:`job_plans`),
+    since a program holds the job's process groups and a family the number of one of its agreed compiles."""
+
     def __init__(self) -> None:
         self._memory: dict[str, Any] = {}
         self._families: dict[str, tuple[Any, int]] = {}    # family -> (its first program, its agreed compile)
@@ -47,9 +51,9 @@ class PlanCache:
     def put(self, key: str, plan: Any) -> None:
         self._memory[key] = plan
 
-    def clear(self) -> None:
-        self._memory.clear()
-        self._families.clear()
+    def programs(self) -> list[Any]:
+        """The job's compiled programs, in the order they were compiled."""
+        return list(self._memory.values())
 
     def family(self, family: str | None) -> tuple[Any, int] | None:
         """The first program of ``family`` every rank agreed on, and that compile's number (see .families)."""
@@ -58,40 +62,44 @@ class PlanCache:
     def add_family(self, family: str, plan: Any, compile_index: int) -> None:
         self._families.setdefault(family, (plan, compile_index))
 
-    # -- placements on disk -----------------------------------------------------------------------
-    @staticmethod
-    def load_text(config: Config, key: str) -> str | None:
-        """The JSON text stored for ``key`` in ``cache_dir`` (placements, or a pipeline's stage cut), or None."""
-        if not config.cache_dir:
-            return None
-        path = os.path.join(config.cache_dir, f"plan-{key}.json")
-        if not os.path.exists(path):
-            return None
-        with open(path) as f:
-            return f.read()
 
-    @staticmethod
-    def save_text(config: Config, key: str, text: str, layout: Layout) -> None:
-        """Rank 0 keeps ``text`` for ``key`` in ``cache_dir`` (written atomically)."""
-        if not config.cache_dir or layout.rank != 0:
-            return
-        os.makedirs(config.cache_dir, exist_ok=True)
-        path = os.path.join(config.cache_dir, f"plan-{key}.json")
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-
-    def load_plan(self, config: Config, key: str) -> Plan | None:
-        """The plan stored for ``key`` in ``cache_dir``, None when it holds none."""
-        text = self.load_text(config, key)
-        if text is None or '"dynshard_plan"' not in text:     # (an older dynshard's placements: planned again)
-            return None
-        return Plan.from_json(text, f"the stored plan {os.path.join(config.cache_dir, f'plan-{key}.json')} "
-                                    "(remove it from cache_dir)")
-
-    def save_plan(self, config: Config, key: str, plan: Plan, layout: Layout) -> None:
-        self.save_text(config, key, plan.to_json(), layout)
+def job_plans() -> PlanCache:
+    """The current job's plan cache."""
+    return current_job().part(PlanCache)
 
 
-PLANS = PlanCache()       # this process's plans: compiled programs by key, Plans in cache_dir
+# -- plans on disk --------------------------------------------------------------------------------------
+def _load_text(config: Config, key: str) -> str | None:
+    """The JSON text stored for ``key`` in ``cache_dir`` (placements, or a pipeline's stage cut), or None."""
+    if not config.cache_dir:
+        return None
+    path = os.path.join(config.cache_dir, f"plan-{key}.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read()
+
+
+def _save_text(config: Config, key: str, text: str, layout: Layout) -> None:
+    """Rank 0 keeps ``text`` for ``key`` in ``cache_dir`` (written atomically)."""
+    if not config.cache_dir or layout.rank != 0:
+        return
+    os.makedirs(config.cache_dir, exist_ok=True)
+    path = os.path.join(config.cache_dir, f"plan-{key}.json")
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def load_plan(config: Config, key: str) -> Plan | None:
+    """The plan stored for ``key`` in ``cache_dir``, None when it holds none."""
+    text = _load_text(config, key)
+    if text is None or '"dynshard_plan"' not in text:     # (an older dynshard's placements: planned again)
+        return None
+    return Plan.from_json(text, f"the stored plan {os.path.join(config.cache_dir, f'plan-{key}.json')} "
+                                "(remove it from cache_dir)")
+
+
+def save_plan(config: Config, key: str, plan: Plan, layout: Layout) -> None:
+    _save_text(config, key, plan.to_json(), layout)

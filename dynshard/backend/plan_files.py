@@ -9,11 +9,15 @@ from ..config import Config
 from ..planning import Plan, TensorChoice
 from ..planning.files import parse_plans, plan_for_graph, read_plan_file, write_plan_file
 from ..planning.plan import MadeFor
+from ..runtime.job import current_job
 from .agreement import from_rank0
 from .capture import GraphInput
 
 
 class PlanFiles:
+    """The plans of the job's plan files, by path: a part of the job (:func:`job_plan_files`), since the file
+    ``load_plan_path`` names is read once per job and the one ``save_plan_path`` names holds its plans."""
+
     def __init__(self) -> None:
         self._loaded: dict[str, list[Plan]] = {}
         self._saved: dict[str, list[Plan]] = {}
@@ -40,12 +44,10 @@ class PlanFiles:
             plans.append(plan)
         write_plan_file(path, plans)
 
-    def clear(self) -> None:
-        self._loaded.clear()
-        self._saved.clear()
 
-
-PLAN_FILES = PlanFiles()
+def job_plan_files() -> PlanFiles:
+    """The current job's plan files."""
+    return current_job().part(PlanFiles)
 
 
 def graph_tensors(inputs: Sequence[GraphInput]) -> dict[str, TensorChoice]:

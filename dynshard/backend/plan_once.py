@@ -25,7 +25,7 @@ import time
 from ..passes import PassContext
 from ..planning import Plan
 from .agreement import PlanChannel, plan_channel
-from .plan_cache import PLANS
+from .plan_cache import load_plan, save_plan
 
 
 class PlanAgreement:
@@ -56,7 +56,7 @@ class PlanAgreement:
 
     def __enter__(self) -> PlanAgreement:
         if self.plans and not self.receives:
-            self.ctx.given = PLANS.load_plan(self.ctx.config, self.key)
+            self.ctx.given = load_plan(self.ctx.config, self.key)
             if self.ctx.given is not None and self.channel is not None:   # at once: the others need not wait
                 self.channel.send(self.ctx.given.to_json())
         return self
@@ -67,7 +67,7 @@ class PlanAgreement:
                 self.channel.abandon(error)
             return
         if not self.receives:
-            PLANS.save_plan(self.ctx.config, self.key, self.ctx.plan, self.ctx.layout)
+            save_plan(self.ctx.config, self.key, self.ctx.plan, self.ctx.layout)
 
 
 def plan_once(ctx: PassContext, key: str, alone: bool = False) -> PlanAgreement:

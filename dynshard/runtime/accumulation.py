@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .job import current_job
 from .reducer import PendingGrad, Reducer
 from .sharding import get_tag
 from .zero import gather_rows, zero_groups
@@ -48,7 +49,9 @@ class TensorSet:
 
 
 class Accumulation:
-    """Which parameters accumulate locally, their replicas, and what is waiting to be reduced."""
+    """Which parameters accumulate locally, their replicas, and what is waiting to be reduced: a part of the
+    job (:func:`job_accumulation`), whose groups reduce it; one flush reduces every model's gradients, in
+    the same order on every rank, as the optimizer's step needs them all."""
 
     def __init__(self) -> None:
         self.no_sync = TensorSet()
@@ -137,20 +140,28 @@ class Accumulation:
             self._step_hook = register_optimizer_step_pre_hook(
                 lambda _optimizer, _args, _kwargs: self.flush())
 
+    def end_job(self) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
 
-ACCUMULATION = Accumulation()
+
+def job_accumulation() -> Accumulation:
+    """The current job's accumulation."""
+    return current_job().part(Accumulation)
 
 
 @contextlib.contextmanager
 def no_sync(model: torch.nn.Module) -> Iterator[None]:
     """Backward passes inside send nothing across data-parallel units; gradients accumulate locally and
     are reduced once, by the first synchronising call or the optimizer's step."""
-    added = [p for p in model.parameters() if p not in ACCUMULATION.no_sync]
-    ACCUMULATION.install_step_hook()
+    accumulation = job_accumulation()
+    added = [p for p in model.parameters() if p not in accumulation.no_sync]
+    accumulation.install_step_hook()
     for param in added:
-        ACCUMULATION.no_sync.add(param)
+        accumulation.no_sync.add(param)
     try:
         yield
     finally:
         for param in added:
-            ACCUMULATION.no_sync.discard(param)
+            accumulation.no_sync.discard(param)

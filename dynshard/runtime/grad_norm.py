@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from ..compat.clip_grad import route_clip_grad_norm
-from .accumulation import ACCUMULATION
+from .accumulation import job_accumulation
 from .sharding import get_tag, is_sharded, split_tensors, tagged_tensors
 
 _STALE_REFERENCE = (
@@ -85,7 +85,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0, error_i
     Every rank must call it. Gradients accumulated under :func:`dynshard.no_sync` are reduced first.
     ``foreach`` is accepted for torch's signature and ignored.
     """
-    ACCUMULATION.flush()
+    job_accumulation().flush()
     params = unique_parameters(parameters)
     total = global_grad_norm(params, norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
@@ -115,7 +115,7 @@ def _grads_norm(grads: list, norm_type: float) -> torch.Tensor | None:
     params = [by_grad.get(id(g)) for g in grads]
     if all(p is None for p in params):
         return None
-    ACCUMULATION.flush()
+    job_accumulation().flush()
     if any(p is None for p in params):
         raise RuntimeError(
             "dynshard: torch.nn.utils.get_total_norm was given gradients of dynshard's parameters together with "

@@ -83,18 +83,20 @@ class _Pending:
     done: bool = False
 
 
-_FRAME_MODELS: list[_Pending] = []     # the pending models of the frame Dynamo is compiling now
-
-
 def install() -> None:
     """Register the hook that presents meta tensors as stand-ins while Dynamo traces for dynshard (again
     after ``torch._dynamo.reset()``); idempotent."""
-    compat.around_dynamo_compiles(_present_meta_models, _FRAME_MODELS.clear)
+    compat.around_dynamo_compiles(_present_meta_models, _after_compile)
 
 
 def frame_models() -> list[_Pending]:
-    """The pending models of the frame being compiled (a program built now materialises them first)."""
-    return list(_FRAME_MODELS)
+    """The pending models of the frame being compiled (a program built now materialises them first): read
+    off the frame and its models' stand-ins, so that nothing outlives the compile."""
+    frame = _frame_being_compiled() if compiling_for_dynshard() else None
+    if frame is None:
+        return []
+    found = (_pending_of(root) for root in _outermost(_modules_of(frame)))
+    return [pending for pending in found if pending is not None and not pending.done]
 
 
 def default_device(device_type: str) -> torch.device:
@@ -111,7 +113,6 @@ def default_device(device_type: str) -> torch.device:
 
 def _present_meta_models() -> None:
     """Dynamo's start hook: meta tensors of the frame's models become stand-ins on the real device."""
-    _FRAME_MODELS.clear()
     if not compiling_for_dynshard():
         return
     frame = _frame_being_compiled()
@@ -129,8 +130,10 @@ def _present_meta_models() -> None:
                                getattr(init_fn, "__qualname__", repr(init_fn)) if init_fn else "reset_parameters")
             _check_initialisers(root, pending, meta)
             _swap_for_stand_ins(root, meta, pending)
-        if pending is not None and not pending.done:
-            _FRAME_MODELS.append(pending)
+
+
+def _after_compile() -> None:
+    """Dynamo's end hook: nothing to undo (the stand-ins stay until the first step)."""
 
 
 def _frame_being_compiled() -> dict[str, Any] | None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .. import compat
+from .job import current_job
 
 MESH_DIMS = ("dp", "pp", "tp")
 
@@ -90,20 +91,27 @@ class Layout:
         for name in self.dim_names:
             if self.mesh.get_group(name).group_name == group_name:
                 return name
-        if group_name in _GROUP_NAMES:
-            return _GROUP_NAMES[group_name]
+        named = current_job().part(_JobMeshes).group_names
+        if group_name in named:
+            return named[group_name]
         return "world" if group_name == dist.group.WORLD.group_name else group_name
 
     def token(self) -> str:
         return f"world={self.world_size},plan={self.plan_ngpus},pp={self.pp_size},device={self.device_type}"
 
 
-_GROUP_NAMES: dict[str, str] = {}   # process groups created after the mesh (ZeRO groups) -> what they are
+class _JobMeshes:
+    """The layouts (their meshes) made in a job, and what the groups made after them are: a part of the job,
+    since they hold its process groups (group names start again with a new default group)."""
+
+    def __init__(self) -> None:
+        self.layouts: dict[tuple[int, str, int, int], Layout] = {}
+        self.group_names: dict[str, str] = {}      # process groups created after the mesh (ZeRO groups) -> dim
 
 
 def register_group_name(group_name: str, dim: str) -> None:
     """Report collectives on ``group_name`` under ``dim`` (explain, tests)."""
-    _GROUP_NAMES[group_name] = dim
+    current_job().part(_JobMeshes).group_names[group_name] = dim
 
 
 def ensure_process_group(device_type: str) -> None:
@@ -134,10 +142,13 @@ def layout_for(plan_ngpus: int, device_type: str, pp_size: int = 1) -> Layout:
     """The layout for a plan of ``plan_ngpus`` ranks per unit, ``pp_size`` pipeline ranks of them; built
     once per job and world (it creates groups)."""
     ensure_process_group(device_type)
-    return _layout(plan_ngpus, device_type, pp_size, world_size())
+    layouts = current_job().part(_JobMeshes).layouts
+    key = (plan_ngpus, device_type, pp_size, world_size())
+    if key not in layouts:
+        layouts[key] = _layout(*key)
+    return layouts[key]
 
 
-@functools.lru_cache(maxsize=None)
 def _layout(plan_ngpus: int, device_type: str, pp_size: int, world: int) -> Layout:
     rank = dist.get_rank() if dist.is_initialized() else 0
     sizes = {"dp": world // plan_ngpus, "pp": pp_size, "tp": plan_ngpus // pp_size}
@@ -177,8 +188,3 @@ class PlanningLayout(Layout):
 def planning_layout(world: int, plan_ngpus: int, device_type: str, pp_size: int = 1) -> PlanningLayout:
     return PlanningLayout(world_size=world, rank=0, plan_ngpus=plan_ngpus, device_type=device_type, mesh=None,
                           pp_size=pp_size)
-
-
-def forget_layouts() -> None:
-    """Drop the layouts (and their meshes) built for a process group that is gone (offline planning's)."""
-    _layout.cache_clear()

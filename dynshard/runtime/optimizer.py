@@ -24,7 +24,7 @@ from typing import Callable, Protocol
 import torch
 import torch.distributed as dist
 
-from .accumulation import ACCUMULATION
+from .accumulation import job_accumulation
 from .grad_norm import clip_grad_norm_, global_grad_norm
 from .reducer import Hook, PendingGrad, Reducer
 from .sharding import get_tag
@@ -57,7 +57,7 @@ def build_optimizer(model: torch.nn.Module, optimizer_fn: Callable[..., torch.op
     original_zero_grad = optimizer.zero_grad
 
     def zero_grad(self, set_to_none: bool = True):
-        ACCUMULATION.discard(_params(self))
+        job_accumulation().discard(_params(self))
         self._dynshard_synced = False
         return original_zero_grad(set_to_none=set_to_none)
 
@@ -72,7 +72,7 @@ def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def _sync_shard_grad(self) -> None:
-    ACCUMULATION.flush()
+    job_accumulation().flush()
     if self._dynshard_synced:
         return
     self._dynshard_synced = True
@@ -89,7 +89,7 @@ def _sync_shard_grad(self) -> None:
 
 
 def _scale_grads(self, factor: float) -> None:
-    if ACCUMULATION.pending:
+    if job_accumulation().pending:
         raise RuntimeError("dynshard: you can only call scale_grads() after gradients are synchronized; "
                            "call optimizer.sync_shard_grad() first")
     for param in _params(self):
@@ -106,9 +106,9 @@ def _clip_gnorm(self, max_norm: float | None = None) -> torch.Tensor:
 
 def _register_reducer_pre_hook(self, fn: Hook) -> None:
     self._dynshard_reducer.register_pre_hook(fn)
-    ACCUMULATION.reduce_outside_graphs(_params(self), self._dynshard_reducer)
+    job_accumulation().reduce_outside_graphs(_params(self), self._dynshard_reducer)
 
 
 def _register_reducer_post_hook(self, fn: Hook) -> None:
     self._dynshard_reducer.register_post_hook(fn)
-    ACCUMULATION.reduce_outside_graphs(_params(self), self._dynshard_reducer)
+    job_accumulation().reduce_outside_graphs(_params(self), self._dynshard_reducer)

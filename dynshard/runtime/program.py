@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor, Placement
 
 from . import materialize
-from .accumulation import ACCUMULATION
+from .accumulation import Accumulation, job_accumulation
 from .buffer_sync import BufferSync
 from .ddp import check_active_ddp
 from .eager_guard import guard_modules
@@ -149,12 +149,13 @@ class ShardedProgram:
             with torch.no_grad():
                 program = plan.program_at(args)
                 return self._outputs(program, program.run(*args))
-        if plan.build_no_sync is not None and torch.is_grad_enabled() and ACCUMULATION.wants_no_sync(
+        accumulation = job_accumulation()
+        if plan.build_no_sync is not None and torch.is_grad_enabled() and accumulation.wants_no_sync(
                 args[i.index] for i in self._params):
             program = plan.no_sync_program(args)
-            return self._outputs(program, program.run(*self._accumulating(args)))
-        if ACCUMULATION.pending and torch.is_grad_enabled():
-            ACCUMULATION.flush()       # the first synchronising call reduces what was accumulated
+            return self._outputs(program, program.run(*self._accumulating(args, accumulation)))
+        if accumulation.pending and torch.is_grad_enabled():
+            accumulation.flush()       # the first synchronising call reduces what was accumulated
         program = plan.program_at(args)
         return self._outputs(program, program.run(*args))
 
@@ -169,15 +170,15 @@ class ShardedProgram:
         mark_split_outputs(outputs, program.split_outputs, self._tags)
         return outputs
 
-    def _accumulating(self, args) -> list:
+    def _accumulating(self, args, accumulation: Accumulation) -> list:
         """The no-sync variant's arguments: whole replicas for ZeRO parameters; local gradients."""
         args = list(args)
         for inp in self._params:
             param = args[inp.index]
             if inp.index in self.plan.zero:
-                args[inp.index] = ACCUMULATION.replica(param)
+                args[inp.index] = accumulation.replica(param)
             elif param.requires_grad:
-                ACCUMULATION.accumulates(param)
+                accumulation.accumulates(param)
         return args
 
     def prepare(self, args) -> None:

@@ -14,12 +14,12 @@ across groups (HSDP).
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from .job import current_job
 from .mesh import Layout, register_group_name
 
 
@@ -75,9 +75,19 @@ class ZeroGroups:
         return self.shard.group_name
 
 
-@functools.lru_cache(maxsize=None)
+class _ZeroGroupsMade(dict):
+    """The zero groups made by (layout, ngroups): a part of the job, whose groups they are."""
+
+
 def zero_groups(layout: Layout, ngroups: int) -> ZeroGroups:
-    """Created once per (layout, ngroups) on every rank (creating groups is collective)."""
+    """Created once per (layout, ngroups) and job on every rank (creating groups is collective)."""
+    made = current_job().part(_ZeroGroupsMade)
+    if (layout, ngroups) not in made:
+        made[layout, ngroups] = _make_zero_groups(layout, ngroups)
+    return made[layout, ngroups]
+
+
+def _make_zero_groups(layout: Layout, ngroups: int) -> ZeroGroups:
     if ngroups == 1:
         return ZeroGroups(shard=layout.dp_group, replicas=None, dp=layout.dp_group,
                           rank=layout.dp_rank)

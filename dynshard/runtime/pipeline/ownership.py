@@ -17,7 +17,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
-from ..accumulation import ACCUMULATION
+from ..accumulation import job_accumulation
+from ..job import current_job
 from ..materialize import MetaInitError, materialize
 from ..sharding import (_SHARDED, ALIKE_ATTR, ShardTag, StageOwnership, get_tag, placements_for, set_tag,
                         stored_piece)
@@ -44,7 +45,8 @@ class Ownership:
         if not self.zero:
             return mb_args
         if train:
-            replicas = {i: ACCUMULATION.replica(self.held[i]) for i in self.zero}
+            accumulation = job_accumulation()
+            replicas = {i: accumulation.replica(self.held[i]) for i in self.zero}
         else:      # forward only: whole values for this call, nothing to reduce afterwards
             replicas = {i: full_rows(self.held[i]) for i in self.zero}
         return [[replicas.get(i, value) for i, value in enumerate(args)] for args in mb_args]
@@ -55,7 +57,7 @@ class Ownership:
         (a plain call runs one lane of chimera_direct) still takes part in the sum over its owners."""
         tensor = self.held[index]
         if index in self.zero:
-            entry = ACCUMULATION.replicas.get(id(tensor))
+            entry = job_accumulation().replicas.get(id(tensor))
             return entry[1].grad if entry is not None else None
         if tensor.grad is None and zeros and tensor.requires_grad:
             tensor.grad = torch.zeros_like(tensor)
@@ -207,14 +209,16 @@ def full_rows(tensor: torch.Tensor) -> torch.Tensor:
         return gather_rows(tensor.detach(), tag.zero, zero_groups(tag.layout, tag.zero.ngroups))
 
 
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+class _OwnersGroups(dict):
+    """The groups of the ranks that own a tensor together, by ranks: a part of the job, whose groups they are."""
 
 
 def _group(ranks: tuple[int, ...]) -> dist.ProcessGroup:
     """One process group per set of ranks for the job (every plan of every model shares it)."""
-    if ranks not in _GROUPS:
-        _GROUPS[ranks] = dist.new_group(list(ranks))
-    return _GROUPS[ranks]
+    groups = current_job().part(_OwnersGroups)
+    if ranks not in groups:
+        groups[ranks] = dist.new_group(list(ranks))
+    return groups[ranks]
 
 
 def _flat_all_reduce(grads: list[torch.Tensor], group, op) -> None:
@@ -243,7 +247,7 @@ def reduce_gradients(ownership: Ownership, groups: PipelineGroups) -> None:
                 _flat_all_reduce(grads, group, dist.ReduceOp.SUM)
         ownership.ties_checked = True
         if ownership.zero:
-            ACCUMULATION.flush()    # ZeRO tensors: their replicas' gradients reduce-scattered into the rows
+            job_accumulation().flush()    # ZeRO tensors: their replicas' gradients reduce-scattered into the rows
         if groups.dp_group is not None:
             grads = [t.grad for i, t in ownership.held.items() if t.grad is not None and i not in ownership.zero]
             for grad in grads:
