@@ -24,6 +24,7 @@ from .. import compat
 from ..compat.dtensor_inputs import tensors_as_replicated
 from ..runtime.graph_inputs import GraphInput, mesh_identity  # noqa: F401  (re-exported)
 from ..runtime.backend_identity import compiling_for_dynshard
+from ..runtime.compile_hooks import around_dynamo_compiles
 from ..runtime.sharding import get_tag
 
 _MODULE_PATH = re.compile(r"\._modules\['([^']+)'\]|\._(parameters|buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)")
@@ -167,4 +168,4 @@ def install_capture_hooks() -> None:
     the hooks must know the backend whose frames they apply to."""
     backend = compat.compiling_backend()
     if backend is not None:
-        compat.around_dynamo_compiles(_allow_mixed, _end_mixed, backend)
+        around_dynamo_compiles(_allow_mixed, _end_mixed, backend)

@@ -79,28 +79,6 @@ def drop_guards_on(node: fx.Node) -> None:
     context.guards_context.dynamo_guards.remove_guards_with_source(grapharg.source)
 
 
-_COMPILE_HOOKS: dict[int, tuple[Callable, Callable]] = {}
-
-
-def caller_self(predicate: Callable[[Any], bool], local: str | None = None) -> tuple[Any, Any]:
-    """The innermost ``self`` on the Python call stack that satisfies ``predicate``, and the value of ``local``
-    in the innermost frame of that object that has it ((None, None) if none): how a hook run inside a
-    framework's method (transformers' ``Trainer.training_step``) finds the object running it and an argument
-    of an outer call (``train(resume_from_checkpoint=...)``)."""
-    import sys
-
-    frame, found, value = sys._getframe(1), None, None
-    while frame is not None:
-        candidate = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if candidate is not None and (candidate is found or found is None and predicate(candidate)):
-            found = candidate
-            if local is not None and local in frame.f_code.co_varnames:
-                value = frame.f_locals.get(local)
-                break
-        frame = frame.f_back
-    return found, value
-
-
 def in_optimized_module() -> bool:
     """Whether a ``torch.compile(module)`` wrapper's call is running: that wrapped module's own hooks run
     there outside Dynamo, before its compiled frame (``OptimizedModule._initialize``)."""
@@ -193,12 +171,6 @@ def registered_backend(name: str) -> Callable | None:
         return None
 
 
-def is_backend(backend: Callable | None, name: str) -> bool:
-    """Whether ``backend`` (as :func:`compiling_backend` or :func:`module_backend` give it) is the backend
-    registered as ``name``."""
-    return backend is not None and backend is registered_backend(name)
-
-
 def register_compile_start(callback: Callable[[Any], None]) -> None:
     """Register ``callback(args)`` with Dynamo's start-of-compile callbacks (``torch._dynamo.callback_handler``)
     unless it is there; ``torch._dynamo.reset()`` drops them: call this again and it is registered again."""
@@ -226,46 +198,6 @@ def ignore_in_ddp(module: torch.nn.Module, names: list[str]) -> None:
     """DistributedDataParallel's hook for parameters it must leave alone (they also get ``_ddp_ignored``,
     which keeps Dynamo's DDPOptimizer from splitting their graphs)."""
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
-
-
-def around_dynamo_compiles(start: Callable[[], None], end: Callable[[], None],
-                           backend: Callable | None = None) -> None:
-    """Run ``start()`` before Dynamo traces a frame for ``backend`` and ``end()`` after it has compiled
-    it (Dynamo's compile callbacks, trigger DYNAMO: not aot_autograd's lazy backward compile).
-
-    ``backend`` defaults to the backend calling this (it must be called from inside a compile). Frames
-    compiled by other backends (``torch.compile(opt.step)``) are left alone; where the frame's backend
-    cannot be found, ``start()`` runs for every frame. ``torch._dynamo.reset()`` drops Dynamo's
-    callbacks: call this again (every backend call does), and they are registered again.
-    """
-    handler = torch._dynamo.callback_handler
-    hooks = _COMPILE_HOOKS.get(id(start))
-    if hooks is not None:
-        if hooks[0] not in handler.start_callbacks:
-            handler.register_start_callback(hooks[0])
-            handler.register_end_callback(hooks[1])
-        return
-    from torch._dynamo.callback import CallbackTrigger
-
-    own = backend if backend is not None else compiling_backend()
-    started = []
-
-    def on_start(args) -> None:
-        if args.callback_trigger is not CallbackTrigger.DYNAMO:
-            return
-        frame_backend = compiling_backend() if own is not None else None
-        if frame_backend is None or frame_backend is own:
-            started.append(True)
-            start()
-
-    def on_end(args) -> None:
-        if args.callback_trigger is CallbackTrigger.DYNAMO and started:
-            started.clear()
-            end()
-
-    _COMPILE_HOOKS[id(start)] = (on_start, on_end)
-    handler.register_start_callback(on_start)
-    handler.register_end_callback(on_end)
 
 
 def graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
