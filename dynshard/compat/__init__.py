@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._python_dispatch import _disable_current_modes as outside_dispatch_modes  # noqa: F401
 
 # how each rank's program is compiled
-from .cpu_attention import register_cpu_attention
+from .cpu_attention import FORWARD as CPU_FLASH_ATTENTION, register_cpu_attention  # noqa: F401
 from .mask_partial import is_mask_partial, mask_offsets_read_at_run_time  # noqa: F401
 from .ops import (ALL_GATHER, COLLECTIVE_KINDS, all_gather_rows, all_reduce, group_rank, invoke_subgraph,  # noqa: F401
                   process_group_names, reduce_scatter_rows, register_process_group_name, resolve_process_group)
@@ -349,31 +349,18 @@ def fake_process_group(world_size: int, rank: int = 0) -> None:
 
 register_cpu_attention()    # (at import: FLOP counts must not depend on whether a compile ran first)
 
-_DECOMPOSITIONS: dict | None = None
+def core_aten_decompositions() -> dict:
+    """ATen's core decompositions, op -> Python function (``torch._decomp.core_aten_decompositions``)."""
+    from torch._decomp import core_aten_decompositions as decompositions
+
+    return decompositions()
 
 
-def sharding_decompositions() -> dict:
-    """ATen decompositions for the ops DTensor cannot shard (e.g. CPU flash attention), so that
-    tracing lowers them to ops it can; ops DTensor shards directly are kept whole."""
-    global _DECOMPOSITIONS
-    if _DECOMPOSITIONS is None:
-        from torch._decomp import core_aten_decompositions
+def decomposition(op) -> Callable | None:
+    """ATen's decomposition of ``op`` (``torch._decomp.decomposition_table``); None where it has none."""
+    from torch._decomp import decomposition_table
 
-        _DECOMPOSITIONS = {op: fn for op, fn in core_aten_decompositions().items()
-                           if isinstance(op, OpOverload) and not has_sharding_strategy(op, direct_only=True)}
-        # native_batch_norm updates its running statistics in place without saying so in its schema;
-        # decomposed, the update becomes a visible (functionalized) copy into the buffer
-        from torch._decomp import decomposition_table
-
-        batch_norm = torch.ops.aten.native_batch_norm.default
-        if batch_norm in decomposition_table:
-            _DECOMPOSITIONS[batch_norm] = decomposition_table[batch_norm]
-        from . import cpu_attention
-
-        if cpu_attention.FORWARD in decomposition_table:
-            _DECOMPOSITIONS[cpu_attention.FORWARD] = cpu_attention.decomposed_only_with_a_mask(
-                decomposition_table[cpu_attention.FORWARD])
-    return _DECOMPOSITIONS
+    return decomposition_table.get(op)
 
 
 # -- vocab-parallel cross-entropy: the local computations of DTensor's loss_parallel ----------------------

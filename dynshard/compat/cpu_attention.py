@@ -10,8 +10,9 @@ So the op (and its backward) is kept whole and DTensor is given the strategies o
 (``torch.distributed.tensor.experimental.register_sharding``, an experimental torch API): everything whole,
 heads split (tensor parallelism), or batch split (data parallelism inside a unit); the scores of one head
 and one sequence never span ranks. With an explicit ``attn_mask`` (whose broadcast dimensions would need a
-placement of their own) it is still decomposed. torch's FLOP counter has no formula for the op either, so
-the SDPA formulas are registered for it and its backward (``torch.utils.flop_counter.register_flop_formula``).
+placement of their own) it is still decomposed (:mod:`dynshard.passes.sharding_decompositions`). torch's
+FLOP counter has no formula for the op either, so the SDPA formulas are registered for it and its backward
+(``torch.utils.flop_counter.register_flop_formula``).
 """
 
 from __future__ import annotations
@@ -55,15 +56,3 @@ def _backward_strategies(grad_out, query, key, value, out, logsumexp, dropout_p,
                          scale=None):
     """(grad_query, grad_key, grad_value) and (grad_out, query, key, value, out, logsumexp) placements."""
     return [([p] * 3, [p] * 6) for p in (Replicate(), Shard(1), Shard(0))]
-
-
-def decomposed_only_with_a_mask(decomposition):
-    """The op's decomposition, applied only when it is given an ``attn_mask`` (else the op stays whole); its
-    output made contiguous, as the CPU kernel returns it (the decomposition lays it out as the CUDA kernel
-    does, and user code that ``view``s after a transpose relies on the kernel's strides)."""
-    def run(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-        if attn_mask is None:
-            return NotImplemented
-        output, *rest = decomposition(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-        return (output.contiguous(), *rest)
-    return run
