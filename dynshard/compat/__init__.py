@@ -32,8 +32,8 @@ from .ops import (ALL_GATHER, COLLECTIVE_KINDS, all_gather_rows, all_reduce, gro
 from .subgraph_schemas import block_schemas_memoized  # noqa: F401
 from .frames import compiling_frame, dynamo_frame_id  # noqa: F401
 from .recompile_limit import RecompileLimit, on_recompile_limit  # noqa: F401
-from .symbolic import (dtensor_symbolic_tracing, dynamo_tracing_context, guards_left_out, rename_symbols,  # noqa: F401
-                       size_hint, sizes_key, specialize_floats, symbolic_dims, symbolic_examples, traced_in)
+from .symbolic import (dtensor_symbolic_tracing, dynamo_fake_mode, dynamo_tracing_context, guards_left_out,  # noqa: F401
+                       size_hint, sizes_key, specialize_floats, static_fake, symbolic_dims, traced_in)
 from .tracing import (cacheable_fake_mode, fake_tensor_log_quiet, isolated_tracing, local_random_ops,  # noqa: F401
                       new_fake_mode, on_symbols, trace_to_aten)
 
