@@ -41,8 +41,8 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
     (``keep()``, picklable) and how to restore it (``recall(kept)``): with them, aot_autograd's cache serves
     the program where it can (:func:`.cached_compile.compile_cached`), and ``recall`` replaces ``on_graph``
     on a hit; ``share_traces``: ``Config.share_traces``. ``symbolic``: the inputs are fakes of Dynamo's mode
-    with symbolic sizes (:func:`dynshard.backend.plan_and_compile.symbolic_examples`), compiled in Dynamo's tracing context, so
-    that the guards the compile adds on those sizes become the frame's."""
+    with symbolic sizes (:func:`dynshard.backend.plan_and_compile.symbolic_examples`), compiled in Dynamo's
+    tracing context, so that the guards the compile adds on those sizes become the frame's."""
     joint = aot_autograd.settings(joint_custom_pass=joint_pass) if joint_pass else contextlib.nullcontext()
     fake_mode = None
     if compiler != "aot_eager" and not freeze and not symbolic:     # (freezing reads the real parameters)
