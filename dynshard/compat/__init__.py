@@ -31,7 +31,7 @@ from .ops import (ALL_GATHER, COLLECTIVE_KINDS, all_gather_rows, all_reduce, gro
                   process_group_names, reduce_scatter_rows, register_process_group_name, resolve_process_group)
 from .subgraph_schemas import block_schemas_memoized  # noqa: F401
 from .frames import compiling_frame, dynamo_frame_id  # noqa: F401
-from .recompile_limit import RecompileLimit, on_recompile_limit  # noqa: F401
+from .recompile_limit import on_recompile_limit  # noqa: F401
 from .symbolic import (dtensor_symbolic_tracing, dynamo_fake_mode, dynamo_tracing_context, guards_left_out,  # noqa: F401
                        size_hint, sizes_key, specialize_floats, static_fake, symbolic_dims, traced_in)
 from .tracing import (cacheable_fake_mode, fake_tensor_log_quiet, isolated_tracing, local_random_ops,  # noqa: F401
