@@ -29,7 +29,6 @@ from .cpu_attention import FORWARD as CPU_FLASH_ATTENTION, register_cpu_attentio
 from .mask_partial import is_mask_partial, mask_offsets_read_at_run_time  # noqa: F401
 from .ops import (ALL_GATHER, COLLECTIVE_KINDS, all_gather_rows, all_reduce, group_rank, invoke_subgraph,  # noqa: F401
                   process_group_names, reduce_scatter_rows, register_process_group_name, resolve_process_group)
-from .subgraph_schemas import block_schemas_memoized  # noqa: F401
 from .frames import compiling_frame, dynamo_frame_id  # noqa: F401
 from .recompile_limit import on_recompile_limit  # noqa: F401
 from .symbolic import (dtensor_symbolic_tracing, dynamo_fake_mode, dynamo_tracing_context, guards_left_out,  # noqa: F401

@@ -14,6 +14,7 @@ import torch.fx as fx
 from ... import compat
 from ...compat import aot_autograd, inductor
 from . import cache_names
+from .block_schemas import block_schemas_memoized
 from .blocks_only import compile_blocks_only
 from .cached_compile import CacheUse, compile_cached, remember
 from .cpu_isa_probe import wait_cpu_isa_probe
@@ -48,7 +49,7 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
     if compiler != "aot_eager" and not freeze and not symbolic:     # (freezing reads the real parameters)
         fake_mode, example_inputs = compat.cacheable_fake_mode(example_inputs)
     tracing = compat.local_random_ops() if symbolic else compat.isolated_tracing(fake_mode)
-    with tracing, joint, compat.block_schemas_memoized(), compat.mask_offsets_read_at_run_time():
+    with tracing, joint, block_schemas_memoized(), compat.mask_offsets_read_at_run_time():
         if compiler == "aot_eager":
             def recorder(phase_if_training: str):
                 def compile_graph(graph: fx.GraphModule, inputs):
