@@ -19,6 +19,7 @@ import torch.fx as fx
 # private torch names used across dynshard, under public names here
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn  # noqa: F401
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket  # noqa: F401
+from torch._subclasses.fake_tensor import FakeTensorMode as FakeMode  # noqa: F401
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
 from torch.utils import _pytree as pytree  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
