@@ -26,7 +26,6 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._python_dispatch import _disable_current_modes as outside_dispatch_modes  # noqa: F401
 
 # how each rank's program is compiled
-from .cpu_attention import FORWARD as CPU_FLASH_ATTENTION, register_cpu_attention  # noqa: F401
 from .mask_partial import is_mask_partial, mask_offsets_read_at_run_time  # noqa: F401
 from .ops import (ALL_GATHER, COLLECTIVE_KINDS, all_gather_rows, all_reduce, group_rank, invoke_subgraph,  # noqa: F401
                   process_group_names, reduce_scatter_rows, register_process_group_name, resolve_process_group)
@@ -347,7 +346,13 @@ def fake_process_group(world_size: int, rank: int = 0) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-register_cpu_attention()    # (at import: FLOP counts must not depend on whether a compile ran first)
+def register_sharding(op, strategies: Callable) -> None:
+    """DTensor's sharding strategies for ``op``: ``strategies(*args, **kwargs)`` gives ``[(output placements,
+    input placements), ...]`` (``torch.distributed.tensor.experimental.register_sharding``, experimental)."""
+    from torch.distributed.tensor.experimental import register_sharding as register
+
+    register(op)(strategies)
+
 
 def core_aten_decompositions() -> dict:
     """ATen's core decompositions, op -> Python function (``torch._decomp.core_aten_decompositions``)."""

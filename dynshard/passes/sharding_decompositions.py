@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import compat
+from . import cpu_attention
 
 _DECOMPOSITIONS: dict | None = None
 
@@ -21,21 +22,9 @@ def sharding_decompositions() -> dict:
         batch_norm = torch.ops.aten.native_batch_norm.default
         if compat.decomposition(batch_norm) is not None:
             decompositions[batch_norm] = compat.decomposition(batch_norm)
-        attention = compat.CPU_FLASH_ATTENTION
+        attention = cpu_attention.FORWARD
         if compat.decomposition(attention) is not None:
-            decompositions[attention] = decomposed_only_with_a_mask(compat.decomposition(attention))
+            decompositions[attention] = cpu_attention.decomposed_only_with_a_mask(compat.decomposition(attention))
         _DECOMPOSITIONS = decompositions
     return _DECOMPOSITIONS
 
-
-def decomposed_only_with_a_mask(decomposition):
-    """CPU flash attention's decomposition, applied only when it is given an ``attn_mask`` (else the op stays
-    whole: ``compat/cpu_attention.py`` gives DTensor its strategies); its output made contiguous, as the CPU
-    kernel returns it (the decomposition lays it out as the CUDA kernel does, and user code that ``view``s
-    after a transpose relies on the kernel's strides)."""
-    def run(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
-        if attn_mask is None:
-            return NotImplemented
-        output, *rest = decomposition(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
-        return (output.contiguous(), *rest)
-    return run

@@ -7,10 +7,10 @@ for the masked kernel (which cannot skip the masked half of the scores as ``is_c
 fuses the pattern back) and for three copies of the output per layer that a single process never makes.
 
 So the op (and its backward) is kept whole and DTensor is given the strategies of its CUDA sibling
-(``torch.distributed.tensor.experimental.register_sharding``, an experimental torch API): everything whole,
+(``compat.register_sharding``, an experimental torch API): everything whole,
 heads split (tensor parallelism), or batch split (data parallelism inside a unit); the scores of one head
 and one sequence never span ranks. With an explicit ``attn_mask`` (whose broadcast dimensions would need a
-placement of their own) it is still decomposed (:mod:`dynshard.passes.sharding_decompositions`). torch's
+placement of their own) it is still decomposed (:func:`decomposed_only_with_a_mask`). torch's
 FLOP counter has no formula for the op either, so the SDPA formulas are registered for it and its backward
 (``torch.utils.flop_counter.register_flop_formula``).
 """
@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
+
+from .. import compat
 
 _aten = torch.ops.aten
 FORWARD = _aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -30,11 +32,10 @@ def register_cpu_attention() -> None:
     """DTensor's strategies and the FLOP formulas of the CPU flash attention ops (once per process)."""
     if _REGISTERED:
         return
-    from torch.distributed.tensor.experimental import register_sharding
     from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
-    register_sharding(FORWARD)(_strategies)
-    register_sharding(BACKWARD)(_backward_strategies)
+    compat.register_sharding(FORWARD, _strategies)
+    compat.register_sharding(BACKWARD, _backward_strategies)
 
     @register_flop_formula(FORWARD.overloadpacket)
     def forward_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -56,3 +57,18 @@ def _backward_strategies(grad_out, query, key, value, out, logsumexp, dropout_p,
                          scale=None):
     """(grad_query, grad_key, grad_value) and (grad_out, query, key, value, out, logsumexp) placements."""
     return [([p] * 3, [p] * 6) for p in (Replicate(), Shard(1), Shard(0))]
+
+
+def decomposed_only_with_a_mask(decomposition):
+    """The op's decomposition, applied only when it is given an ``attn_mask`` (else the op stays whole); its
+    output made contiguous, as the CPU kernel returns it (the decomposition lays it out as the CUDA kernel
+    does, and user code that ``view``s after a transpose relies on the kernel's strides)."""
+    def run(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None):
+        if attn_mask is None:
+            return NotImplemented
+        output, *rest = decomposition(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+        return (output.contiguous(), *rest)
+    return run
+
+
+register_cpu_attention()    # (at import: FLOP counts must not depend on whether a compile ran first)
