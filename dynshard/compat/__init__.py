@@ -4,7 +4,8 @@ dynshard's compile driver calls, :mod:`.inductor`, :mod:`.aot_autograd`, :mod:`.
 :mod:`.cpu_isa`, are imported as modules).
 
 A torch upgrade that moves one of these should only ever need an edit here. Each helper names the
-private piece it wraps.
+private piece it wraps; what dynshard decides with it (which ops to decompose, which strategies to register,
+retries, memos, messages) lives in a later package.
 
 The submodules import what they share from each other (:mod:`.ops`, :mod:`.tracing`), never from this
 package, which imports them: the package's imports run one way.
