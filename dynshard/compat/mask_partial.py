@@ -1,5 +1,5 @@
 """DTensor's ``_MaskPartial`` (the vocabulary-parallel embedding's and cross-entropy's index masking) with
-the shard's offset read when the program runs (:mod:`dynshard.runtime.mesh_coordinate`), while dynshard
+the shard's offset read when the program runs (:mod:`.mesh_coordinate`), while dynshard
 traces a rank's program.
 
 torch 2.13's ``_MaskPartial._partition_value`` takes the offset from ``mesh._sym_get_coordinate``: a
@@ -67,7 +67,8 @@ _PATCH = CountedPatch(lambda: _MaskPartial, "_partition_value", lambda torch_par
 @contextlib.contextmanager
 def mask_offsets_read_at_run_time() -> Iterator[None]:
     """Within: ``_MaskPartial`` masks with the offset read at run time (torch's restored when the last
-    context open, on any thread, exits); ``dynshard::mesh_coordinate`` must be registered
-    (:mod:`dynshard.runtime.mesh_coordinate`)."""
+    context open, on any thread, exits)."""
+    from . import mesh_coordinate  # noqa: F401  (registers dynshard::mesh_coordinate)
+
     with _PATCH.applied():
         yield

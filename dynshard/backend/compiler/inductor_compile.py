@@ -49,8 +49,6 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
     if compiler != "aot_eager" and not freeze and not symbolic:     # (freezing reads the real parameters)
         fake_mode, example_inputs = compat.cacheable_fake_mode(example_inputs)
     tracing = compat.local_random_ops() if symbolic else compat.isolated_tracing(fake_mode)
-    from ...runtime import mesh_coordinate  # noqa: F401  (registers dynshard::mesh_coordinate, which the masks read)
-
     with tracing, joint, block_schemas_memoized(), compat.mask_offsets_read_at_run_time():
         if compiler == "aot_eager":
             def recorder(phase_if_training: str):

@@ -2,7 +2,7 @@
 
 Every rank of a job compiles its own program, and most ranks' programs are the same ones: a data-parallel
 group's ranks hold the same shards, and with the mesh coordinate read at run time
-(:mod:`dynshard.runtime.mesh_coordinate`) so do the ranks of a tensor-parallel group, up to the names of
+(:mod:`dynshard.compat.mesh_coordinate`) so do the ranks of a tensor-parallel group, up to the names of
 their process groups. Two things make each distinct program one Inductor compile per host:
 
 - **Groups named by their shape** (:func:`groups_named_by_shape`). A functional collective names its
