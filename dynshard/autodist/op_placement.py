@@ -8,7 +8,7 @@ Nodes. Every tensor value of the forward graph whose placement is chosen:
   or, a fused projection's weight or bias read only as blocks (``passes/split_fused_projections``), this
   rank's rows of every block (``_StridedShard``, the tp policy's placement of it), each ``param_block`` then
   this rank's rows of its block (user inputs and tensors the builder fixed, e.g. pins, keep their placement);
-- an op: each of DTensor's strategies for it (:func:`dynshard.compat.op_strategies.op_strategies`) whose
+- an op: each of DTensor's strategies for it (:func:`.op_strategies.op_strategies`) whose
   inputs are whole or split (a partial input only from a whole value that needs no gradient: the
   vocabulary's indices under a split table), its partial output reduced where it is made, as dynshard's
   propagation does, to whole (all-reduce) or to a split (reduce-scatter), a later partial output (a loss's
@@ -69,7 +69,6 @@ import torch.fx as fx
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 from ..compat import StridedShard
-from ..compat.op_strategies import OpStrategyChoice, op_strategies, tensor_arguments
 from ..passes.propagate_sharding import transition_kind
 from ..passes.split_fused_projections import param_block
 from ..passes.vocab_parallel_loss import loss_pairs
@@ -77,6 +76,7 @@ from ..config.pins import pin_of
 from ..planning import ActivationChoice, Plan, decode_placement, encode_placement
 from ..planning.prediction import EMPTY
 from .device_profile import DeviceProfile
+from .op_strategies import OpStrategyChoice, op_strategies, tensor_arguments
 from .cost_model import BUCKET_BYTES, UnitCosts, forward_seconds, tp_calls
 from .solver import NANOSECONDS, Solution, solve
 from ..runtime.sharding import SHARDS
@@ -87,7 +87,7 @@ BACKWARD = 2                # the backward's work, in forwards
 
 @dataclasses.dataclass(frozen=True)
 class Option:
-    inputs: tuple[Placement, ...]             # per tensor argument (compat.op_strategies.tensor_arguments)
+    inputs: tuple[Placement, ...]             # per tensor argument (op_strategies.tensor_arguments)
     outputs: tuple[Placement | None, ...]     # per output, a partial already reduced
     split: bool                               # does 1/t of the op's work
     seconds: float                            # the op's own: compute, its partial's reduction, dp gradients

@@ -24,6 +24,7 @@ from ..runtime.mesh import ensure_process_group, layout_for, world_size
 from ..runtime.pipeline.program import PipelineProgram
 from ..runtime.program import CompiledPlan, ShardedProgram
 from ..runtime.buffer_sync import BufferSync
+from ..runtime.compile_hooks import around_dynamo_compiles
 from ..runtime.graph_inputs import sizes_of
 from ..runtime.ddp import watch as watch_ddp_wraps
 from ..runtime.eager_guard import refuse_recompile_limit
@@ -138,7 +139,7 @@ def _hook_into_dynamo() -> None:
     compat.keep_dynamism_local()
     keep_floats_constant()
     compat.on_recompile_limit(refuse_recompile_limit)   # a dynshard frame never runs eagerly
-    compat.around_dynamo_compiles(present_global_shapes, restore_local_shards)
+    around_dynamo_compiles(present_global_shapes, restore_local_shards)
     watch_ddp_wraps()
 
 

@@ -24,8 +24,10 @@ from .. import compat
 from ..compat.dtensor_inputs import tensors_as_replicated
 from ..runtime.graph_inputs import GraphInput, mesh_identity  # noqa: F401  (re-exported)
 from ..runtime.backend_identity import compiling_for_dynshard
+from ..runtime.compile_hooks import around_dynamo_compiles
 from ..runtime.sharding import get_tag
 
+_SYMBOL = re.compile(r"\b[su]\d+\b")     # Dynamo's symbols: s33, u0
 _MODULE_PATH = re.compile(r"\._modules\['([^']+)'\]|\._(parameters|buffers)\['([^']+)'\]|\.([A-Za-z_][A-Za-z0-9_]*)")
 
 
@@ -75,13 +77,26 @@ def fqn_from_source(source: str | None) -> str | None:
     return ".".join(parts) if parts else None
 
 
+def rename_symbols(expressions: list[list[str | None] | None]) -> list[tuple[str | None, ...] | None]:
+    """Dynamo's symbol names replaced by ``d0, d1, ...`` in order of first appearance, so that two traces
+    of one shape family (on two ranks, or after a restart) name their dimensions alike."""
+    names: dict[str, str] = {}
+
+    def rename(expr: str | None) -> str | None:
+        if expr is None:
+            return None
+        return _SYMBOL.sub(lambda m: names.setdefault(m.group(0), f"d{len(names)}"), expr)
+
+    return [None if dims is None else tuple(rename(d) for d in dims) for dims in expressions]
+
+
 def describe_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> list[GraphInput]:
     """Each placeholder of ``gm`` by name and global metadata. A graph Dynamo traced with symbolic sizes
     (``dynamic=True``, ``mark_dynamic``) has them as inputs of kind "size" (their symbols), and its tensors
     say which dimensions follow which symbol (:attr:`GraphInput.symbols`, the shape family)."""
     install_capture_hooks()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    symbols = compat.rename_symbols([compat.symbolic_dims(node) for node in placeholders])
+    symbols = rename_symbols([compat.symbolic_dims(node) for node in placeholders])
     described = []
     for index, (node, value, dims) in enumerate(zip(placeholders, example_inputs, symbols)):
         # (an int where Dynamo traced a SymInt: a pipeline stage of a symbolic graph, at a micro-batch's sizes)
@@ -167,4 +182,4 @@ def install_capture_hooks() -> None:
     the hooks must know the backend whose frames they apply to."""
     backend = compat.compiling_backend()
     if backend is not None:
-        compat.around_dynamo_compiles(_allow_mixed, _end_mixed, backend)
+        around_dynamo_compiles(_allow_mixed, _end_mixed, backend)

@@ -136,7 +136,7 @@ def _compile(rewritten: fx.GraphModule, ctx: PassContext, device_type: str, back
              example_inputs, local_inputs):
     config, layout = ctx.config, ctx.layout
     if symbolic:
-        local_inputs = compat.symbolic_examples(example_inputs, local_inputs)
+        local_inputs = symbolic_examples(example_inputs, local_inputs)
     program = compile_program(rewritten, local_inputs, config.compiler, layout, config.inference_only,
                               freeze=config.constant_folding, partition_pass=_reshard_pass(ctx),
                               inductor_patches=bucketing_patches(
@@ -147,6 +147,22 @@ def _compile(rewritten: fx.GraphModule, ctx: PassContext, device_type: str, back
     program.split_outputs = ctx.split_outputs     # recorded while the program was traced
     program.outlined = ctx.outlined
     return program
+
+
+def symbolic_examples(example_inputs: Sequence[Any], local_inputs: Sequence[Any]) -> list[Any]:
+    """The program's example inputs for a symbolic compile: Dynamo's own example where the program takes
+    the input as Dynamo traced it (aot_autograd then finds its symbolic fake, and a wrapped float its
+    symbolic value, in Dynamo's tracing context, whose ShapeEnv takes the compile's guards); elsewhere (a
+    ZeRO shard, a meta parameter materialised at the first call) a static fake of the local tensor in
+    Dynamo's mode."""
+    fake_mode = compat.dynamo_fake_mode()
+    return [example if not isinstance(example, torch.Tensor) or _as_traced(example, local)
+            else compat.static_fake(fake_mode, local) for example, local in zip(example_inputs, local_inputs)]
+
+
+def _as_traced(example: torch.Tensor, local: torch.Tensor) -> bool:
+    return (tuple(example.shape) == tuple(local.shape) and example.dtype == local.dtype
+            and example.device == local.device)
 
 
 def _bucket_cap_mb(config: Config) -> float | None:

@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from .. import compat
+from ..runtime.call_stack import caller_self
 from ..runtime.program import FRAME_MODULE_HOOKS, PREPARE_HOOKS
 from ..runtime.state_dict import gather_optimizer_state, gather_state_dict, holds_split_tensors
 from .api import _cut_whole_state_at_first_step
@@ -143,7 +144,7 @@ def hook_module(module: torch.nn.Module) -> None:
     """Each outermost module of a frame dynshard compiles (``FRAME_MODULE_HOOKS``), before its first run."""
     if callable(getattr(module, "save_pretrained", None)) and not getattr(module, _WRAPPED, False):
         _wrap_save_pretrained(module)
-    trainer, resume_from = compat.caller_self(_is_trainer, "resume_from_checkpoint")
+    trainer, resume_from = caller_self(_is_trainer, "resume_from_checkpoint")
     if trainer is not None and isinstance(resume_from, str) and not getattr(trainer, _RESUMED, False):
         # Trainer loaded the checkpoint into torch.compile's wrapper, whose keys carry "_orig_mod.": nothing
         # was loaded (transformers only logs the missing keys). The tensors are still whole: load into the model.
@@ -153,7 +154,7 @@ def hook_module(module: torch.nn.Module) -> None:
 
 def adopt_trainer_on_stack() -> None:
     """A program has just cut a model's tensors (``PREPARE_HOOKS``): inside a Trainer's step, adopt it."""
-    trainer, _ = compat.caller_self(_is_trainer)
+    trainer, _ = caller_self(_is_trainer)
     if trainer is not None:
         _adopt_trainer(trainer)
 

@@ -4,7 +4,8 @@ dynshard's compile driver calls, :mod:`.inductor`, :mod:`.aot_autograd`, :mod:`.
 :mod:`.cpu_isa`, are imported as modules).
 
 A torch upgrade that moves one of these should only ever need an edit here. Each helper names the
-private piece it wraps.
+private piece it wraps; what dynshard decides with it (which ops to decompose, which strategies to register,
+retries, memos, messages) lives in a later package.
 
 The submodules import what they share from each other (:mod:`.ops`, :mod:`.tracing`), never from this
 package, which imports them: the package's imports run one way.
@@ -19,21 +20,20 @@ import torch.fx as fx
 # private torch names used across dynshard, under public names here
 from torch._inductor.custom_graph_pass import CustomGraphPass, CustomPartitionerFn  # noqa: F401
 from torch._ops import HigherOrderOperator, OpOverload, OpOverloadPacket  # noqa: F401
+from torch._subclasses.fake_tensor import FakeTensorMode as FakeMode  # noqa: F401
 from torch.distributed.tensor.placement_types import _StridedShard as StridedShard  # noqa: F401
 from torch.utils import _pytree as pytree  # noqa: F401
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401
 from torch.utils._python_dispatch import _disable_current_modes as outside_dispatch_modes  # noqa: F401
 
 # how each rank's program is compiled
-from .cpu_attention import register_cpu_attention
 from .mask_partial import is_mask_partial, mask_offsets_read_at_run_time  # noqa: F401
 from .ops import (ALL_GATHER, COLLECTIVE_KINDS, all_gather_rows, all_reduce, group_rank, invoke_subgraph,  # noqa: F401
                   process_group_names, reduce_scatter_rows, register_process_group_name, resolve_process_group)
-from .subgraph_schemas import block_schemas_memoized  # noqa: F401
 from .frames import compiling_frame, dynamo_frame_id  # noqa: F401
-from .recompile_limit import RecompileLimit, on_recompile_limit  # noqa: F401
-from .symbolic import (dtensor_symbolic_tracing, dynamo_tracing_context, guards_left_out, rename_symbols,  # noqa: F401
-                       size_hint, sizes_key, specialize_floats, symbolic_dims, symbolic_examples, traced_in)
+from .recompile_limit import on_recompile_limit  # noqa: F401
+from .symbolic import (dtensor_symbolic_tracing, dynamo_fake_mode, dynamo_tracing_context, guards_left_out,  # noqa: F401
+                       size_hint, sizes_key, specialize_floats, static_fake, symbolic_dims, traced_in)
 from .tracing import (cacheable_fake_mode, fake_tensor_log_quiet, isolated_tracing, local_random_ops,  # noqa: F401
                       new_fake_mode, on_symbols, trace_to_aten)
 
@@ -77,28 +77,6 @@ def drop_guards_on(node: fx.Node) -> None:
     if grapharg is None or context is None:
         return
     context.guards_context.dynamo_guards.remove_guards_with_source(grapharg.source)
-
-
-_COMPILE_HOOKS: dict[int, tuple[Callable, Callable]] = {}
-
-
-def caller_self(predicate: Callable[[Any], bool], local: str | None = None) -> tuple[Any, Any]:
-    """The innermost ``self`` on the Python call stack that satisfies ``predicate``, and the value of ``local``
-    in the innermost frame of that object that has it ((None, None) if none): how a hook run inside a
-    framework's method (transformers' ``Trainer.training_step``) finds the object running it and an argument
-    of an outer call (``train(resume_from_checkpoint=...)``)."""
-    import sys
-
-    frame, found, value = sys._getframe(1), None, None
-    while frame is not None:
-        candidate = frame.f_locals.get("self") if "self" in frame.f_code.co_varnames else None
-        if candidate is not None and (candidate is found or found is None and predicate(candidate)):
-            found = candidate
-            if local is not None and local in frame.f_code.co_varnames:
-                value = frame.f_locals.get(local)
-                break
-        frame = frame.f_back
-    return found, value
 
 
 def in_optimized_module() -> bool:
@@ -193,12 +171,6 @@ def registered_backend(name: str) -> Callable | None:
         return None
 
 
-def is_backend(backend: Callable | None, name: str) -> bool:
-    """Whether ``backend`` (as :func:`compiling_backend` or :func:`module_backend` give it) is the backend
-    registered as ``name``."""
-    return backend is not None and backend is registered_backend(name)
-
-
 def register_compile_start(callback: Callable[[Any], None]) -> None:
     """Register ``callback(args)`` with Dynamo's start-of-compile callbacks (``torch._dynamo.callback_handler``)
     unless it is there; ``torch._dynamo.reset()`` drops them: call this again and it is registered again."""
@@ -226,46 +198,6 @@ def ignore_in_ddp(module: torch.nn.Module, names: list[str]) -> None:
     """DistributedDataParallel's hook for parameters it must leave alone (they also get ``_ddp_ignored``,
     which keeps Dynamo's DDPOptimizer from splitting their graphs)."""
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
-
-
-def around_dynamo_compiles(start: Callable[[], None], end: Callable[[], None],
-                           backend: Callable | None = None) -> None:
-    """Run ``start()`` before Dynamo traces a frame for ``backend`` and ``end()`` after it has compiled
-    it (Dynamo's compile callbacks, trigger DYNAMO: not aot_autograd's lazy backward compile).
-
-    ``backend`` defaults to the backend calling this (it must be called from inside a compile). Frames
-    compiled by other backends (``torch.compile(opt.step)``) are left alone; where the frame's backend
-    cannot be found, ``start()`` runs for every frame. ``torch._dynamo.reset()`` drops Dynamo's
-    callbacks: call this again (every backend call does), and they are registered again.
-    """
-    handler = torch._dynamo.callback_handler
-    hooks = _COMPILE_HOOKS.get(id(start))
-    if hooks is not None:
-        if hooks[0] not in handler.start_callbacks:
-            handler.register_start_callback(hooks[0])
-            handler.register_end_callback(hooks[1])
-        return
-    from torch._dynamo.callback import CallbackTrigger
-
-    own = backend if backend is not None else compiling_backend()
-    started = []
-
-    def on_start(args) -> None:
-        if args.callback_trigger is not CallbackTrigger.DYNAMO:
-            return
-        frame_backend = compiling_backend() if own is not None else None
-        if frame_backend is None or frame_backend is own:
-            started.append(True)
-            start()
-
-    def on_end(args) -> None:
-        if args.callback_trigger is CallbackTrigger.DYNAMO and started:
-            started.clear()
-            end()
-
-    _COMPILE_HOOKS[id(start)] = (on_start, on_end)
-    handler.register_start_callback(on_start)
-    handler.register_end_callback(on_end)
 
 
 def graph_module(root: torch.nn.Module, graph: fx.Graph) -> fx.GraphModule:
@@ -415,33 +347,26 @@ def fake_process_group(world_size: int, rank: int = 0) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
 
 
-register_cpu_attention()    # (at import: FLOP counts must not depend on whether a compile ran first)
+def register_sharding(op, strategies: Callable) -> None:
+    """DTensor's sharding strategies for ``op``: ``strategies(*args, **kwargs)`` gives ``[(output placements,
+    input placements), ...]`` (``torch.distributed.tensor.experimental.register_sharding``, experimental)."""
+    from torch.distributed.tensor.experimental import register_sharding as register
 
-_DECOMPOSITIONS: dict | None = None
+    register(op)(strategies)
 
 
-def sharding_decompositions() -> dict:
-    """ATen decompositions for the ops DTensor cannot shard (e.g. CPU flash attention), so that
-    tracing lowers them to ops it can; ops DTensor shards directly are kept whole."""
-    global _DECOMPOSITIONS
-    if _DECOMPOSITIONS is None:
-        from torch._decomp import core_aten_decompositions
+def core_aten_decompositions() -> dict:
+    """ATen's core decompositions, op -> Python function (``torch._decomp.core_aten_decompositions``)."""
+    from torch._decomp import core_aten_decompositions as decompositions
 
-        _DECOMPOSITIONS = {op: fn for op, fn in core_aten_decompositions().items()
-                           if isinstance(op, OpOverload) and not has_sharding_strategy(op, direct_only=True)}
-        # native_batch_norm updates its running statistics in place without saying so in its schema;
-        # decomposed, the update becomes a visible (functionalized) copy into the buffer
-        from torch._decomp import decomposition_table
+    return decompositions()
 
-        batch_norm = torch.ops.aten.native_batch_norm.default
-        if batch_norm in decomposition_table:
-            _DECOMPOSITIONS[batch_norm] = decomposition_table[batch_norm]
-        from . import cpu_attention
 
-        if cpu_attention.FORWARD in decomposition_table:
-            _DECOMPOSITIONS[cpu_attention.FORWARD] = cpu_attention.decomposed_only_with_a_mask(
-                decomposition_table[cpu_attention.FORWARD])
-    return _DECOMPOSITIONS
+def decomposition(op) -> Callable | None:
+    """ATen's decomposition of ``op`` (``torch._decomp.decomposition_table``); None where it has none."""
+    from torch._decomp import decomposition_table
+
+    return decomposition_table.get(op)
 
 
 # -- vocab-parallel cross-entropy: the local computations of DTensor's loss_parallel ----------------------

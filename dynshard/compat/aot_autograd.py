@@ -4,9 +4,7 @@ aot_autograd backend and aot_eager's compiler, the partitioners, functorch's set
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Any, Iterator
+from typing import Any, Callable
 
 import torch.fx as fx
 
@@ -73,36 +71,12 @@ def mark_wrapped(node: fx.Node, digest: str) -> None:
     node.meta["is_wrapped"], node.meta["user_cache_hash"] = True, digest
 
 
-_seen = threading.local()
-
-
-def _recording_keys(autograd_cache_key):
-    def recorded(*args, **kwargs):
-        key, debug_lines = autograd_cache_key(*args, **kwargs)
-        keys = getattr(_seen, "keys", None)
-        if keys is not None:
-            keys.append(key)
-        return key, debug_lines
-    return recorded
-
-
 def _autograd_cache_module():
     from torch._functorch._aot_autograd import autograd_cache
     return autograd_cache
 
 
-_KEYS_RECORDED = CountedPatch(_autograd_cache_module, "autograd_cache_key", _recording_keys)
-
-
-@contextlib.contextmanager
-def aot_keys_seen() -> Iterator[list[str]]:
-    """The keys aot_autograd's cache computes in this thread while the context is active, in order
-    (``autograd_cache.autograd_cache_key`` wrapped, :mod:`.counted_patch`)."""
-    keys: list[str] = []
-    previous = getattr(_seen, "keys", None)
-    _seen.keys = keys
-    try:
-        with _KEYS_RECORDED.applied():
-            yield keys
-    finally:
-        _seen.keys = previous
+def cache_key_patch(replace: Callable[[Callable], Callable]) -> CountedPatch:
+    """``autograd_cache.autograd_cache_key`` (aot_autograd's cache key of a compile, returned with its debug
+    lines: ``(key, debug_lines)``) replaced by ``replace(aot_autograd's)`` while the patch is applied."""
+    return CountedPatch(_autograd_cache_module, "autograd_cache_key", replace)

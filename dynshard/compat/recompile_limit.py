@@ -11,8 +11,7 @@ the caller of the frame as it is (probed on torch 2.13).
 
 from __future__ import annotations
 
-import dataclasses
-import re
+from types import CodeType
 from typing import Callable
 
 from torch._dynamo import config as dynamo_config
@@ -20,33 +19,16 @@ from torch._dynamo import convert_frame
 
 from .frames import compiling_frame
 
-_CALLBACKS: list[Callable[["RecompileLimit"], None]] = []
+_CALLBACKS: list[Callable[[str, int, CodeType | None, str | None], None]] = []
 
 
-@dataclasses.dataclass(frozen=True)
-class RecompileLimit:
-    """A frame Dynamo would run eagerly: which limit, its value, the function and the last failed guard."""
-
-    limit_type: str              # "recompile_limit" or "accumulated_recompile_limit"
-    limit: int
-    function: str                # 'forward' (model.py:12)
-    reason: str | None           # Dynamo's "0/7: temperature == 1.7", the guard that failed last
-
-
-def _details(limit_type: str) -> RecompileLimit:
-    frame = compiling_frame() or {}
-    code = frame.get("code")
-    where = f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno})" if code is not None else "a frame"
-    reason = frame.get("recompile_reason")
-    if isinstance(reason, str):      # its first line, without the source line Dynamo appends after spaces and '#'
-        reason = re.split(r"\s{2,}#", reason.split("\n")[0])[0].strip()
-    return RecompileLimit(limit_type, getattr(dynamo_config, limit_type, -1), where,
-                          reason if isinstance(reason, str) else None)
-
-
-def on_recompile_limit(callback: Callable[[RecompileLimit], None]) -> None:
-    """Call ``callback(limit)`` whenever Dynamo reaches a recompile limit, before it runs the frame eagerly;
-    an exception the callback raises stops that call. Idempotent per callback."""
+def on_recompile_limit(callback: Callable[[str, int, CodeType | None, str | None], None]) -> None:
+    """Call ``callback(limit_type, limit, code, reason)`` whenever Dynamo reaches a recompile limit, before it
+    runs the frame eagerly: the limit's name in Dynamo's config ("recompile_limit" or
+    "accumulated_recompile_limit") and its value, the frame's code object, and the guard that failed last as
+    Dynamo words it (``_compile``'s ``recompile_reason``, e.g. "0/7: temperature == 1.7" and the source line);
+    None where Dynamo's frame does not say. An exception the callback raises stops that call. Idempotent per
+    callback."""
     if callback not in _CALLBACKS:
         _CALLBACKS.append(callback)
     current = convert_frame.exceeds_recompile_limit
@@ -56,9 +38,12 @@ def on_recompile_limit(callback: Callable[[RecompileLimit], None]) -> None:
     def exceeds_recompile_limit(cache_size, compile_id):
         exceeded, limit_type = current(cache_size, compile_id)
         if exceeded:
-            limit = _details(limit_type)
+            frame = compiling_frame() or {}
+            reason = frame.get("recompile_reason")
+            details = (limit_type, getattr(dynamo_config, limit_type, -1), frame.get("code"),
+                       reason if isinstance(reason, str) else None)
             for hook in list(_CALLBACKS):
-                hook(limit)
+                hook(*details)
         return exceeded, limit_type
 
     exceeds_recompile_limit._dynshard_wrapped = True

@@ -4,15 +4,12 @@ are symbolic, and the sizes they were traced at. Re-exported by :mod:`dynshard.c
 from __future__ import annotations
 
 import contextlib
-import re
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
 import torch
 import torch.fx as fx
 
 from .strided_shards import strided_shards_on_symbols
-
-_SYMBOL = re.compile(r"\b[su]\d+\b")
 
 
 def symbolic_dims(node: fx.Node) -> list[str | None] | None:
@@ -47,37 +44,17 @@ def sizes_key(sizes) -> tuple:
     return tuple(size if isinstance(size, int) else str(size) for size in sizes)
 
 
-def rename_symbols(expressions: list[list[str | None] | None]) -> list[tuple[str | None, ...] | None]:
-    """Dynamo's symbol names replaced by ``d0, d1, ...`` in order of first appearance, so that two traces
-    of one shape family (on two ranks, or after a restart) name their dimensions alike."""
-    names: dict[str, str] = {}
-
-    def rename(expr: str | None) -> str | None:
-        if expr is None:
-            return None
-        return _SYMBOL.sub(lambda m: names.setdefault(m.group(0), f"d{len(names)}"), expr)
-
-    return [None if dims is None else tuple(rename(d) for d in dims) for dims in expressions]
-
-
-def symbolic_examples(example_inputs: Sequence[Any], local_inputs: Sequence[Any]) -> list[Any]:
-    """The program's example inputs for a symbolic compile: Dynamo's own example where the program takes
-    the input as Dynamo traced it (aot_autograd then finds its symbolic fake, and a wrapped float its
-    symbolic value, in Dynamo's tracing context, whose ShapeEnv takes the compile's guards); elsewhere (a
-    ZeRO shard, a meta parameter materialised at the first call) a static fake of the local tensor in
-    Dynamo's mode."""
+def dynamo_fake_mode():
+    """The fake mode of the frame Dynamo is compiling (its tracing context's, whose ShapeEnv takes the
+    compile's guards)."""
     from torch._guards import TracingContext
 
-    fake_mode = TracingContext.get().fake_mode
-    examples = []
-    for example, local in zip(example_inputs, local_inputs):
-        if not isinstance(example, torch.Tensor) or (tuple(example.shape) == tuple(local.shape)
-                                                     and example.dtype == local.dtype
-                                                     and example.device == local.device):
-            examples.append(example)
-        else:
-            examples.append(fake_mode.from_tensor(local, static_shapes=True))
-    return examples
+    return TracingContext.get().fake_mode
+
+
+def static_fake(fake_mode, tensor: torch.Tensor) -> torch.Tensor:
+    """A fake of ``tensor`` in ``fake_mode`` with static sizes (``FakeTensorMode.from_tensor``)."""
+    return fake_mode.from_tensor(tensor, static_shapes=True)
 
 
 def dynamo_tracing_context():

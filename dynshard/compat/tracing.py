@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 import torch.fx as fx
 
+if TYPE_CHECKING:
+    from torch._subclasses.fake_tensor import FakeTensorMode
 
-def new_fake_mode():
+
+def new_fake_mode() -> FakeTensorMode:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     # The planning passes' fake mode: no ShapeEnv (nothing symbolic to track). Inductor's compiles get one,

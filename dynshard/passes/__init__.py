@@ -26,6 +26,7 @@ import torch.fx as fx
 from .. import compat
 from .assign_placements import assign_placements
 from .cast_to_compute_dtype import cast_to_compute_dtype
+from . import cpu_attention  # noqa: F401  (DTensor's strategies and FLOP formulas of CPU attention, at import)
 from .context import PassContext
 from .exact_mean_losses import exact_mean_losses
 from .insert_collectives import insert_collectives

@@ -4,12 +4,13 @@ plan so far."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.fx as fx
 from torch.distributed.tensor import Placement
 
+from ..compat import FakeMode
 from ..config import Config
 from ..planning import Plan
 from ..planning.outline import mixed_precision_of
@@ -37,7 +38,7 @@ class PassContext:
     config: Config
     layout: Layout
     inputs: list[GraphInput]
-    fake_mode: Any                   # torch's FakeTensorMode (compat.new_fake_mode)
+    fake_mode: FakeMode              # compat.new_fake_mode's, or the frame's Dynamo traced in
     outline: Plan                    # what the program is built from: the given plan, or the config's outline
     placements: dict[int, tuple[Placement, ...]] = dataclasses.field(default_factory=dict)
     over_dp: set[int] = dataclasses.field(default_factory=set)   # from a given plan: inputs ZeRO splits
@@ -48,7 +49,9 @@ class PassContext:
     blocked: dict[int, tuple[int, int]] = dataclasses.field(default_factory=dict)  # input -> (blocks, dim)
     # activations the policy placed: node name -> placements its value is redistributed to where produced
     constraints: dict[str, ActivationPlacement] = dataclasses.field(default_factory=dict)
-    split_outputs: dict[int, tuple] = dataclasses.field(default_factory=dict)  # output -> DTensor spec
+    # output -> its DTensor spec: placements, global shape and stride
+    split_outputs: dict[int, tuple[tuple[Placement, ...], torch.Size, tuple[int, ...]]] = dataclasses.field(
+        default_factory=dict)
     timings: list[tuple[str, float]] = dataclasses.field(default_factory=list)
     stage_info: StageCut | None = None       # pipeline: how stages were cut
     staged: StagedGraph | None = None        # pipeline: the graph cut into stages

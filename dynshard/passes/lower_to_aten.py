@@ -10,6 +10,7 @@ import torch.fx as fx
 from .. import compat
 from .context import PassContext
 from .op_sets import RESHAPES
+from .sharding_decompositions import sharding_decompositions
 from .tag_recompute import is_rng
 
 
@@ -40,7 +41,7 @@ def lower(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 continue
             fake = torch.empty_strided(inp.shape, inp.stride, dtype=inp.dtype, device=device_of(inp))
             fakes.append(fake.requires_grad_(inp.requires_grad))
-    aten_gm = compat.trace_to_aten(gm, fakes, ctx.fake_mode, compat.sharding_decompositions())
+    aten_gm = compat.trace_to_aten(gm, fakes, ctx.fake_mode, sharding_decompositions())
     ctx.draws_random = any(is_rng(node) for node in aten_gm.graph.nodes)
     return _drop_legacy_empty_cat_inputs(_split_addmm(_views_to_reshapes(aten_gm)))
 

@@ -39,7 +39,7 @@ their class weights with ``weight=``), which differs per micro-batch. It runs he
 total (:mod:`.microbatch_weights`); what is computed from it linearly (scaled, shifted by a constant)
 stays one. Combined with a plain mean, or with another loss's weighted mean (another target), it is
 refused: no weighting of the micro-batch outputs gives the batch's.
-Ops DTensor has no strategy for run through their decomposition (``compat.sharding_decompositions``),
+Ops DTensor has no strategy for run through their decomposition (:mod:`.sharding_decompositions`),
 BatchNorm always (so that eval mode is elementwise and training mode shows its batch statistics);
 random ops and convolutions are placed here (DTensor's versions touch global RNG state / ask the
 default process group for its rank).
@@ -84,6 +84,7 @@ from ..compat import TorchDispatchMode, pytree
 from .microbatch_positions import NOT_HERE, BatchPositions
 from .microbatch_weights import WeightedMean, mean_loss, weighted_mean
 from .propagate_sharding import source_line
+from .sharding_decompositions import sharding_decompositions
 
 KINDS = ("cat", "mean", "sum", "same")
 
@@ -343,7 +344,7 @@ class _MicrobatchMode(TorchDispatchMode):
         try:
             redistributions = compat.dtensor_redistributions(func, args, kwargs)
         except NotImplementedError:     # no strategy: run its decomposition, if it has one, op by op
-            if func in compat.sharding_decompositions():
+            if func in sharding_decompositions():
                 return self._decompose(func, args, kwargs)
             return self._without_strategy(func, args, kwargs)
         except Exception as error:   # e.g. an uneven split DTensor refuses to average
@@ -367,7 +368,7 @@ class _MicrobatchMode(TorchDispatchMode):
         self.decomposing.append(func)
         try:
             with self:
-                return compat.sharding_decompositions()[func](*args, **kwargs)
+                return sharding_decompositions()[func](*args, **kwargs)
         finally:
             self.decomposing.pop()
 

@@ -17,13 +17,12 @@ embedding's ``MaskPartial`` keeps its mask until the reduction uses it up), nor 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Partial
 
 from .. import compat
-from ..compat import pytree
+from ..compat import FakeMode, pytree
 
 _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
@@ -32,7 +31,7 @@ _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.
 class OpMemo:
     """Answers by key (:func:`op_key`), for the propagations run under one fake mode."""
 
-    fake_mode: Any
+    fake_mode: FakeMode
     answers: dict = dataclasses.field(default_factory=dict)
 
     def keep(self, key, redistributions, out) -> None:
@@ -60,7 +59,7 @@ class OpMemo:
             self.answers[key] = out
         return out
 
-    def for_mode(self, fake_mode) -> "OpMemo":
+    def for_mode(self, fake_mode: FakeMode) -> "OpMemo":
         """This memo, or a new one when ``fake_mode`` is another (fake values do not cross modes)."""
         return self if fake_mode is self.fake_mode else OpMemo(fake_mode)
 

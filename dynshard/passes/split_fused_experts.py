@@ -55,7 +55,7 @@ def grouped_mm_fallback():
 def split_fused_experts(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.layout.tp_mesh is None:      # nothing is split inside a unit of one rank
         return gm
-    from ..compat.grouped_mm import register_grouped_mm_strategies
+    from .grouped_mm_strategies import register_grouped_mm_strategies
 
     matmuls = expert_matmuls()
     if any(n.target in matmuls and n.target is not aten.bmm.default for n in gm.graph.nodes):

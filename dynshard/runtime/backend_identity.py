@@ -16,9 +16,15 @@ BACKEND_NAME = "dynshard"
 
 def compiling_for_dynshard() -> bool:
     """Whether the frame Dynamo is compiling now is compiled for dynshard (False outside a compile)."""
-    return compat.is_backend(compat.compiling_backend(), BACKEND_NAME)
+    return _is_dynshard(compat.compiling_backend())
 
 
 def compiled_with_dynshard(module: torch.nn.Module) -> bool:
     """Whether ``module`` was compiled (wrapped or in place) with dynshard as its backend."""
-    return compat.is_backend(compat.module_backend(module), BACKEND_NAME)
+    return _is_dynshard(compat.module_backend(module))
+
+
+def _is_dynshard(backend) -> bool:
+    """Whether ``backend`` (as ``compat.compiling_backend`` or ``compat.module_backend`` give it) is the backend
+    registered as dynshard's."""
+    return backend is not None and backend is compat.registered_backend(BACKEND_NAME)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import re
+from types import CodeType
 from typing import Iterator
 
 import torch
@@ -99,12 +101,16 @@ def guard_modules(roots: list[nn.Module]) -> None:
                 setattr(module, _GUARDED, True)
 
 
-def refuse_recompile_limit(limit: compat.RecompileLimit) -> None:
-    """Dynamo reached a recompile limit (``compat.on_recompile_limit``): a frame compiled for dynshard raises
-    :class:`RecompileLimitError` rather than running eagerly; other backends' frames are left to Dynamo."""
+def refuse_recompile_limit(limit_type: str, limit: int, code: CodeType | None, reason: str | None) -> None:
+    """Dynamo reached its ``limit_type`` of ``limit`` compiles for ``code`` (``compat.on_recompile_limit``): a
+    frame compiled for dynshard raises :class:`RecompileLimitError` rather than running eagerly; other
+    backends' frames are left to Dynamo."""
     if not compiling_for_dynshard():
         return
-    reason = limit.reason or "unknown (TORCH_LOGS=recompiles lists each reason)"
+    function = f"'{code.co_name}' ({code.co_filename}:{code.co_firstlineno})" if code is not None else "a frame"
+    if reason is not None:      # its first line, without the source line Dynamo appends after spaces and '#'
+        reason = re.split(r"\s{2,}#", reason.split("\n")[0])[0].strip()
+    reason = reason or "unknown (TORCH_LOGS=recompiles lists each reason)"
     if "size mismatch" in reason or "stride mismatch" in reason:
         cause = ("the inputs' shapes change from call to call, and the frame compiles a graph per shape "
                  "(dynamic=False, or a job where dynshard turns automatic dynamic shapes off and logs why: several "
@@ -115,10 +121,10 @@ def refuse_recompile_limit(limit: compat.RecompileLimit) -> None:
                  "Python number passed to forward): pass it as a tensor (torch.tensor(value)) or keep it "
                  "constant")
     raise RecompileLimitError(
-        f"dynshard: Dynamo reached torch._dynamo.config.{limit.limit_type} ({limit.limit}) for {limit.function}, "
+        f"dynshard: Dynamo reached torch._dynamo.config.{limit_type} ({limit}) for {function}, "
         "a frame compiled for dynshard, and would run it eagerly, where nothing reduces gradients across ranks "
         f"and split parameters are only this rank's shards. The guard that failed last: {reason}. The cause: "
-        f"{cause}; or, if the variants are few and expected, raise torch._dynamo.config.{limit.limit_type} "
+        f"{cause}; or, if the variants are few and expected, raise torch._dynamo.config.{limit_type} "
         "(each variant plans and compiles its own program)")
 
 

@@ -2,24 +2,31 @@
 
 torch's own norm on dynshard's parameters would be wrong: each rank holds shards (tp) or rows (ZeRO) of
 the gradients, and replicas of others, so its local norm is neither the global norm nor the same on every
-rank. So ``torch.nn.utils.clip_grad_norm_`` is routed here for them (:func:`route_torch_clip_grad_norm`). Here each gradient element is counted exactly once: a rank counts a
-parameter only where it is the first of the ranks holding the same piece (coordinate 0 on every mesh
-dimension that replicates it), and one all-reduce over all ranks sums the pieces. nnScaler divides each
-replicated norm by its number of replicas instead; counting owners is exact and does less work.
+rank. Here each gradient element is counted exactly once: a rank counts a parameter only where it is the
+first of the ranks holding the same piece (coordinate 0 on every mesh dimension that replicates it), and one
+all-reduce over all ranks sums the pieces. nnScaler divides each replicated norm by its number of replicas
+instead; counting owners is exact and does less work.
+
+Every common recipe (transformers' Trainer through accelerate, nanoGPT) clips with torch's function, so
+``torch.nn.utils.clip_grad_norm_`` is routed here for dynshard's parameters, and the public
+``torch.nn.utils.get_total_norm`` (accelerate's clipping since 1.16: the norm, then ``clip_grads_with_norm_``)
+for their gradients (:func:`route_torch_clip_grad_norm`, process-wide); any other call runs torch's own code.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterable
 
 import torch
 import torch.distributed as dist
 
-from ..compat.clip_grad import route_clip_grad_norm
+from ..compat.clip_grad import check_total_norm
 from .accumulation import job_accumulation
 from .sharding import get_tag, is_sharded, split_tensors, tagged_tensors
 
+_ROUTED = "_dynshard_routed"
 _STALE_REFERENCE = (
     "dynshard: torch's clip_grad_norm_ was called on gradients of parameters dynshard has split across ranks "
     "through a reference taken before dynshard was imported (e.g. `from torch.nn.utils import "
@@ -126,5 +133,43 @@ def _grads_norm(grads: list, norm_type: float) -> torch.Tensor | None:
 def route_torch_clip_grad_norm() -> None:
     """``torch.nn.utils.clip_grad_norm_`` on dynshard's parameters gives :func:`clip_grad_norm_`'s global
     norm, and ``torch.nn.utils.get_total_norm`` on their gradients the global norm (every rank must call
-    them, as with torch's on DTensors); other calls run torch's own code."""
-    route_clip_grad_norm(_owns, clip_grad_norm_, _split_grads, _STALE_REFERENCE, _grads_norm)
+    them, as with torch's on DTensors); other calls run torch's own code. Both names ``clip_grad_norm_`` is
+    reached by are replaced (``torch.nn.utils`` and ``torch.nn.utils.clip_grad``); a reference to torch's
+    taken before, which counts with torch's ``_get_total_norm``, refuses split gradients (idempotent)."""
+    import torch.nn.utils as utils
+    import torch.nn.utils.clip_grad as clip_grad
+
+    if getattr(clip_grad.clip_grad_norm_, _ROUTED, False):
+        return
+    original = clip_grad.clip_grad_norm_
+
+    @functools.wraps(original)
+    def routed_clip_grad_norm_(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if _owns(params):
+            return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    setattr(routed_clip_grad_norm_, _ROUTED, True)
+    check_total_norm(_refuse_split_grads)
+    public_total_norm = utils.get_total_norm
+
+    @functools.wraps(public_total_norm)
+    def get_total_norm(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        grads = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        total = _grads_norm(grads, norm_type)
+        if total is None:
+            return public_total_norm(grads, norm_type, error_if_nonfinite, foreach)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"dynshard: the total norm of order {norm_type} of the gradients is non-finite "
+                               f"({total.item()}); set error_if_nonfinite=False to skip this check")
+        return total
+
+    clip_grad.clip_grad_norm_ = routed_clip_grad_norm_
+    utils.clip_grad_norm_ = routed_clip_grad_norm_
+    utils.get_total_norm = get_total_norm
+
+
+def _refuse_split_grads(grads: list) -> None:
+    if _split_grads(grads):
+        raise RuntimeError(_STALE_REFERENCE)

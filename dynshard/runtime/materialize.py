@@ -62,6 +62,8 @@ import torch.nn as nn
 
 from .. import compat
 from .backend_identity import compiling_for_dynshard
+from .call_stack import caller_self
+from .compile_hooks import around_dynamo_compiles
 from .sharding import mark_initialized_alike, shard_in_place
 
 PENDING_ATTR = "_dynshard_pending_init"   # on a stand-in: the _Pending model it is materialised with
@@ -86,7 +88,7 @@ class _Pending:
 def install() -> None:
     """Register the hook that presents meta tensors as stand-ins while Dynamo traces for dynshard (again
     after ``torch._dynamo.reset()``); idempotent."""
-    compat.around_dynamo_compiles(_present_meta_models, _after_compile)
+    around_dynamo_compiles(_present_meta_models, _after_compile)
 
 
 def frame_models() -> list[_Pending]:
@@ -165,7 +167,7 @@ def roots_holding(tensor: torch.Tensor) -> list[nn.Module]:
         return isinstance(candidate, nn.Module) and any(
             t is tensor for t in itertools.chain(candidate.parameters(), candidate.buffers()))
 
-    module, _ = compat.caller_self(holds)
+    module, _ = caller_self(holds)
     return [] if module is None else [getattr(module, "_orig_mod", module)]
 
 

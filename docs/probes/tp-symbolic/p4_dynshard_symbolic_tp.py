@@ -202,7 +202,7 @@ def install_patches():
             stage = "compile"
             local = [pac_mod.local_example(inp, ctx.placements[inp.index], ctx.zero_of(inp), ctx.layout)
                      for inp in ctx.inputs]
-            local = compat.symbolic_examples(example_inputs, local)
+            local = pac_mod.symbolic_examples(example_inputs, local)
             c = ctx.config
             program = compile_program(g, local, c.compiler, ctx.layout, c.inference_only, freeze=c.constant_folding,
                                       partition_pass=pac_mod._reshard_pass(sctx), backward=backward,

@@ -5,10 +5,12 @@ programs apart by the names :mod:`.cache_names` gives their calls."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pickle
-from typing import Any, Callable, Sequence
+import threading
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
@@ -27,6 +29,35 @@ class CacheUse:
 
     traced: bool = False                    # the compiler saw the graphs: a miss (a hit loads them)
     unrecorded_backward: str | None = None  # the key whose records wait for the backward's compile
+
+
+_SEEN = threading.local()
+
+
+def _recording_keys(autograd_cache_key):
+    def recorded(*args, **kwargs):
+        key, debug_lines = autograd_cache_key(*args, **kwargs)
+        keys = getattr(_SEEN, "keys", None)
+        if keys is not None:
+            keys.append(key)
+        return key, debug_lines
+    return recorded
+
+
+_KEYS_RECORDED = aot_autograd.cache_key_patch(_recording_keys)
+
+
+@contextlib.contextmanager
+def aot_keys_seen() -> Iterator[list[str]]:
+    """The keys aot_autograd's cache computes in this thread while the context is active, in order."""
+    keys: list[str] = []
+    previous = getattr(_SEEN, "keys", None)
+    _SEEN.keys = keys
+    try:
+        with _KEYS_RECORDED.applied():
+            yield keys
+    finally:
+        _SEEN.keys = previous
 
 
 def compile_cached(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_now: Callable[[], Any],
@@ -52,7 +83,7 @@ def compile_cached(gm: fx.GraphModule, example_inputs: Sequence[Any], compile_no
 
     # (what a hit loads runs Inductor's code for the gathers and batches its kernels as a compile would;
     # a shared trace compiles its backward at once, so that the entry is saved before the next rank looks)
-    with aot_autograd.settings(force_non_lazy_backward_lowering=shared), aot_autograd.aot_keys_seen() as keys, \
+    with aot_autograd.settings(force_non_lazy_backward_lowering=shared), aot_keys_seen() as keys, \
             gather_buckets_copied_out(), cpp_kernels_batched():
         compiled = (compiled_once_per_host(gm, example_inputs, compile_and_keep, cache="aot_autograd") if shared
                     else compile_and_keep())

@@ -14,6 +14,7 @@ import torch.fx as fx
 from ... import compat
 from ...compat import aot_autograd, inductor
 from . import cache_names
+from .block_schemas import block_schemas_memoized
 from .blocks_only import compile_blocks_only
 from .cached_compile import CacheUse, compile_cached, remember
 from .cpu_isa_probe import wait_cpu_isa_probe
@@ -41,14 +42,14 @@ def compile_per_rank(gm: fx.GraphModule, example_inputs: Sequence[Any], compiler
     (``keep()``, picklable) and how to restore it (``recall(kept)``): with them, aot_autograd's cache serves
     the program where it can (:func:`.cached_compile.compile_cached`), and ``recall`` replaces ``on_graph``
     on a hit; ``share_traces``: ``Config.share_traces``. ``symbolic``: the inputs are fakes of Dynamo's mode
-    with symbolic sizes (:func:`dynshard.compat.symbolic_examples`), compiled in Dynamo's tracing context, so
-    that the guards the compile adds on those sizes become the frame's."""
+    with symbolic sizes (:func:`dynshard.backend.plan_and_compile.symbolic_examples`), compiled in Dynamo's
+    tracing context, so that the guards the compile adds on those sizes become the frame's."""
     joint = aot_autograd.settings(joint_custom_pass=joint_pass) if joint_pass else contextlib.nullcontext()
     fake_mode = None
     if compiler != "aot_eager" and not freeze and not symbolic:     # (freezing reads the real parameters)
         fake_mode, example_inputs = compat.cacheable_fake_mode(example_inputs)
     tracing = compat.local_random_ops() if symbolic else compat.isolated_tracing(fake_mode)
-    with tracing, joint, compat.block_schemas_memoized(), compat.mask_offsets_read_at_run_time():
+    with tracing, joint, block_schemas_memoized(), compat.mask_offsets_read_at_run_time():
         if compiler == "aot_eager":
             def recorder(phase_if_training: str):
                 def compile_graph(graph: fx.GraphModule, inputs):

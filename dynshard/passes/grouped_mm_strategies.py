@@ -13,14 +13,16 @@ split along N or along the contracted K; the rows, grouped by expert through ``o
 - everything whole -> whole.
 
 DTensor's own ``aten._grouped_mm`` (bf16) already has these. Registration goes through
-``torch.distributed.tensor.experimental.register_sharding`` (an experimental torch API), once per process,
-and only once transformers has registered the ops.
+``compat.register_sharding`` (an experimental torch API), once per process, and only once transformers
+has registered the ops.
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
+
+from .. import compat
 
 _REGISTERED: set = set()
 
@@ -34,10 +36,8 @@ def register_grouped_mm_strategies() -> bool:
         return False
     if forward in _REGISTERED:
         return True
-    from torch.distributed.tensor.experimental import register_sharding
-
-    register_sharding(forward)(grouped_mm_strategies)
-    register_sharding(backward)(grouped_mm_backward_strategies)
+    compat.register_sharding(forward, grouped_mm_strategies)
+    compat.register_sharding(backward, grouped_mm_backward_strategies)
     _REGISTERED.update({forward, backward})
     return True
 

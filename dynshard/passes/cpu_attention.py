@@ -7,17 +7,20 @@ for the masked kernel (which cannot skip the masked half of the scores as ``is_c
 fuses the pattern back) and for three copies of the output per layer that a single process never makes.
 
 So the op (and its backward) is kept whole and DTensor is given the strategies of its CUDA sibling
-(``torch.distributed.tensor.experimental.register_sharding``, an experimental torch API): everything whole,
+(``compat.register_sharding``, an experimental torch API): everything whole,
 heads split (tensor parallelism), or batch split (data parallelism inside a unit); the scores of one head
 and one sequence never span ranks. With an explicit ``attn_mask`` (whose broadcast dimensions would need a
-placement of their own) it is still decomposed. torch's FLOP counter has no formula for the op either, so
-the SDPA formulas are registered for it and its backward (``torch.utils.flop_counter.register_flop_formula``).
+placement of their own) it is still decomposed (:func:`decomposed_only_with_a_mask`). torch's
+FLOP counter has no formula for the op either, so the SDPA formulas are registered for it and its backward
+(``torch.utils.flop_counter.register_flop_formula``).
 """
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
+
+from .. import compat
 
 _aten = torch.ops.aten
 FORWARD = _aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -29,11 +32,10 @@ def register_cpu_attention() -> None:
     """DTensor's strategies and the FLOP formulas of the CPU flash attention ops (once per process)."""
     if _REGISTERED:
         return
-    from torch.distributed.tensor.experimental import register_sharding
     from torch.utils.flop_counter import register_flop_formula, sdpa_backward_flop_count, sdpa_flop_count
 
-    register_sharding(FORWARD)(_strategies)
-    register_sharding(BACKWARD)(_backward_strategies)
+    compat.register_sharding(FORWARD, _strategies)
+    compat.register_sharding(BACKWARD, _backward_strategies)
 
     @register_flop_formula(FORWARD.overloadpacket)
     def forward_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
@@ -67,3 +69,6 @@ def decomposed_only_with_a_mask(decomposition):
         output, *rest = decomposition(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
         return (output.contiguous(), *rest)
     return run
+
+
+register_cpu_attention()    # (at import: FLOP counts must not depend on whether a compile ran first)
