@@ -59,11 +59,11 @@ def test_reductions_overlap_the_backward_where_collectives_run_beside_compute():
 
 
 def _table(rows: dict[str, dict]) -> str:
-    lines = [f"{'run':<62} {'published':>9} {'predicted':>9} {'ratio':>6} {'compute only':>12} {'peak GiB':>8} {'published':>9}"]
+    lines = [f"{'run':<76} {'published':>9} {'predicted':>9} {'ratio':>6} {'compute only':>12} {'peak GiB':>8} {'published':>9}"]
     for key, found in rows.items():
         run = RUNS[key]
         published_peak = "-" if run.peak_gib is None else f"{run.peak_gib:.1f}"
-        lines.append(f"{run.name:<62} {run.tokens_per_s:>9.0f} {found['tokens_per_s']:>9.0f} "
+        lines.append(f"{run.name:<76} {run.tokens_per_s:>9.0f} {found['tokens_per_s']:>9.0f} "
                      f"{found['tokens_per_s'] / run.tokens_per_s:>6.2f} {found['compute_tokens_per_s']:>12.0f} "
                      f"{found['peak_gib']:>8.1f} {published_peak:>9}")
     return "\n".join(lines)
