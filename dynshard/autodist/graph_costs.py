@@ -102,7 +102,7 @@ def _parameter_copies(gm: fx.GraphModule, inputs) -> set[str]:
     parameter's copy, which the cost model counts per parameter (``cost_model.gathered_bytes``: a ZeRO
     parameter's gathered replica, a replicated one's copy), not as activations."""
     parameters = {n for n, inp in zip((n for n in gm.graph.nodes if n.op == "placeholder"), inputs)
-                  if inp.kind == "parameter"}
+                  if getattr(inp, "kind", None) == "parameter"}
     return {n.name for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.aten._to_copy.default
             and n.args and n.args[0] in parameters}
 
