@@ -28,8 +28,8 @@ from torch.utils._python_dispatch import _disable_current_modes as outside_dispa
 
 # how each rank's program is compiled
 from .mask_partial import is_mask_partial, mask_offsets_read_at_run_time  # noqa: F401
-from .ops import (ALL_GATHER, COLLECTIVE_KINDS, all_gather_rows, all_reduce, group_rank, invoke_subgraph,  # noqa: F401
-                  process_group_names, reduce_scatter_rows, register_process_group_name, resolve_process_group)
+from .ops import (ALL_GATHER, COLLECTIVE_KINDS, all_gather_rows, all_reduce, all_to_all_rows, group_rank,  # noqa: F401
+                  invoke_subgraph, process_group_names, reduce_scatter_rows, register_process_group_name, resolve_process_group)
 from .frames import compiling_frame, dynamo_frame_id  # noqa: F401
 from .recompile_limit import on_recompile_limit  # noqa: F401
 from .symbolic import (dtensor_symbolic_tracing, dynamo_fake_mode, dynamo_tracing_context, guards_left_out,  # noqa: F401

@@ -40,6 +40,13 @@ def reduce_scatter_rows(tensor: torch.Tensor, group_size: int, group_name: str, 
     return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(tensor.contiguous(), op, group_size, group_name))
 
 
+def all_to_all_rows(tensor: torch.Tensor, output_splits: list[int], input_splits: list[int],
+                    group_name: str) -> torch.Tensor:
+    """Functional all-to-all along dim 0: ``input_splits[d]`` rows go to rank ``d``, ``output_splits[s]`` rows
+    come from rank ``s``, in rank order."""
+    return _c10d.wait_tensor(_c10d.all_to_all_single(tensor.contiguous(), output_splits, input_splits, group_name))
+
+
 def all_reduce(tensor: torch.Tensor, group_name: str, op: str) -> torch.Tensor:
     """Functional all-reduce (``op``: "sum", "avg", ...)."""
     return _c10d.wait_tensor(_c10d.all_reduce(tensor.contiguous(), op, group_name))

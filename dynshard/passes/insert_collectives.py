@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import operator
 
 import torch
 import torch.fx as fx
@@ -37,9 +38,10 @@ from ..runtime.mesh import Layout
 from ..runtime.sharding import SHARDS
 from ..runtime.zero import zero_groups
 from .context import PassContext
+from .context_parallel_attention import ATTENTION_OPS, attention_fn, sequence_split_dims
 from .grad_sync import GradSync, sync_over_dp
-from .op_sets import MATMUL_OPERANDS, view_root
-from .propagate_sharding import reduced_placements
+from .op_sets import MATMUL_OPERANDS, as_view, view_root
+from .propagate_sharding import RESHAPE, reduced_placements
 from .random_draws import draw_whole_fn
 from .vocab_parallel_loss import fuse_vocab_parallel_losses
 
@@ -259,6 +261,15 @@ def matmul_input_roots(graph: fx.Graph, propagation) -> list[fx.Node]:
     return list(roots)
 
 
+def _only_output_read(node: fx.Node) -> None:
+    """Context parallelism's attention returns the output alone (its log-sum-exp is the backward's, which
+    aot_autograd derives)."""
+    read = [user for user in node.users if not (user.target is operator.getitem and user.args[1] == 0)]
+    if read:
+        raise NotImplementedError(f"dynshard: context parallelism takes attention whose output alone is read; "
+                                  f"{node.name}'s other outputs are read by {[user.name for user in read]}")
+
+
 def _rewrite_nodes(graph: fx.Graph, layout: Layout, propagation, constraints: dict) -> None:
     replicate = _named(replicate_fn(layout), "replicate")
     gather = _named(gather_fn(layout), "gather_whole")
@@ -283,6 +294,14 @@ def _rewrite_nodes(graph: fx.Graph, layout: Layout, propagation, constraints: di
             node.replace_all_uses_with(new, delete_user_cb=lambda user, new=new: user is not new)
         if node.name in propagation.drawn_whole:
             node.target = draw_whole_fn(node.target, layout.tp_mesh)
+            continue
+        source = node.args[0] if node.args else None
+        if node.target is RESHAPE and isinstance(source, fx.Node) and \
+                any(p != Replicate() for p in propagation.placements.get(source.name, ())):
+            node.target = as_view(node.target, source.meta.get("val"), node.args[1])
+        if node.target in ATTENTION_OPS and sequence_split_dims(propagation.placements.get(node.args[0].name, ())):
+            _only_output_read(node)
+            node.target = _named(attention_fn(layout, node.target), "context_parallel_attention")
             continue
         fallback = node.name in propagation.fallbacks
         if not fallback and node.name not in propagation.replicated_constants:

@@ -30,6 +30,12 @@ def lowers(layout, outline) -> bool:
     return layout.tp_mesh is not None or bool(outline.recompute)
 
 
+def splits_sequence(config) -> bool:
+    """Whether the config's plan splits the sequence (the tp policy's ``context_parallel``): attention is then
+    kept whole even with a mask, for :mod:`.context_parallel_attention` to run."""
+    return config.policy == "tp" and int(config.pas_config.get("context_parallel", 1)) > 1
+
+
 def lower(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """The ATen graph of ``gm`` on FakeTensors of its inputs' global shapes."""
     device_of = (lambda inp: inp.device) if ctx.config.trace_strategy == "fake" else (lambda inp: torch.device("meta"))
@@ -41,7 +47,7 @@ def lower(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
                 continue
             fake = torch.empty_strided(inp.shape, inp.stride, dtype=inp.dtype, device=device_of(inp))
             fakes.append(fake.requires_grad_(inp.requires_grad))
-    aten_gm = compat.trace_to_aten(gm, fakes, ctx.fake_mode, sharding_decompositions())
+    aten_gm = compat.trace_to_aten(gm, fakes, ctx.fake_mode, sharding_decompositions(splits_sequence(ctx.config)))
     ctx.draws_random = any(is_rng(node) for node in aten_gm.graph.nodes)
     return _drop_legacy_empty_cat_inputs(_split_addmm(_views_to_reshapes(aten_gm)))
 

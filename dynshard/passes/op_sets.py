@@ -36,3 +36,17 @@ def view_root(node):
     while isinstance(node, fx.Node) and node.target in VIEW_OPS:
         node = node.args[0]
     return node
+
+
+def as_view(target, value, shape):
+    """``aten.reshape`` of a value it can view, as ``aten.view``: what tracing decomposes it into. DTensor's
+    rule for ``reshape`` itself gathers a split dimension flattened behind another (a sequence split of
+    ``(B, T, C)`` viewed as ``(B * T, C)``, which ``view`` keeps as a ``_StridedShard``), and some tracers
+    (``invoke_subgraph``'s schema) hand DTensor the undecomposed op."""
+    if target is not aten.reshape.default or not isinstance(value, torch.Tensor):
+        return target
+    try:        # (on the global shape and strides; a DTensor's own view would dispatch to DTensor)
+        torch.empty_strided(value.shape, value.stride(), device="meta").view(shape)
+    except (RuntimeError, ValueError):
+        return target
+    return aten.view.default

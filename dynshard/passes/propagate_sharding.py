@@ -44,13 +44,17 @@ from ..config.errors import SymbolicShapesError
 from ..runtime.mesh import Layout
 from ..runtime.sharding import SHARDS, local_shape
 from .context import PassContext
+from .context_parallel_attention import abstract_attention, splits_sequence
 from .propagation import Collective, LocalReshard, MatchedSlice, Propagation
 from .layer_memo import LayerMemo, repeated_layers
 from .op_memo import OpMemo, op_key
 from .propagation_reuse import Rejoin, reusable_prefix
 from .random_draws import DRAWN_BY_SHAPE, draw_whole_fn, is_random, on_split_values
-from .op_sets import BATCHED_MATMULS, RESHAPES, SLICE_COMMUTING
+from .op_sets import BATCHED_MATMULS, RESHAPES, SLICE_COMMUTING, as_view
 from .vocab_parallel_loss import abstract_log_softmax, abstract_nll_loss, loss_pairs, rows, split_on_classes
+
+
+RESHAPE = torch.ops.aten.reshape.default
 
 
 def transition_kind(src: Placement, dst: Placement) -> str | None:
@@ -191,6 +195,8 @@ class ShardingInterpreter(fx.Interpreter):
         node = self._current
         if not isinstance(target, compat.OpOverload):
             return target(*args, **kwargs)
+        if target is RESHAPE and isinstance(args[0], DTensor) and not _all_replicated(args[0]):
+            target = as_view(target, args[0], args[1])
         if node in self._paired_log_softmax and split_on_classes(args[0]):
             return abstract_log_softmax(args[0], args[2])   # its collectives are counted with its nll_loss
         if node in self._loss_pairs and split_on_classes(args[0]):
@@ -200,6 +206,10 @@ class ShardingInterpreter(fx.Interpreter):
             return self.replicated_constant(node, target, args, kwargs)
         if is_random(target) and on_split_values(args, kwargs):
             return self.random_on_split_values(node, target, args, kwargs)
+        if splits_sequence(target, args, kwargs):
+            out, collectives = abstract_attention(node.name, target, args, kwargs, self.layout, source_line(node))
+            self.result.collectives.extend(collectives)
+            return out
         if not compat.has_sharding_strategy(target):
             return self.fallback(node, target, args, kwargs, f"DTensor has no sharding strategy for {target}")
         key = op_key(target, args, kwargs)

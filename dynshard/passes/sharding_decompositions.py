@@ -10,9 +10,17 @@ from . import cpu_attention
 _DECOMPOSITIONS: dict | None = None
 
 
-def sharding_decompositions() -> dict:
+def sharding_decompositions(masked_attention_whole: bool = False) -> dict:
     """ATen decompositions for the ops DTensor cannot shard (e.g. CPU flash attention with a mask), so that
-    tracing lowers them to ops it can; ops DTensor shards directly are kept whole."""
+    tracing lowers them to ops it can; ops DTensor shards directly are kept whole. ``masked_attention_whole``:
+    attention with a mask too (context parallelism runs it whole, :mod:`.context_parallel_attention`)."""
+    table = _decompositions()
+    if masked_attention_whole:
+        return {op: fn for op, fn in table.items() if op is not cpu_attention.FORWARD}
+    return table
+
+
+def _decompositions() -> dict:
     global _DECOMPOSITIONS
     if _DECOMPOSITIONS is None:
         decompositions = {op: fn for op, fn in compat.core_aten_decompositions().items()

@@ -57,6 +57,7 @@ from ..passes.op_sets import CASTS, MATMUL_OPERANDS, SLICE_COMMUTING, TRANSPOSE_
 from ..passes.propagation import Propagation
 from ..passes.split_fused_projections import param_block
 from ..runtime.sharding import SHARDS
+from .context_parallel import split_sequence
 from .experts import split_experts
 from .plan_builder import PlanBuilder
 from .repeated_layers import TiedDecisions
@@ -69,18 +70,33 @@ class TensorParallelOptions:
 
     sequence_parallel: bool = False
     batch_parallel: bool = False
+    context_parallel: int = 1       # ranks of the unit that split the sequence (context_parallel.py)
 
     @classmethod
     def from_pas_config(cls, pas_config: Mapping[str, Any]) -> "TensorParallelOptions":
         check_option_names(cls, pas_config, "the tp policy")
         for name, value in pas_config.items():
-            if not isinstance(value, bool):
+            if name == "context_parallel":
+                if type(value) is not int or value < 1:
+                    raise ConfigError(f"dynshard: pas_config['context_parallel'] must be a positive integer (the "
+                                      f"ranks that split the sequence), got {value!r}")
+            elif not isinstance(value, bool):
                 raise ConfigError(f"dynshard: pas_config[{name!r}] must be True or False, got {value!r}")
         options = cls(**pas_config)
         if options.sequence_parallel and options.batch_parallel:
             raise ConfigError("dynshard: pas_config sets both sequence_parallel and batch_parallel: the activations "
                               "between split layers are split along one dimension; choose one")
+        if options.context_parallel > 1 and (options.sequence_parallel or options.batch_parallel):
+            raise ConfigError("dynshard: context_parallel splits every activation along the sequence already; "
+                              "leave sequence_parallel and batch_parallel unset")
         return options
+
+    def check_unit(self, plan_ngpus: int) -> None:
+        if self.context_parallel > 1 and self.context_parallel != plan_ngpus:
+            raise ConfigError(
+                f"dynshard: context_parallel={self.context_parallel} with plan_ngpus={plan_ngpus}: context "
+                "parallelism splits the whole unit for now (tensor parallelism beside it, a 2-D unit, is not "
+                f"built yet); set plan_ngpus={self.context_parallel}")
 
     @property
     def split_dim(self) -> int | None:
@@ -89,7 +105,12 @@ class TensorParallelOptions:
 
 
 def tp(plan: PlanBuilder, config: Config) -> None:
-    tensor_parallel_layers(plan, TensorParallelOptions.from_pas_config(config.pas_config))
+    options = TensorParallelOptions.from_pas_config(config.pas_config)
+    options.check_unit(config.plan_ngpus)
+    if options.context_parallel > 1:
+        split_sequence(plan, options.context_parallel)
+        return
+    tensor_parallel_layers(plan, options)
 
 
 def tensor_parallel_layers(plan: PlanBuilder, options: TensorParallelOptions) -> None:

@@ -1,0 +1,67 @@
+"""Context parallelism (``pas_config={"context_parallel": C}``): the sequence split over a unit's ranks trains
+like one process."""
+
+from __future__ import annotations
+
+import pytest
+
+import workers_context_parallel as workers
+from distributed import run_ranks
+from parity import assert_ranks_train_like_one_process
+
+import dynshard
+from dynshard.config import ConfigError
+from dynshard.passes.context_parallel_attention import BalancedChunks
+from dynshard.policies.megatron import TensorParallelOptions
+
+
+def test_split_attention_matches_one_process_in_float64():
+    for rank_result in run_ranks(workers.attention_exact, 2):
+        assert rank_result[True] < 1e-12 and rank_result[False] < 1e-12, rank_result
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_causal_chunks_balance_the_work_over_the_ranks(ranks):
+    work = {}
+    for rank in range(ranks):
+        chunks = BalancedChunks(ranks, rank)
+        assert sorted(chunks.computed) == sorted((rank, 2 * ranks - 1 - rank))
+        assert sum(chunks.sent) == sum(chunks.received) == 2
+        work[rank] = sum(j + 1 for j in chunks.computed)      # query chunk j attends to j + 1 key chunks
+    assert set(work.values()) == {2 * ranks + 1}
+    # what rank r sends to rank d is what rank d receives from rank r
+    for r in range(ranks):
+        for d in range(ranks):
+            assert BalancedChunks(ranks, r).sent[d] == BalancedChunks(ranks, d).received[r]
+
+
+def test_gpt_with_the_sequence_split_over_two_ranks_trains_like_one_process():
+    results = run_ranks(workers.sgd_parity, 2, "gpt", 2)
+    assert_ranks_train_like_one_process(results)
+    kinds = {(phase, kind) for phase, kind, _ in results[0]["collectives"]}
+    # keys and values gathered, the causal chunks exchanged, the parameters' gradients all-reduced
+    assert {("forward", "all_gather"), ("forward", "all_to_all"), ("backward", "reduce_scatter"),
+            ("backward", "all_to_all"), ("backward", "all_reduce")} <= kinds
+
+
+def test_transformers_llama_with_the_sequence_split_trains_like_one_process():
+    """Rotary positions, grouped-query heads, and transformers' sdpa attention with the causal mask it builds
+    while traced (a mask: each rank attends its rows of it)."""
+    assert_ranks_train_like_one_process(run_ranks(workers.sgd_parity, 2, "llama", 2))
+
+
+def test_a_sequence_that_does_not_split_is_refused_on_every_rank():
+    for message in run_ranks(workers.refuses_uneven_sequence, 2):
+        assert "context_parallel=2 splits the sequence into 4 chunks" in message, message
+        assert "15 tokens" in message and "pad_to_multiple_of=4" in message, message
+
+
+def test_context_parallel_options_are_checked():
+    with pytest.raises(ConfigError, match="positive integer"):
+        TensorParallelOptions.from_pas_config({"context_parallel": 0})
+    with pytest.raises(ConfigError, match="leave sequence_parallel"):
+        TensorParallelOptions.from_pas_config({"context_parallel": 2, "sequence_parallel": True})
+    with pytest.raises(ConfigError, match="set plan_ngpus=2"):
+        TensorParallelOptions.from_pas_config({"context_parallel": 2}).check_unit(4)
+    assert dynshard.Config(policy="tp", plan_ngpus=2, pas_config={"context_parallel": 2}).pas_config == {
+        "context_parallel": 2}

@@ -1,0 +1,103 @@
+"""What each rank runs in tests/test_context_parallel.py: the sequence split over a unit's ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import dynshard
+from models import GPT, GPTConfig, LlamaLM, gpt_batch
+
+
+def _model(name: str, cfg: GPTConfig) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return LlamaLM(cfg) if name == "llama" else GPT(cfg)
+
+
+def _padded_batch(cfg: GPTConfig, batch: int, step: int):
+    """Token ids and targets, the targets' tails padded (-100) by a different length on each row."""
+    idx, targets = gpt_batch(cfg, batch, step)
+    for row in range(batch):
+        targets[row, cfg.seq - (3 * row + step) % cfg.seq:] = -100
+    return idx, targets
+
+
+def sgd_parity(rank: int, world: int, name: str, context_parallel: int, steps: int = 3, batch: int = 2,
+               options: dict | None = None) -> dict:
+    """Train with the sequence split over ``context_parallel`` ranks per unit (units: data parallel) and, on
+    the same global batch, one process; SGD with momentum, targets padded."""
+    cfg = GPTConfig()
+    model = _model(name, cfg)
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy="tp", plan_ngpus=context_parallel, compiler="aot_eager",
+        pas_config={"context_parallel": context_parallel}, **(options or {})))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    dp_rank, dp_size = dynshard.data_parallel_rank(context_parallel)
+    losses, ref_losses = [], []
+    for step in range(steps):
+        idx, targets = _padded_batch(cfg, batch * dp_size, step)
+        rows = slice(dp_rank * batch, (dp_rank + 1) * batch)
+        loss = compiled(idx[rows], targets[rows])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+        # the units' mean of their losses: each unit's batch has its own count of targets, so the reference
+        # averages the units' means as data parallelism does
+        ref_loss = sum(reference(idx[u * batch:(u + 1) * batch], targets[u * batch:(u + 1) * batch])
+                       for u in range(dp_size)) / dp_size
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss.item())
+    report = dynshard.explain(compiled)
+    return {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
+            "ref_params": {k: v.detach() for k, v in reference.state_dict().items()},
+            "collectives": [(c.phase, c.kind, c.group) for c in report.collectives()], "explain": str(report)}
+
+
+def refuses_uneven_sequence(rank: int, world: int) -> str:
+    """A sequence of 15 tokens under context_parallel=2 (causal: 4 chunks): the error every rank raises."""
+    cfg = GPTConfig(seq=15)
+    compiled = torch.compile(_model("gpt", cfg), backend="dynshard", options=dynshard.Config(
+        policy="tp", plan_ngpus=2, compiler="aot_eager", pas_config={"context_parallel": 2}))
+    idx, targets = gpt_batch(cfg, 2, 0)
+    try:
+        compiled(idx, targets)
+    except Exception as error:      # (Dynamo wraps the backend's error)
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def attention_exact(rank: int, world: int) -> dict:
+    """The split attention against one process's, in float64: outputs and the gradients of q, k and v of this
+    rank's tokens, causal and bidirectional, with grouped-query heads (largest absolute difference)."""
+    import torch.nn.functional as F
+
+    from dynshard.passes.context_parallel_attention import _SequenceGather, attend
+
+    dist.init_process_group("gloo")
+    group = dist.distributed_c10d._get_default_group().group_name
+    found = {}
+    for causal in (True, False):
+        torch.manual_seed(0)
+        q = torch.randn(2, 4, 16, 8, dtype=torch.float64, requires_grad=True)
+        k, v = (torch.randn(2, 2, 16, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+        whole = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+        grad = torch.randn_like(whole)
+        whole.backward(grad)
+        mine = slice(rank * 16 // world, (rank + 1) * 16 // world)
+        local = [t.detach()[:, :, mine].clone().requires_grad_() for t in (q, k, v)]
+        keys, values = (_SequenceGather.apply(t, world, group) for t in local[1:])
+        out = attend(local[0], keys, values, is_causal=causal, scale=None, ranks=world, rank=rank, group_name=group)
+        out.backward(grad[:, :, mine])
+        found[causal] = max((a - b).abs().max().item() for a, b in (
+            (out, whole[:, :, mine]), (local[0].grad, q.grad[:, :, mine]), (local[1].grad, k.grad[:, :, mine]),
+            (local[2].grad, v.grad[:, :, mine])))
+    return found
