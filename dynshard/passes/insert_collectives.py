@@ -298,7 +298,8 @@ def _rewrite_nodes(graph: fx.Graph, layout: Layout, propagation, constraints: di
         source = node.args[0] if node.args else None
         if node.target is RESHAPE and isinstance(source, fx.Node) and \
                 any(p != Replicate() for p in propagation.placements.get(source.name, ())):
-            node.target = as_view(node.target, source.meta.get("val"), node.args[1])
+            shape = fx.node.map_arg(node.args[1], lambda size: size.meta.get("val"))
+            node.target = as_view(node.target, source.meta.get("val"), shape)
         if node.target in ATTENTION_OPS and sequence_split_dims(propagation.placements.get(node.args[0].name, ())):
             _only_output_read(node)
             node.target = _named(attention_fn(layout, node.target), "context_parallel_attention")

@@ -47,6 +47,6 @@ def as_view(target, value, shape):
         return target
     try:        # (on the global shape and strides; a DTensor's own view would dispatch to DTensor)
         torch.empty_strided(value.shape, value.stride(), device="meta").view(shape)
-    except (RuntimeError, ValueError):
+    except (RuntimeError, ValueError, TypeError):     # (TypeError: a symbolic size not bound here)
         return target
     return aten.view.default
