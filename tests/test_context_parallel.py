@@ -50,6 +50,36 @@ def test_transformers_llama_with_the_sequence_split_trains_like_one_process():
     assert_ranks_train_like_one_process(run_ranks(workers.sgd_parity, 2, "llama", 2))
 
 
+def test_the_sequence_split_composes_with_zero3_across_two_units():
+    """Two units of two ranks: each unit splits its own batch's sequence, ZeRO-3 shards the parameters over the
+    units (gathered before use, gradients reduce-scattered): the units' mean loss of one process."""
+    results = run_ranks(workers.sgd_parity, 4, "gpt", 2, 3, 2, {"use_zero": 3})
+    assert_ranks_train_like_one_process(results)
+    groups = {(kind, group) for _, kind, group in results[0]["collectives"]}
+    assert {("all_gather", "dp"), ("reduce_scatter", "dp"), ("all_gather", "tp")} <= groups, groups
+
+
+def test_autodist_chooses_the_sequence_split_where_it_is_the_fastest_plan_that_fits_and_it_trains_like_one_process():
+    """A long sequence, one row per unit: autodist prices context parallelism beside tp's plans; given a memory
+    limit under which a context-parallel plan is the fastest that fits, it chooses that plan, which trains
+    like one process."""
+    seq = 1024
+    (candidates,) = run_ranks(workers.autodist_candidates, 1, seq)
+    by_peak = sorted(candidates, key=lambda c: c[2])
+    assert any(name.startswith("context parallel") for name, _, _ in candidates), candidates
+    for i, (name, _, peak) in enumerate(by_peak[:-1]):
+        fastest = min(by_peak[:i + 1], key=lambda c: c[1])[0]
+        if fastest.startswith("context parallel") and by_peak[i + 1][2] > peak:
+            limit_gb = (peak + by_peak[i + 1][2]) / 2 / 1024 ** 3
+            break
+    else:
+        raise AssertionError(f"no memory limit makes a context-parallel plan the fastest that fits: {by_peak}")
+    results = run_ranks(workers.sgd_parity, 2, "gpt", 2, 3, 1,
+                        {"policy": "autodist", "pas_config": {"mem_constraint": limit_gb}}, seq)
+    assert results[0]["chosen"] == [fastest], (results[0]["chosen"], fastest)
+    assert_ranks_train_like_one_process(results)
+
+
 def test_a_sequence_that_does_not_split_is_refused_on_every_rank():
     for message in run_ranks(workers.refuses_uneven_sequence, 2):
         assert "context_parallel=2 splits the sequence into 4 chunks" in message, message

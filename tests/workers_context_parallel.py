@@ -25,15 +25,16 @@ def _padded_batch(cfg: GPTConfig, batch: int, step: int):
 
 
 def sgd_parity(rank: int, world: int, name: str, context_parallel: int, steps: int = 3, batch: int = 2,
-               options: dict | None = None) -> dict:
-    """Train with the sequence split over ``context_parallel`` ranks per unit (units: data parallel) and, on
-    the same global batch, one process; SGD with momentum, targets padded."""
-    cfg = GPTConfig()
+               options: dict | None = None, seq: int = GPTConfig.seq) -> dict:
+    """Train with the sequence split over ``context_parallel`` ranks per unit (units: data parallel; ``options``
+    added to the config or replacing its entries) and, on the same global batch, one process; SGD with
+    momentum, targets padded."""
+    cfg = GPTConfig(seq=seq)
     model = _model(name, cfg)
     reference = copy.deepcopy(model)
-    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
-        policy="tp", plan_ngpus=context_parallel, compiler="aot_eager",
-        pas_config={"context_parallel": context_parallel}, **(options or {})))
+    settings = dict(policy="tp", plan_ngpus=context_parallel, compiler="aot_eager",
+                    pas_config={"context_parallel": context_parallel})
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(**{**settings, **(options or {})}))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
     dp_rank, dp_size = dynshard.data_parallel_rank(context_parallel)
@@ -57,7 +58,9 @@ def sgd_parity(rank: int, world: int, name: str, context_parallel: int, steps: i
         ref_opt.zero_grad()
         ref_losses.append(ref_loss.item())
     report = dynshard.explain(compiled)
-    return {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
+    chosen = [p.plan.predicted.autodist.chosen for p in report.programs
+              if p.plan is not None and p.plan.predicted.autodist is not None]
+    return {"losses": losses, "chosen": chosen, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
             "ref_params": {k: v.detach() for k, v in reference.state_dict().items()},
             "collectives": [(c.phase, c.kind, c.group) for c in report.collectives()], "explain": str(report)}
 
@@ -101,3 +104,12 @@ def attention_exact(rank: int, world: int) -> dict:
             (out, whole[:, :, mine]), (local[0].grad, q.grad[:, :, mine]), (local[1].grad, k.grad[:, :, mine]),
             (local[2].grad, v.grad[:, :, mine])))
     return found
+
+
+def autodist_candidates(rank: int, world: int, seq: int) -> list[tuple[str, float, int]]:
+    """autodist's priced candidates (name, step seconds, peak bytes) for a GPT of ``seq`` tokens, one row per
+    unit of two ranks, planned offline as the training job plans it."""
+    cfg = GPTConfig(seq=seq)
+    plan, = dynshard.plan(_model("gpt", cfg), gpt_batch(cfg, 1, 0), dynshard.Config(
+        policy="autodist", plan_ngpus=2, compiler="aot_eager"), world_size=2)
+    return [(c.plan, c.step_seconds, c.peak_bytes) for c in plan.predicted.autodist.candidates]

@@ -72,7 +72,13 @@ def placements(config: Config) -> list[Placement]:
     ``max_partition_degree`` below it they are costed, for the pipelines' stages, but not candidates)."""
     if config.plan_ngpus == 1:
         return [Placement("dp", "dp")]
-    return [Placement("tp", "tp"), SEQUENCE_PARALLEL, Placement("data", "data")]
+    return [Placement("tp", "tp"), SEQUENCE_PARALLEL, Placement("data", "data"), context_parallel(config.plan_ngpus)]
+
+
+def context_parallel(ranks: int) -> Placement:
+    """The sequence split over the unit's ranks (the tp policy's ``context_parallel``): a candidate where the
+    graph's sequence divides as it needs (else its policy refuses it, and it is not one)."""
+    return Placement("context parallel", "tp", (("context_parallel", ranks),))
 
 
 def tp_variants(tp: Plan) -> list[Placement]:

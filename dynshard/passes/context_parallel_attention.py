@@ -41,6 +41,8 @@ from .propagation import Collective
 
 _aten = torch.ops.aten
 SEQUENCE_DIM = 2        # of (batch, heads, sequence, head_dim)
+_FLASH_CPU = _aten._scaled_dot_product_flash_attention_for_cpu.default
+_FLASH_CPU_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 ATTENTION_OPS = (_aten._scaled_dot_product_flash_attention_for_cpu.default,
                  _aten._scaled_dot_product_flash_attention.default,
                  _aten._scaled_dot_product_efficient_attention.default)
@@ -181,11 +183,18 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_ca
     outputs = []
     for i, j in enumerate(chunks.computed):
         q = queries.narrow(SEQUENCE_DIM, i * chunk, chunk)
-        keys = (j + 1) * chunk
-        mask = torch.ones(chunk, keys, dtype=torch.bool, device=query.device).tril(diagonal=j * chunk)
-        outputs.append(F.scaled_dot_product_attention(q, key.narrow(SEQUENCE_DIM, 0, keys),
-                                                      value.narrow(SEQUENCE_DIM, 0, keys), attn_mask=mask,
-                                                      scale=scale))
+        own_key, own_value = (t.narrow(SEQUENCE_DIM, j * chunk, chunk) for t in (key, value))
+        if j == 0:
+            outputs.append(F.scaled_dot_product_attention(q, own_key, own_value, is_causal=True, scale=scale))
+        elif query.device.type == "cpu":
+            earlier_key, earlier_value = (t.narrow(SEQUENCE_DIM, 0, j * chunk) for t in (key, value))
+            outputs.append(_EarlierAndOwnChunk.apply(q, earlier_key, earlier_value, own_key, own_value, scale))
+        else:       # (a mask of the chunk's rows: kept for the backward, chunk x keys elements)
+            keys = (j + 1) * chunk
+            mask = torch.ones(chunk, keys, dtype=torch.bool, device=query.device).tril(diagonal=j * chunk)
+            outputs.append(F.scaled_dot_product_attention(q, key.narrow(SEQUENCE_DIM, 0, keys),
+                                                          value.narrow(SEQUENCE_DIM, 0, keys), attn_mask=mask,
+                                                          scale=scale))
     back = _Exchange.apply(torch.cat(outputs, SEQUENCE_DIM), chunks.received, chunks.sent, group_name)
     return _in_order(back, chunks.sending_order)     # (its own inverse: a permutation of two)
 
@@ -228,6 +237,37 @@ class BalancedChunks:
     @property
     def received(self) -> tuple[int, ...]:
         return tuple(sum(1 for j in (2 * s, 2 * s + 1) if self.worker(j) == self.rank) for s in range(self.ranks))
+
+
+class _EarlierAndOwnChunk(torch.autograd.Function):
+    """A chunk of queries against the keys of the chunks before it (every one visible) and of its own chunk
+    (causal), as one softmax, with no mask: two flash attentions, their outputs merged by their log-sum-exps
+    in fp32. The backward runs each part's flash backward against the merged output and log-sum-exp, which
+    makes each part's gradient the whole softmax's (ring attention's rule). A mask of the chunk's rows instead
+    would be kept for the backward: chunk x keys floats a chunk, more than the rank's activations at long
+    sequences."""
+
+    @staticmethod
+    def forward(ctx, query, earlier_key, earlier_value, own_key, own_value, scale):
+        earlier, earlier_lse = _FLASH_CPU(query, earlier_key, earlier_value, 0.0, False, scale=scale)
+        own, own_lse = _FLASH_CPU(query, own_key, own_value, 0.0, True, scale=scale)
+        lse = torch.logaddexp(earlier_lse, own_lse)
+        merged = torch.promote_types(query.dtype, torch.float32)       # (fp32 at least)
+        out = (earlier.to(merged) * (earlier_lse - lse).exp().unsqueeze(-1).to(merged) +
+               own.to(merged) * (own_lse - lse).exp().unsqueeze(-1).to(merged)).to(query.dtype)
+        ctx.save_for_backward(query, earlier_key, earlier_value, own_key, own_value, out, lse)
+        ctx.scale = scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        query, earlier_key, earlier_value, own_key, own_value, out, lse = ctx.saved_tensors
+        grad = grad.contiguous()
+        dq_earlier, d_earlier_key, d_earlier_value = _FLASH_CPU_BACKWARD(
+            grad, query, earlier_key, earlier_value, out, lse, 0.0, False, scale=ctx.scale)
+        dq_own, d_own_key, d_own_value = _FLASH_CPU_BACKWARD(grad, query, own_key, own_value, out, lse, 0.0, True,
+                                                             scale=ctx.scale)
+        return dq_earlier + dq_own, d_earlier_key, d_earlier_value, d_own_key, d_own_value, None
 
 
 class _SequenceGather(torch.autograd.Function):
