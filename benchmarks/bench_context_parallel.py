@@ -107,6 +107,9 @@ def build(system: str, model: torch.nn.Module, args):
     options = {"dp": dict(policy="dp"), "tp": dict(policy="tp", plan_ngpus=2),
                "cp": dict(policy="tp", plan_ngpus=2, pas_config={"context_parallel": 2})}[system]
     compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(compiler=args.compiler, **options))
+    if system == "dp" and args.batch % world:
+        raise ValueError(f"dp splits the batch's rows over the ranks: a global batch of {args.batch} rows does not "
+                         f"split over {world} ranks (the case context parallelism is for)")
     rows = args.batch // world if system == "dp" else args.batch
     return compiled, slice(rank * rows, (rank + 1) * rows) if system == "dp" else slice(None)
 

@@ -31,6 +31,7 @@ from ..compat import pytree
 from .cost_model import InstanceCosts, UnitCosts
 from .device_profile import DeviceProfile
 from .fused_traffic import aliases_input, fused_traffic
+from ..passes.context_parallel_attention import ATTENTION_OPS
 from ..passes.tag_recompute import is_rng
 from ..planning.node_keys import module_paths
 
@@ -125,20 +126,21 @@ def graph_costs(gm: fx.GraphModule, inputs, ops: list[OpCost], tp: int, propagat
     flops = flop_seconds([(op, split[op.name]) for op in ops], profile)
     backward_extra = flop_seconds([(op, split[op.name]) for op in ops], profile, backward_extra=True)
     moved = sum(op.bytes * split[op.name] for op in ops if not op.flops)     # (a roofline per op: see above)
-    saved = sum(op.saved_bytes * written[op.name] for op in ops)
+    nodes = {n.name: n for n in gm.graph.nodes}
+    saved = sum(op.saved_bytes * written[op.name] for op in ops) + _gathered_for_backward(nodes, tp, propagation)
     outputs = tuple(op.out_bytes * written[op.name] for op in ops)
     recompute, blocks_of = blocks or repeated_blocks(gm)
     instances = []
     if recompute is not None:
         by_op = {op.name: op for op in ops}
-        nodes = {n.name: n for n in gm.graph.nodes}
         for path, names in blocks_of.items():
             inside = [by_op[n] for n in names if n in by_op]
             again, kept = _recomputed(names, by_op, nodes, propagation)
             entry = _entry_bytes(nodes, names, tp, propagation)
+            gathered = _gathered_for_backward(nodes, tp, propagation, set(names))
             instances.append(InstanceCosts(
-                path, sum(op.saved_bytes * written[op.name] for op in inside),
-                entry + sum(_kept_bytes(by_op[n], tp, propagation) for n in kept),
+                path, sum(op.saved_bytes * written[op.name] for op in inside) + gathered,
+                entry + gathered + sum(_kept_bytes(by_op[n], tp, propagation) for n in kept),
                 flop_seconds([(by_op[n], split[n]) for n in again], profile),
                 sum(by_op[n].bytes * split[n] for n in again if not by_op[n].flops), entry,
                 sum(by_op[n].kernels for n in again)))
@@ -198,6 +200,18 @@ def _split(name: str, tp: int, propagation) -> float:
 def _written(name: str, tp: int, propagation) -> float:
     """The share of an op's output one rank holds."""
     return 1 / tp if any(isinstance(p, Shard) for p in _placements(name, propagation)) else 1.0
+
+
+def _gathered_for_backward(nodes: dict[str, fx.Node], tp: int, propagation, names: set[str] | None = None
+                           ) -> float:
+    """What attention over a split sequence keeps beyond a rank's share of its inputs (context parallelism):
+    the keys and values it gathers, whole, saved for its backward and kept by a recompute too (a collective's
+    output is never recomputed). Of the ops ``names`` (default: every op)."""
+    if propagation is None or tp == 1:
+        return 0.0
+    return sum(c.bytes * (1 - 1 / tp) for c in propagation.collectives
+               if c.kind == "all_gather" and c.mirrored and (names is None or c.node in names)
+               and c.node in nodes and nodes[c.node].target in ATTENTION_OPS)
 
 
 def _recomputed(names: list[str], by_op: dict[str, OpCost], nodes: dict[str, fx.Node], propagation
