@@ -1,0 +1,54 @@
+"""What each rank runs in tests/test_mixed_precision.py."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import dynshard
+from models import GPTConfig, LlamaLM, gpt_batch
+
+
+def bf16_llama_against_fsdp2_semantics(rank: int, world: int, policy: str, plan_ngpus: int, steps: int = 3) -> dict:
+    """transformers' Llama under ``mixed_precision={"param_dtype": "bfloat16"}`` against one process that does
+    what FSDP2's MixedPrecisionPolicy does: each step the fp32 master weights copied into a bf16 model, its
+    forward and backward in bf16, the gradients back in fp32, SGD with momentum on the masters."""
+    cfg = GPTConfig()
+    torch.manual_seed(0)
+    model = LlamaLM(cfg)
+    master = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy=policy, plan_ngpus=plan_ngpus, compiler="aot_eager", mixed_precision={"param_dtype": "bfloat16"}))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(master.parameters(), lr=0.1, momentum=0.9)
+    dp_rank, dp_size = dynshard.data_parallel_rank(plan_ngpus)
+    batch = 2
+    losses, ref_losses = [], []
+    for step in range(steps):
+        idx, targets = gpt_batch(cfg, batch * dp_size, step)
+        rows = slice(dp_rank * batch, (dp_rank + 1) * batch)
+        loss = compiled(idx[rows], targets[rows])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().float().clone()
+        dist.all_reduce(mean)
+        losses.append(mean.item() / world)
+        low = copy.deepcopy(master).to(torch.bfloat16)
+        ref_loss = sum(low(idx[u * batch:(u + 1) * batch], targets[u * batch:(u + 1) * batch])
+                       for u in range(dp_size)) / dp_size
+        ref_loss.backward()
+        for p, q in zip(master.parameters(), low.parameters()):
+            p.grad = q.grad.float()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        ref_losses.append(ref_loss.float().item())
+    params = dynshard.collect_state_dict(compiled)
+    torch.manual_seed(0)
+    start = {k: v.detach() for k, v in LlamaLM(cfg).state_dict().items()}
+    ref = {k: v.detach() for k, v in master.state_dict().items()}
+    updates = {k: ((params[k] - ref[k]).norm() / (ref[k] - start[k]).norm().clamp_min(1e-12)).item()
+               for k in ref if (ref[k] - start[k]).norm() > 0}
+    return {"losses": losses, "ref_losses": ref_losses, "updates": updates}
