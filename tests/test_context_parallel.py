@@ -44,6 +44,12 @@ def test_gpt_with_the_sequence_split_over_two_ranks_trains_like_one_process():
             ("backward", "all_to_all"), ("backward", "all_reduce")} <= kinds
 
 
+@pytest.mark.parametrize("name", ["gpt", "llama"])
+def test_the_sequence_split_trains_like_one_process_under_inductor(name):
+    """The compiler users run: the split attention's collectives and flash kernels inside Inductor's program."""
+    assert_ranks_train_like_one_process(run_ranks(workers.sgd_parity, 2, name, 2, 3, 2, {"compiler": "inductor"}))
+
+
 def test_transformers_llama_with_the_sequence_split_trains_like_one_process():
     """Rotary positions, grouped-query heads, and transformers' sdpa attention with the causal mask it builds
     while traced (a mask: each rank attends its rows of it)."""
