@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import dynshard
 from models import GPT, GPTConfig, LlamaLM, gpt_batch
+from training import one_process_step, train_beside_one_process
 
 
 def _model(name: str, cfg: GPTConfig) -> torch.nn.Module:
@@ -37,26 +38,10 @@ def sgd_parity(rank: int, world: int, name: str, context_parallel: int, steps: i
     compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(**{**settings, **(options or {})}))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    dp_rank, dp_size = dynshard.data_parallel_rank(context_parallel)
-    losses, ref_losses = [], []
-    for step in range(steps):
-        idx, targets = _padded_batch(cfg, batch * dp_size, step)
-        rows = slice(dp_rank * batch, (dp_rank + 1) * batch)
-        loss = compiled(idx[rows], targets[rows])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
-        # the units' mean of their losses: each unit's batch has its own count of targets, so the reference
-        # averages the units' means as data parallelism does
-        ref_loss = sum(reference(idx[u * batch:(u + 1) * batch], targets[u * batch:(u + 1) * batch])
-                       for u in range(dp_size)) / dp_size
-        ref_loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        ref_losses.append(ref_loss.item())
+    units = world // context_parallel
+    losses, ref_losses = train_beside_one_process(
+        compiled, opt, one_process_step(reference, ref_opt),
+        (_padded_batch(cfg, batch * units, step) for step in range(steps)), context_parallel)
     report = dynshard.explain(compiled)
     chosen = [p.plan.predicted.autodist.chosen for p in report.programs
               if p.plan is not None and p.plan.predicted.autodist is not None]

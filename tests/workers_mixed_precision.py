@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 
 import dynshard
 from models import GPTConfig, LlamaLM, gpt_batch
+from training import train_beside_one_process
 
 
 def bf16_llama_against_fsdp2_semantics(rank: int, world: int, policy: str, plan_ngpus: int, steps: int = 3) -> dict:
@@ -23,28 +23,20 @@ def bf16_llama_against_fsdp2_semantics(rank: int, world: int, policy: str, plan_
         policy=policy, plan_ngpus=plan_ngpus, compiler="aot_eager", mixed_precision={"param_dtype": "bfloat16"}))
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(master.parameters(), lr=0.1, momentum=0.9)
-    dp_rank, dp_size = dynshard.data_parallel_rank(plan_ngpus)
-    batch = 2
-    losses, ref_losses = [], []
-    for step in range(steps):
-        idx, targets = gpt_batch(cfg, batch * dp_size, step)
-        rows = slice(dp_rank * batch, (dp_rank + 1) * batch)
-        loss = compiled(idx[rows], targets[rows])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().float().clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
+
+    def fsdp2_step(units) -> float:
         low = copy.deepcopy(master).to(torch.bfloat16)
-        ref_loss = sum(low(idx[u * batch:(u + 1) * batch], targets[u * batch:(u + 1) * batch])
-                       for u in range(dp_size)) / dp_size
-        ref_loss.backward()
+        loss = sum(low(*rows) for rows in units) / len(units)
+        loss.backward()
         for p, q in zip(master.parameters(), low.parameters()):
             p.grad = q.grad.float()
         ref_opt.step()
         ref_opt.zero_grad()
-        ref_losses.append(ref_loss.float().item())
+        return loss.float().item()
+
+    units = world // plan_ngpus
+    losses, ref_losses = train_beside_one_process(
+        compiled, opt, fsdp2_step, (gpt_batch(cfg, 2 * units, step) for step in range(steps)), plan_ngpus)
     params = dynshard.collect_state_dict(compiled)
     torch.manual_seed(0)
     start = {k: v.detach() for k, v in LlamaLM(cfg).state_dict().items()}

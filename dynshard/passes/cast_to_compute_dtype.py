@@ -87,11 +87,7 @@ def _match_operand_dtypes(gm: fx.GraphModule, ctx: PassContext, dtype: torch.dty
                             self.env[cast] = value.to(dtype)
             return super().run_node(node)
 
-    device_of = (lambda inp: inp.device) if ctx.config.trace_strategy == "fake" else (lambda inp: torch.device("meta"))
-    with ctx.fake_mode:
-        fakes = [inp.value if inp.kind == "size" else torch.empty_strided(
-            inp.shape, inp.stride, dtype=inp.dtype, device=device_of(inp)).requires_grad_(inp.requires_grad)
-            for inp in ctx.inputs]
+    fakes = ctx.fake_inputs()
     symbolic = any(inp.kind == "size" for inp in ctx.inputs)
     with compat.isolated_tracing(ctx.fake_mode), ctx.fake_mode, compat.on_symbols(symbolic):
         Matching(gm).run(*fakes)

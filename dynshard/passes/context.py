@@ -73,6 +73,15 @@ class PassContext:
         return any(isinstance(inp.value, torch.SymInt) or any(isinstance(s, torch.SymInt) for s in inp.shape)
                    for inp in self.inputs if inp.is_symbolic)
 
+    def fake_inputs(self) -> list:
+        """The graph's inputs as FakeTensors of their global shapes in ``fake_mode`` (symbolic sizes as the
+        values this program is for), on their devices, or on meta under ``trace_strategy="meta"``."""
+        meta = self.config.trace_strategy != "fake"
+        with self.fake_mode:
+            return [inp.value if inp.kind == "size" else torch.empty_strided(
+                inp.shape, inp.stride, dtype=inp.dtype, device=torch.device("meta") if meta else inp.device
+            ).requires_grad_(inp.requires_grad) for inp in self.inputs]
+
     @property
     def mixed_precision(self):
         """The outline's mixed precision as torch's ``MixedPrecisionPolicy`` (None: none)."""

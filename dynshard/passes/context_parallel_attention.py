@@ -43,7 +43,7 @@ _aten = torch.ops.aten
 SEQUENCE_DIM = 2        # of (batch, heads, sequence, head_dim)
 _FLASH_CPU = _aten._scaled_dot_product_flash_attention_for_cpu.default
 _FLASH_CPU_BACKWARD = _aten._scaled_dot_product_flash_attention_for_cpu_backward.default
-ATTENTION_OPS = (_aten._scaled_dot_product_flash_attention_for_cpu.default,
+ATTENTION_OPS = (_FLASH_CPU,
                  _aten._scaled_dot_product_flash_attention.default,
                  _aten._scaled_dot_product_efficient_attention.default)
 

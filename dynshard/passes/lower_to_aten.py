@@ -38,16 +38,8 @@ def splits_sequence(config) -> bool:
 
 def lower(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     """The ATen graph of ``gm`` on FakeTensors of its inputs' global shapes."""
-    device_of = (lambda inp: inp.device) if ctx.config.trace_strategy == "fake" else (lambda inp: torch.device("meta"))
-    with ctx.fake_mode:
-        fakes = []
-        for inp in ctx.inputs:
-            if inp.kind == "size":      # a symbolic size, at the size this program is for
-                fakes.append(inp.value)
-                continue
-            fake = torch.empty_strided(inp.shape, inp.stride, dtype=inp.dtype, device=device_of(inp))
-            fakes.append(fake.requires_grad_(inp.requires_grad))
-    aten_gm = compat.trace_to_aten(gm, fakes, ctx.fake_mode, sharding_decompositions(splits_sequence(ctx.config)))
+    decompositions = sharding_decompositions(splits_sequence(ctx.config))
+    aten_gm = compat.trace_to_aten(gm, ctx.fake_inputs(), ctx.fake_mode, decompositions)
     ctx.draws_random = any(is_rng(node) for node in aten_gm.graph.nodes)
     return _drop_legacy_empty_cat_inputs(_split_addmm(_views_to_reshapes(aten_gm)))
 
