@@ -23,6 +23,26 @@ def plan_for(model, inputs, **options):
     return plans[0]
 
 
+def logged_pass_graphs(model, inputs, **options) -> list[str]:
+    """The graphs ``plan_for(model, inputs, **options)`` logs after each pass (``TORCH_LOGS=+dynshard.passes``),
+    as ``"graph after <pass>:\n<graph>"``, in order."""
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger("dynshard.passes")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        plan_for(model, inputs, **options)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return records
+
+
 def restart_fake_world() -> None:
     """This process as after a restart: a new process group of the same size, so a new dynshard job (the
     plans it keeps in memory gone)."""

@@ -17,7 +17,7 @@ import dynshard
 from dynshard.backend.capture import fqn_from_source
 from dynshard.explain import format_plan
 from models import GPT, MLP, GPT2StyleBlock, GPTConfig, LayerStack, gpt_batch, mlp_batch
-from plans import plan_for, restart_fake_world
+from plans import logged_pass_graphs, plan_for, restart_fake_world
 
 
 class TestPlans(expecttest.TestCase):
@@ -458,24 +458,11 @@ def test_tp_splits_query_heads_of_multi_query_attention_and_keeps_key_value_whol
 
 def test_the_passes_run_in_four_phases_and_the_graph_after_each_is_logged_when_asked(fake_world):
     """``TORCH_LOGS=+dynshard.passes`` switches the ``dynshard.passes`` logger to DEBUG: each pass's graph."""
-    import logging
-
     from dynshard import passes
 
     assert list(passes.PHASES) == ["lower", "place", "propagate", "rewrite"]
     assert passes.PLACE == [passes.assign_placements] and passes.PROPAGATE == [passes.propagate_sharding]
-    records: list[str] = []
-    handler = logging.Handler(logging.DEBUG)
-    handler.emit = lambda record: records.append(record.getMessage())
-    logger = logging.getLogger("dynshard.passes")
-    level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG)
-    try:
-        plan_for(MLP(), mlp_batch(4, 0), policy="tp", plan_ngpus=2)
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(level)
+    records = logged_pass_graphs(MLP(), mlp_batch(4, 0), policy="tp", plan_ngpus=2)
     ran = [message.split(":")[0].removeprefix("graph after ") for message in records]
     assert ran == [p.__name__ for phase in passes.PHASES.values() for p in phase], ran
     rewritten = records[ran.index("insert_collectives")]

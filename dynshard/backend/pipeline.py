@@ -12,7 +12,7 @@ import torch.fx as fx
 from .. import compat
 from ..config import Config
 from ..config.planner import Planner, planner
-from ..passes import PassContext, cast_to_compute_dtype, copy_graph, run_passes
+from ..passes import PassContext, cast_to_compute_dtype, copy_graph, recognize_causal_masks, run_passes
 from ..passes.cut_stages import assign_stages, split_stages
 from ..passes.lower_to_aten import draws_random
 from ..planning import Plan, PlanFileError, TensorChoice
@@ -35,6 +35,7 @@ log = logging.getLogger("dynshard")
 
 # a pipeline's phases: lower (what the whole graph needs before it is cut) and cut (-> a graph per stage)
 PIPELINE_LOWER = [
+    recognize_causal_masks,  # before the cut: a mask made in one stage and read in the next is a boundary value
     cast_to_compute_dtype,  # mixed precision: parameters (and inputs) enter in param_dtype
 ]
 PIPELINE_CUT = [
