@@ -252,6 +252,17 @@ def dtensor_redistributions(op, args: tuple, kwargs: dict):
     return list(zip(info.schema.args_spec, sharding.redistribute_schema.args_spec))
 
 
+def forget_sharding_answers() -> None:
+    """Empty DTensor's cache of sharding answers. Its key compares meshes by their ranks and names, not their
+    process groups, so after a job ends (its meshes dropped, new ones made for the same ranks) a cached answer
+    would hand back specs on the old mesh, whose groups are gone ("Group ... is not registered" at a
+    vocabulary-parallel loss's masked partial)."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+
+
 def _holds_symbols(schema) -> bool:
     specs = schema.args_spec
     return any(isinstance(size, torch.SymInt) for spec in specs for size in spec.shape) or any(

@@ -32,7 +32,11 @@ def _group_ranked_by_coordinate(mesh, mesh_dim: int) -> str | None:
     except RuntimeError:        # a mesh without process groups (``_init_backend=False``)
         return None
     coordinate = mesh.get_coordinate()
-    if coordinate is None or torch.distributed.get_rank(group) != coordinate[mesh_dim]:
+    try:
+        rank = torch.distributed.get_rank(group)
+    except ValueError:          # a group no longer registered (a mesh of an earlier job, or a planning mesh)
+        return None
+    if coordinate is None or rank != coordinate[mesh_dim]:
         return None
     return group.group_name
 

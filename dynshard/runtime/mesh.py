@@ -108,6 +108,10 @@ class _JobMeshes:
         self.layouts: dict[tuple[int, str, int, int], Layout] = {}
         self.group_names: dict[str, str] = {}      # process groups created after the mesh (ZeRO groups) -> dim
 
+    def end_job(self) -> None:
+        if self.layouts:        # (DTensor's cached answers hold specs on these meshes)
+            compat.forget_sharding_answers()
+
 
 def register_group_name(group_name: str, dim: str) -> None:
     """Report collectives on ``group_name`` under ``dim`` (explain, tests)."""
