@@ -107,6 +107,11 @@ SLOW = {
     "test_transformers_tp.py::test_t5_step_sends_megatron_collectives[t5]",                                  # 23
     "test_context_parallel.py::test_the_sequence_split_trains_like_one_process_under_inductor[gpt]",         # 60
     "test_context_parallel.py::test_the_sequence_split_trains_like_one_process_under_inductor[llama]",       # 60
+    # moved 2026-12-04 (second session): Llama with eager attention, the trainer and after-training tests (Llama's
+    # sdpa attention) stay by default
+    "test_context_parallel.py::test_transformers_models_with_the_sequence_split_train_like_one_process[qwen3]",
+    "test_context_parallel.py::test_transformers_models_with_the_sequence_split_train_like_one_process[gpt2]",
+    "test_context_parallel.py::test_transformers_llama_with_the_sequence_split_trains_like_one_process",
 }
 
 

@@ -130,6 +130,27 @@ class LlamaLM(nn.Module):
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), tgt.reshape(-1))
 
 
+def causal_lm(name: str, vocab: int = 128, **config) -> nn.Module:
+    """A small transformers causal LM, ``model(input_ids=, labels=)``: "gpt2" (learned positions, fused
+    ``c_attn``), "qwen3" (grouped-query heads, q/k norms), "llama" and "llama-eager" (its attention written out
+    as matmuls: ``attn_implementation="eager"``); 2 layers, 4 heads of 8, no dropout, ``use_cache=False``."""
+    import transformers
+
+    torch.manual_seed(0)
+    if name == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=vocab, n_positions=64, n_embd=32, n_layer=2, n_head=4, use_cache=False, attn_pdrop=0.0,
+            resid_pdrop=0.0, embd_pdrop=0.0, **config))
+    if name == "qwen3":
+        return transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=64, use_cache=False, **config))
+    attention = {"llama": "sdpa", "llama-eager": "eager"}[name]
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, use_cache=False, attn_implementation=attention, **config))
+
+
 def gpt_batch(cfg: GPTConfig, batch: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, cfg.vocab, (batch, cfg.seq), generator=g)

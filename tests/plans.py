@@ -25,9 +25,13 @@ def plan_for(model, inputs, **options):
 
 def logged_pass_graphs(model, inputs, **options) -> list[str]:
     """The graphs ``plan_for(model, inputs, **options)`` logs after each pass (``TORCH_LOGS=+dynshard.passes``),
-    as ``"graph after <pass>:\n<graph>"``, in order."""
+    as ``"graph after <pass>:\n<graph>"``, in order; in a new job, so that a plan made before is made again
+    (not served from the job's plans) and its passes run."""
     import logging
 
+    from dynshard.runtime.job import new_job
+
+    new_job()
     records: list[str] = []
     handler = logging.Handler(logging.DEBUG)
     handler.emit = lambda record: records.append(record.getMessage())

@@ -7,7 +7,7 @@ import pytest
 
 import workers_context_parallel as workers
 from distributed import run_ranks
-from parity import assert_ranks_train_like_one_process
+from parity import assert_losses_close, assert_ranks_train_like_one_process, assert_tensors_close
 
 import dynshard
 from dynshard.config import ConfigError
@@ -56,6 +56,15 @@ def test_transformers_llama_with_the_sequence_split_trains_like_one_process():
     assert_ranks_train_like_one_process(run_ranks(workers.sgd_parity, 2, "llama", 2))
 
 
+@pytest.mark.parametrize("name", ["llama-eager", "qwen3", "gpt2"])
+def test_transformers_models_with_the_sequence_split_train_like_one_process(name):
+    """Attention as transformers writes it: Llama's eager attention (matmuls, folded into the attention op),
+    Qwen3 (grouped-query heads, q/k norms), GPT-2 (learned positions, fused c_attn); labels padded."""
+    results = run_ranks(workers.transformers_sgd_parity, 2, name)
+    assert_ranks_train_like_one_process(results)
+    assert ("forward", "all_gather") in results[0]["collectives"], results[0]["collectives"]
+
+
 def test_the_sequence_split_composes_with_zero3_across_two_units():
     """Two units of two ranks: each unit splits its own batch's sequence, ZeRO-3 shards the parameters over the
     units (gathered before use, gradients reduce-scattered): the units' mean loss of one process."""
@@ -84,6 +93,29 @@ def test_autodist_chooses_the_sequence_split_where_it_is_the_fastest_plan_that_f
                         {"policy": "autodist", "pas_config": {"mem_constraint": limit_gb}}, seq)
     assert results[0]["chosen"] == [fastest], (results[0]["chosen"], fastest)
     assert_ranks_train_like_one_process(results)
+
+
+def test_trainer_with_a_padding_collator_trains_like_one_process_with_the_sequence_split():
+    """transformers' Trainer, ``DataCollatorForLanguageModeling(pad_to_multiple_of=4)``: each rank's rows padded
+    to its own longest (a new length nearly every step), labels -100 and the collator's ``attention_mask`` at
+    the padding, the sequence split over two ranks."""
+    from workers_symbolic_shapes import trainer_padding
+
+    options = {"policy": "tp", "compiler": "aot_eager", "pas_config": {"context_parallel": 2}}
+    results = run_ranks(trainer_padding, 2, options, 3, 2, True, 4, timeout=600)
+    assert_ranks_train_like_one_process(results)
+    assert len(set(results[0]["lengths"])) > 1, results[0]["lengths"]
+
+
+def test_a_model_trained_with_the_sequence_split_evaluates_generates_and_saves_like_one_process():
+    """Evaluation at a length that splits and at one that does not (a graph without gradients then runs whole),
+    greedy ``generate``, ``save_pretrained`` read back by ``from_pretrained``."""
+    for found in run_ranks(workers.after_training, 2):
+        for length in (12, 7):
+            got, expected = found[f"eval{length}"]
+            assert_losses_close([got], [expected], f"eval at {length} tokens")
+        assert found["generated"][0] == found["generated"][1], found["generated"]
+        assert_tensors_close(found["pretrained"], found["ref_params"], "from_pretrained")
 
 
 def test_a_sequence_that_does_not_split_is_refused_on_every_rank():

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import dynshard
-from models import GPT, GPTConfig, LlamaLM, gpt_batch
+from models import GPT, GPTConfig, LlamaLM, causal_lm, gpt_batch
 from training import one_process_step, train_beside_one_process
 
 
@@ -48,6 +48,37 @@ def sgd_parity(rank: int, world: int, name: str, context_parallel: int, steps: i
     return {"losses": losses, "chosen": chosen, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
             "ref_params": {k: v.detach() for k, v in reference.state_dict().items()},
             "collectives": [(c.phase, c.kind, c.group) for c in report.collectives()], "explain": str(report)}
+
+
+def _split_beside_one_process(model: torch.nn.Module):
+    """``model`` compiled with its sequence split over two ranks, its copy for one process, an SGD with
+    momentum for each: (compiled, its optimizer, the copy, the copy's optimizer)."""
+    reference = copy.deepcopy(model)
+    compiled = torch.compile(model, backend="dynshard", options=dynshard.Config(
+        policy="tp", plan_ngpus=2, compiler="aot_eager", pas_config={"context_parallel": 2}))
+    return (compiled, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), reference,
+            torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9))
+
+
+def transformers_sgd_parity(rank: int, world: int, name: str, steps: int = 3) -> dict:
+    """A transformers causal LM (tests/models.causal_lm) with the sequence split over the two ranks against one
+    process, SGD with momentum, a row's labels padded (-100) by a different length each step."""
+    compiled, opt, reference, ref_opt = _split_beside_one_process(causal_lm(name))
+    generator = torch.Generator().manual_seed(0)
+    losses, ref_losses = [], []
+    for step in range(steps):
+        ids = torch.randint(0, 128, (2, 16), generator=generator)
+        labels = ids.clone()
+        labels[1, 10 + step:] = -100
+        for net, optimizer, out in ((compiled, opt, losses), (reference, ref_opt, ref_losses)):
+            loss = net(input_ids=ids, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.item())
+    return {"losses": losses, "ref_losses": ref_losses, "params": dynshard.collect_state_dict(compiled),
+            "ref_params": {k: v.detach() for k, v in reference.state_dict().items()},
+            "collectives": sorted({(c.phase, c.kind) for c in dynshard.explain(compiled).collectives()})}
 
 
 def refuses_uneven_sequence(rank: int, world: int) -> str:
@@ -98,3 +129,43 @@ def autodist_candidates(rank: int, world: int, seq: int) -> list[tuple[str, floa
     plan, = dynshard.plan(_model("gpt", cfg), gpt_batch(cfg, 1, 0), dynshard.Config(
         policy="autodist", plan_ngpus=2, compiler="aot_eager"), world_size=2)
     return [(c.plan, c.step_seconds, c.peak_bytes) for c in plan.predicted.autodist.candidates]
+
+
+def after_training(rank: int, world: int) -> dict:
+    """What users do with a model trained with the sequence split: evaluate it (a length that splits, and one
+    that does not), ``generate`` with it, ``save_pretrained`` it and read it back with ``from_pretrained``;
+    each beside the same done to one process trained on the same batches."""
+    import tempfile
+
+    import transformers
+
+    compiled, opt, reference, ref_opt = _split_beside_one_process(causal_lm("llama"))
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        ids = torch.randint(0, 128, (2, 16), generator=generator)
+        for net, optimizer in ((compiled, opt), (reference, ref_opt)):
+            net(input_ids=ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    compiled.eval()
+    reference.eval()
+    ids = torch.randint(0, 128, (2, 12), generator=generator)
+    found = {}
+    with torch.no_grad():
+        for length in (12, 7):      # 12 splits into 4 chunks, 7 does not
+            rows = ids[:, :length]
+            found[f"eval{length}"] = (compiled(input_ids=rows, labels=rows).loss.item(),
+                                      reference(input_ids=rows, labels=rows).loss.item())
+    prompt = ids[:, :5]
+    found["generated"] = (compiled.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
+                                            do_sample=False, pad_token_id=0).tolist(),
+                          reference.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4,
+                                             do_sample=False, pad_token_id=0).tolist())
+    directory = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(directory)
+    compiled.save_pretrained(directory[0])
+    dist.barrier()
+    read = transformers.LlamaForCausalLM.from_pretrained(directory[0]).state_dict()
+    found["pretrained"] = {k: read[k] for k in reference.state_dict()}
+    found["ref_params"] = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    return found

@@ -238,10 +238,11 @@ def _tokenizer(vocab: int):
 
 
 def trainer_padding(rank: int, world: int, options: dict, steps: int, plan_ngpus: int = 1,
-                    dynamic: bool | None = True) -> dict:
+                    dynamic: bool | None = True, pad_to_multiple_of: int | None = None) -> dict:
     """transformers' Trainer, ``DataCollatorForLanguageModeling(mlm=False)``: each rank's rows padded to its
     own longest (labels -100 at the padding), a new length nearly every step; the compiled Llama with
-    ``dynamic=True`` (``dynamic``: None for torch.compile's automatic dynamic shapes). The reference replays every unit's batch in one process with the token count Trainer
+    ``dynamic=True`` (``dynamic``: None for torch.compile's automatic dynamic shapes; ``pad_to_multiple_of``
+    the collator's, as context parallelism asks). The reference replays every unit's batch in one process with the token count Trainer
     passed (``num_items_in_batch``, over all ranks: each unit's tokens ``plan_ngpus`` times), so its gradient
     is the mean over every unit's tokens."""
     import transformers
@@ -269,7 +270,8 @@ def trainer_padding(rank: int, world: int, options: dict, steps: int, plan_ngpus
             return loss
 
     losses: list[float] = []
-    collator = transformers.DataCollatorForLanguageModeling(_tokenizer(128), mlm=False)
+    collator = transformers.DataCollatorForLanguageModeling(_tokenizer(128), mlm=False,
+                                                            pad_to_multiple_of=pad_to_multiple_of)
     Recording(model=compiled, args=args, train_dataset=rows, data_collator=collator, optimizers=(opt, None),
               plan_ngpus=plan_ngpus).train()
 

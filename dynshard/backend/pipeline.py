@@ -12,7 +12,8 @@ import torch.fx as fx
 from .. import compat
 from ..config import Config
 from ..config.planner import Planner, planner
-from ..passes import PassContext, cast_to_compute_dtype, copy_graph, recognize_causal_masks, run_passes
+from ..passes import (PassContext, cast_to_compute_dtype, copy_graph, fold_eager_attention, recognize_causal_masks,
+                      run_passes)
 from ..passes.cut_stages import assign_stages, split_stages
 from ..passes.lower_to_aten import draws_random
 from ..planning import Plan, PlanFileError, TensorChoice
@@ -35,6 +36,7 @@ log = logging.getLogger("dynshard")
 
 # a pipeline's phases: lower (what the whole graph needs before it is cut) and cut (-> a graph per stage)
 PIPELINE_LOWER = [
+    fold_eager_attention,   # (before the masks: an eager attention's mask is then the attention op's)
     recognize_causal_masks,  # before the cut: a mask made in one stage and read in the next is a boundary value
     cast_to_compute_dtype,  # mixed precision: parameters (and inputs) enter in param_dtype
 ]

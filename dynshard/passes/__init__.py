@@ -27,6 +27,8 @@ from .. import compat
 from .assign_placements import assign_placements
 from .cast_to_compute_dtype import cast_to_compute_dtype
 from .causal_masks import recognize_causal_masks
+from .eager_attention import fold_eager_attention
+from .grouped_query_attention import fold_repeated_kv
 from . import cpu_attention  # noqa: F401  (DTensor's strategies and FLOP formulas of CPU attention, at import)
 from .context import PassContext
 from .exact_mean_losses import exact_mean_losses
@@ -50,7 +52,9 @@ def copy_graph(gm: fx.GraphModule) -> fx.GraphModule:
 
 
 LOWER: list[Pass] = [
+    fold_eager_attention,  # softmax(q @ k^T * scale + mask) @ v (transformers' eager attention) -> the attention op
     recognize_causal_masks,  # an attention mask computed from sizes alone that is causal -> is_causal=True
+    fold_repeated_kv,     # repeat_kv(k), repeat_kv(v) into attention without a mask -> enable_gqa=True
     cast_to_compute_dtype,  # mixed precision: parameters (and inputs) enter in param_dtype
     lower_to_aten,        # Dynamo graph -> ATen graph on FakeTensors (global shapes)
     split_fused_projections,  # c_attn(x).split(C) -> one matmul per block of the fused weight
@@ -95,6 +99,7 @@ def _dump(name: str, gm: fx.GraphModule) -> None:
     compat.trace_artifact(f"dynshard_after_{name}", lambda: gm.print_readable(print_output=False))
 
 
-__all__ = ["LOWER", "PLACE", "PROPAGATE", "REWRITE", "PHASES", "PassContext", "run_passes", "recognize_causal_masks", "cast_to_compute_dtype", "lower_to_aten", "assign_placements",
+__all__ = ["LOWER", "PLACE", "PROPAGATE", "REWRITE", "PHASES", "PassContext", "run_passes", "fold_eager_attention", "recognize_causal_masks", "fold_repeated_kv",
+           "cast_to_compute_dtype", "lower_to_aten", "assign_placements",
            "propagate_sharding", "insert_collectives", "split_fused_projections", "tag_recompute",
            "outline_repeated_blocks", "exact_mean_losses", "warn_gathered_outputs", "split_fused_experts"]

@@ -29,14 +29,12 @@ import re
 
 import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
 from .context import PassContext
+from .torch_attention import argument, erase_unread, is_attention, set_argument, traced_size
 
 log = logging.getLogger("dynshard")
 
-_ATTENTION = F.scaled_dot_product_attention          # (is torch._C._nn.scaled_dot_product_attention)
-_MASK, _CAUSAL = 3, 5                                 # positions of attn_mask and is_causal in its signature
 _MAX_ELEMENTS = 1 << 31                               # a mask larger than this is not computed at plan time
 _RANDOM = re.compile(r"rand|dropout|bernoulli|normal|uniform|multinomial|exponential|poisson", re.IGNORECASE)
 
@@ -46,22 +44,22 @@ def recognize_causal_masks(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModu
     verdicts: dict[fx.Node, bool] = {}      # mask node -> whether it is the causal mask (one mask serves every layer)
     changed = False
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not _ATTENTION:
+        if not is_attention(node):
             continue
-        mask, is_causal, query, key = _argument(node, "attn_mask", _MASK), _argument(node, "is_causal", _CAUSAL), \
-            node.args[0], node.args[1]
-        if not isinstance(mask, fx.Node) or is_causal:
+        mask = argument(node, "attn_mask")
+        if not isinstance(mask, fx.Node) or argument(node, "is_causal"):
             continue
         if mask not in verdicts:
-            verdicts[mask] = _is_causal_mask(gm, mask, sizes, _length(query, 2), _length(key, 2))
+            verdicts[mask] = _is_causal_mask(gm, mask, sizes, traced_size(argument(node, "query"), 2),
+                                             traced_size(argument(node, "key"), 2))
         if verdicts[mask]:
-            _set_argument(node, "attn_mask", _MASK, None)
-            _set_argument(node, "is_causal", _CAUSAL, True)
+            set_argument(node, "attn_mask", None)
+            set_argument(node, "is_causal", True)
             changed = True
     if changed:
         for mask, causal in verdicts.items():
             if causal:
-                _erase_unused(gm.graph, mask)
+                erase_unread(gm.graph, mask)
         gm.graph.lint()
         gm.recompile()
         log.info("dynshard: %d attention mask(s) recognized as causal: attention runs with is_causal=True",
@@ -147,12 +145,6 @@ def _equals_causal(mask: torch.Tensor, length: int) -> bool:
     return bool(((mask == 0) == allowed).all() and (masked == ~allowed).all())
 
 
-def _length(node, dim: int):
-    """Dimension ``dim`` of a traced value's size (None where unknown)."""
-    example = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return example.shape[dim] if isinstance(example, torch.Tensor) and example.dim() > dim else None
-
-
 def _concrete(size, sizes: dict[fx.Node, int]) -> int | None:
     """A size of the traced graph as a number: a symbolic one from the values of the size inputs (None when
     it reads a symbol that no size input binds)."""
@@ -169,27 +161,3 @@ def _concrete(size, sizes: dict[fx.Node, int]) -> int | None:
     return int(expr.xreplace(values))
 
 
-def _argument(node: fx.Node, name: str, position: int):
-    if name in node.kwargs:
-        return node.kwargs[name]
-    return node.args[position] if len(node.args) > position else None
-
-
-def _set_argument(node: fx.Node, name: str, position: int, value) -> None:
-    if len(node.args) > position:
-        node.update_arg(position, value)
-    else:
-        node.update_kwarg(name, value)
-
-
-def _erase_unused(graph: fx.Graph, node: fx.Node) -> None:
-    """``node`` and the nodes computing it that nothing else reads any more (placeholders stay)."""
-    stack, erased = [node], set()
-    while stack:
-        current = stack.pop()
-        if current in erased or current.op == "placeholder" or current.users:
-            continue
-        inputs = current.all_input_nodes
-        graph.erase_node(current)
-        erased.add(current)
-        stack.extend(inputs)

@@ -10,10 +10,14 @@ which stay whole. Attention, the one op that mixes tokens, gathers the keys and 
 (:mod:`~..passes.context_parallel_attention`, its causal work balanced over the ranks).
 
 Sizes: the sequence must split into ``2 C`` equal chunks under a causal mask (each rank computes two), into
-``C`` without one; else an error that names the size, before anything runs.
+``C`` without one; else an error that names the size, before anything runs. A graph run without gradients
+(evaluation, ``generate``'s steps) whose sequence does not split runs whole on every rank of the unit
+instead: it keeps nothing for a backward, and an evaluation set is seldom padded as training batches are.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 import torch.fx as fx
@@ -23,6 +27,7 @@ from ..passes.context_parallel_attention import ATTENTION_OPS, attention_argumen
 from .plan_builder import PlanBuilder
 
 SEQUENCE_DIM = 1        # of a user input: [B, T, ...]
+log = logging.getLogger("dynshard")
 
 
 def split_sequence(plan: PlanBuilder, ranks: int) -> None:
@@ -31,6 +36,10 @@ def split_sequence(plan: PlanBuilder, ranks: int) -> None:
     length = sequence_length(plan, attention)
     causal = any(attention_arguments(n.target, n.args, n.kwargs).is_causal for n in attention)
     chunks = 2 * ranks if causal else ranks
+    if length % chunks and not torch.is_grad_enabled():
+        log.info("dynshard: context_parallel=%d: a sequence of %d tokens does not split into %d chunks; this graph "
+                 "runs without gradients, so it runs whole on every rank of the unit", ranks, length, chunks)
+        return
     if length % chunks:
         why = f"{chunks} chunks (two per rank: causal attention's work balanced)" if causal else f"{chunks} chunks"
         raise ConfigError(
