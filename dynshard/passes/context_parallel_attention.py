@@ -172,11 +172,13 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_ca
            ranks: int, rank: int, group_name: str, mask: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's queries (its contiguous chunk of the sequence) against the whole keys and values. ``mask``:
     its rows for these queries (an explicit mask: every rank computes its whole rows, the same work)."""
-    if key.shape[1] != query.shape[1]:          # grouped-query attention's shared heads
+    grouped = key.shape[1] != query.shape[1]    # grouped-query attention's shared heads
+    if grouped and query.device.type != "cpu":  # (the CPU flash op takes them as they are, forward and backward)
         repeat = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(repeat, dim=1), value.repeat_interleave(repeat, dim=1)
+        grouped = False
     if not is_causal:
-        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=grouped)
     chunk = query.shape[SEQUENCE_DIM] // 2
     chunks = BalancedChunks(ranks, rank)
     queries = _Exchange.apply(_in_order(query, chunks.sending_order), chunks.sent, chunks.received, group_name)
@@ -185,7 +187,8 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, is_ca
         q = queries.narrow(SEQUENCE_DIM, i * chunk, chunk)
         own_key, own_value = (t.narrow(SEQUENCE_DIM, j * chunk, chunk) for t in (key, value))
         if j == 0:
-            outputs.append(F.scaled_dot_product_attention(q, own_key, own_value, is_causal=True, scale=scale))
+            outputs.append(F.scaled_dot_product_attention(q, own_key, own_value, is_causal=True, scale=scale,
+                                                          enable_gqa=grouped))
         elif query.device.type == "cpu":
             earlier_key, earlier_value = (t.narrow(SEQUENCE_DIM, 0, j * chunk) for t in (key, value))
             outputs.append(_EarlierAndOwnChunk.apply(q, earlier_key, earlier_value, own_key, own_value, scale))
