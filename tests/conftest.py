@@ -9,16 +9,21 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def fake_world():
-    """This process as rank 0 of 2 on a process group that never communicates (pass-level tests)."""
+    """This process as rank 0 of 2 on a process group that never communicates (pass-level tests), for the
+    tests of one module: the group goes after them, so that a later module's tests (a checkpoint saved and
+    loaded in one process) do not run as rank 0 of 2."""
     import torch.distributed as dist
 
     from dynshard import compat
 
-    if not dist.is_initialized():
+    made = not dist.is_initialized()
+    if made:
         compat.fake_process_group(2)
     yield 2
+    if made and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)

@@ -135,9 +135,10 @@ def choose(base: Plan, unit: UnitCosts, nmicros: int, profile: DeviceProfile, tr
     # (whose all-reduce latency the y_rep term carries) plus the chosen changes
     offset = predict(replicated, unit, nmicros, profile, transient_mem_coef).step_seconds - (
         cost[size - 2] if zero_vars else 0.0) - MEMORY_TIE * floor
-    objective, bound = solution.objective / NANOSECONDS + offset, solution.bound / NANOSECONDS + offset
-    solution = dataclasses.replace(solution, objective=objective, bound=bound,
-                                   gap=0.0 if solution.gap == 0 else max(objective - bound, 0.0) / max(abs(objective), 1e-12))
+    objective = solution.objective / NANOSECONDS + offset
+    bound = None if solution.bound is None else solution.bound / NANOSECONDS + offset     # (None: none proved)
+    gap = 0.0 if solution.gap == 0 else None if bound is None else max(objective - bound, 0.0) / max(abs(objective), 1e-12)
+    solution = dataclasses.replace(solution, objective=objective, bound=bound, gap=gap)
     x = np.round(np.array(solution.x)).astype(int)
     chosen = sorted(k for g, members in enumerate(r_groups) for k in members[:x[g]])
     if not search_recompute:

@@ -61,7 +61,9 @@ def solve(cost, rows, upper, integer, time_limit: float = 30.0, counts=None, equ
                  bounds=list(zip([0.0] * len(cost), [None if u == np.inf else u for u in upper_x])), method="highs")
     if lp.status == 2:
         return Solution("infeasible", None, None, None, time.perf_counter() - start, False)
-    bound = float(lp.fun)
+    # (HiGHS may fail on a relaxation it cannot solve, "Status 4: Solve error", seen on a memory row far below
+    # what any choice needs: then no bound is proved here, and branch and bound decides)
+    bound = float(lp.fun) if lp.fun is not None else None
     if lp.status == 0 and np.all(np.abs(lp.x[integer == 1] - np.round(lp.x[integer == 1])) < 1e-7):
         x = np.where(integer == 1, np.round(lp.x), lp.x)
         return Solution("optimal", float(cost @ x), bound, 0.0, time.perf_counter() - start, True, tuple(map(float, x)))
@@ -71,8 +73,10 @@ def solve(cost, rows, upper, integer, time_limit: float = 30.0, counts=None, equ
     if result.x is None:
         return Solution("infeasible" if result.status == 2 else "time limit", None, bound, None, seconds, False)
     objective = float(result.fun)
-    proved = float(getattr(result, "mip_dual_bound", None) or bound)
-    gap = 0.0 if result.status == 0 else abs(objective - proved) / max(abs(objective), TOLERANCE)
+    proved = getattr(result, "mip_dual_bound", None) or bound
+    proved = None if proved is None else float(proved)
+    gap = 0.0 if result.status == 0 else None if proved is None else \
+        abs(objective - proved) / max(abs(objective), TOLERANCE)
     return Solution("optimal" if result.status == 0 else "time limit", objective, proved if result.status else objective,
                     gap, seconds, False, tuple(map(float, result.x)))
 
